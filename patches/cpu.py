@@ -1,0 +1,1 @@
+"""Patch group `cpu` (see registry.py). Filled in by its owner."""

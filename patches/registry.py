@@ -1,0 +1,186 @@
+"""The patch-hook registry: every place where megatron-zaya replaces a symbol of Megatron-Core or torch.
+
+ZAYA1 plugs into Megatron-Core through its spec system wherever a spec slot reaches. What a spec cannot
+reach (CUDA-only calls on a CPU machine, a start-up bug of the wheel, a fused kernel swapped in for a
+Megatron default) is changed here, through a *patch*: a function registered with
+
+* an ``id`` (``group.name``) and a ``group``, both usable in a selection;
+* the ``target``: the dotted path of the symbol it replaces;
+* the ``platforms`` it is meant for (``cpu``, ``cuda``, ``rocm``) and the Megatron-Core versions it was
+  written against (``megatron``, a PEP 440 specifier);
+* ``kernel=True`` for kernel swaps: a kernel patch asked for by name that cannot apply is an error;
+* a docstring saying what it replaces, why, and how to turn it off.
+
+Selection: ``--zaya-patches all|none|<id or group>[,...]`` on the CLI, or the ``ZAYA_PATCHES`` environment
+variable elsewhere (default ``all``: every patch whose platform and version conditions hold). Applying is
+idempotent, and rank 0 logs one line per patch (applied or skipped, with the reason).
+``zaya-patches list`` prints the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import logging
+import os
+from collections.abc import Callable, Iterable
+
+logger = logging.getLogger("megatron_zaya.patches")
+
+PLATFORMS = ("cpu", "cuda", "rocm")
+ENV_VAR = "ZAYA_PATCHES"
+
+
+class PatchError(RuntimeError):
+    """A patch that was asked for cannot be applied (target moved, wrong Megatron version, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    id: str
+    group: str
+    target: str
+    platforms: tuple[str, ...]
+    megatron: str
+    kernel: bool
+    fn: Callable[[], None]
+    requires: Callable[[], str | None] | None = None
+
+    @property
+    def doc(self) -> str:
+        return inspect.cleandoc(self.fn.__doc__ or "")
+
+    @property
+    def summary(self) -> str:
+        return self.doc.splitlines()[0] if self.doc else ""
+
+
+REGISTRY: dict[str, Patch] = {}
+_APPLIED: set[str] = set()
+
+
+def register(
+    id: str,
+    *,
+    target: str,
+    platforms: Iterable[str] = PLATFORMS,
+    megatron: str = "==0.19.2",
+    kernel: bool = False,
+    requires: Callable[[], str | None] | None = None,
+):
+    """Decorator: register ``fn`` as patch ``id`` (``group.name``). ``requires`` returns a reason to skip."""
+    group = id.split(".", 1)[0]
+    platforms = tuple(platforms)
+    assert set(platforms) <= set(PLATFORMS), platforms
+
+    def decorate(fn: Callable[[], None]) -> Callable[[], None]:
+        if not (fn.__doc__ or "").strip():
+            raise PatchError(f"patch {id} needs a docstring saying what it replaces, why, and how to turn it off")
+        REGISTRY[id] = Patch(id, group, target, platforms, megatron, kernel, fn, requires)
+        return fn
+
+    return decorate
+
+
+def current_platform() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    return "rocm" if getattr(torch.version, "hip", None) else "cuda"
+
+
+def megatron_version() -> str:
+    from importlib.metadata import version
+
+    return version("megatron-core")
+
+
+def _version_ok(spec: str) -> bool:
+    from packaging.specifiers import SpecifierSet
+
+    return megatron_version() in SpecifierSet(spec)
+
+
+def _load_patch_modules() -> None:
+    for name in ("startup", "cpu", "kernels"):
+        importlib.import_module(f"{__package__}.{name}")
+
+
+def resolve(selection: str | None) -> tuple[list[Patch], set[str]]:
+    """The patches a selection names, and the subset named explicitly (by id or group, not via ``all``)."""
+    _load_patch_modules()
+    selection = (selection if selection is not None else os.environ.get(ENV_VAR, "all")).strip() or "all"
+    if selection == "none":
+        return [], set()
+    if selection == "all":
+        return list(REGISTRY.values()), set()
+    chosen: list[Patch] = []
+    for token in (t.strip() for t in selection.split(",") if t.strip()):
+        if token == "all":
+            matches = list(REGISTRY.values())
+        else:
+            matches = [p for p in REGISTRY.values() if token in (p.id, p.group)]
+        if not matches:
+            known = ", ".join(sorted({p.group for p in REGISTRY.values()} | set(REGISTRY)))
+            raise PatchError(f"unknown patch or group {token!r} in --zaya-patches; known: all, none, {known}")
+        chosen += [p for p in matches if p not in chosen]
+    explicit = {p.id for p in chosen} if "all" not in selection.split(",") else set()
+    return chosen, explicit
+
+
+def skip_reason(patch: Patch, platform: str | None = None) -> str | None:
+    platform = platform or current_platform()
+    if platform not in patch.platforms:
+        return f"platform is {platform}, patch is for {'/'.join(patch.platforms)}"
+    if not _version_ok(patch.megatron):
+        return f"megatron-core {megatron_version()} is outside {patch.megatron}"
+    if patch.requires is not None:
+        return patch.requires()
+    return None
+
+
+def apply_patches(selection: str | None = None, *, log: Callable[[str], None] | None = None) -> dict[str, str]:
+    """Apply the selected patches once each; return ``{id: 'applied' | 'already applied' | 'skipped: why'}``."""
+    patches, explicit = resolve(selection)
+    log = log or _rank0_info
+    report: dict[str, str] = {}
+    for patch in patches:
+        if patch.id in _APPLIED:
+            report[patch.id] = "already applied"
+            continue
+        reason = skip_reason(patch)
+        if reason is not None:
+            if patch.kernel and patch.id in explicit:
+                raise PatchError(f"kernel patch {patch.id} was asked for but cannot apply: {reason}")
+            report[patch.id] = f"skipped: {reason}"
+        else:
+            patch.fn()
+            _APPLIED.add(patch.id)
+            report[patch.id] = "applied"
+        log(f"[zaya-patches] {patch.id:32s} {report[patch.id]}  ({patch.target})")
+    return report
+
+
+def applied() -> frozenset[str]:
+    return frozenset(_APPLIED)
+
+
+def _rank0_info(message: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.info(message)
+
+
+def replace_attr(owner: object, name: str, new: object) -> object:
+    """Replace ``owner.name`` by ``new`` and return the old value; fail loudly when the target is gone."""
+    if not hasattr(owner, name):
+        raise PatchError(
+            f"{getattr(owner, '__name__', owner)}.{name} no longer exists: megatron-core changed under this patch "
+            f"(written for megatron-core 0.19.2, found {megatron_version()})"
+        )
+    old = getattr(owner, name)
+    setattr(owner, name, new)
+    return old

