@@ -1,0 +1,206 @@
+"""ZAYA1 configuration: Megatron's ``TransformerConfig`` plus the fields ZAYA1 adds, and named presets.
+
+Every ZAYA1 sublayer pair is ``x += CCA(norm(x)); x += MoE(norm(x))`` with learned residual scaling, so the
+Megatron defaults that ZAYA1 fixes (RMSNorm, SwiGLU experts, no linear biases, top-1 routing, no dropout,
+an fp32 residual stream) are re-declared here with ZAYA1's values. Section numbers refer to
+``shared/docs/zaya1-architecture.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+ATTENTION_TYPES = ("global", "sliding")
+SKIP_MODES = ("zero", "identity")
+
+
+class ZayaConfigError(ValueError):
+    """An invalid ZAYA1 configuration; the message is one line naming the problem and the fix."""
+
+
+@dataclass
+class ZayaConfig(TransformerConfig):
+    """Megatron ``TransformerConfig`` with ZAYA1's fields (architecture spec §1–§4)."""
+
+    # -- model-level shape (not in TransformerConfig) --------------------------------------------------
+    vocab_size: int = 262_272
+    max_position_embeddings: int = 131_072
+    tie_embeddings: bool = True
+    lm_head_fp32: bool = True  # logits from an fp32 matmul ("zaya_high_prec", §1)
+
+    # -- CCA (§3) ---------------------------------------------------------------------------------------
+    cca_time0: int = 2  # depthwise (per-channel) causal conv taps
+    cca_time1: int = 2  # per-head grouped causal conv taps
+    key_temperature_init: float = 1.0  # learned per-KV-head key scale; 0 would zero the keys at step 0
+    rotary_percent: float = 0.5  # RoPE on the first half of each head's channels, after QK-norm
+    rotary_base: float = 5_000_000.0  # θ of global-attention layers
+    sliding_window: int | None = None  # tokens a sliding layer sees, itself included
+    sliding_rotary_base: float = 10_000.0  # θ of sliding-window layers
+    attention_types: list[str] | None = None  # per layer: "global" | "sliding"; None = all global
+
+    # -- router and MoE (§4) ----------------------------------------------------------------------------
+    router_hidden_size: int = 256
+    router_eda: bool = True  # exponential depth averaging of the router state across MoE layers
+    skip_class: bool = True  # an extra "skip" router class with no expert compute
+    skip_mode: Literal["zero", "identity"] = "zero"  # skipped token: 0 (ZAYA1-8B) or p_skip * x (ZAYA1-base)
+    skip_bias_init: float = -1.0
+    balancing_lr: float = 1e-3  # Adam on (observed share - 1/E), once per optimizer step
+    balancing_betas: tuple[float, float] = (0.9, 0.999)
+    balancing_eps: float = 1e-8
+    balance_skip_class: bool = False
+
+    # -- residual path (§2) -----------------------------------------------------------------------------
+    residual_scaling: bool = True  # (x + β) ⊙ α + (h + β') ⊙ α' per sublayer, plus the input affine
+
+    # -- Megatron fields with ZAYA1's values ------------------------------------------------------------
+    normalization: str = "RMSNorm"
+    layernorm_epsilon: float = 1e-5
+    gated_linear_unit: bool = True
+    activation_func: object = F.silu
+    add_bias_linear: bool = False
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    fp32_residual_connection: bool = True
+    moe_router_topk: int = 1
+    moe_router_pre_softmax: bool = True  # Megatron requires it for top-1; our router does its own softmax
+    moe_router_load_balancing_type: str = "none"
+    moe_aux_loss_coeff: float = 0.0
+    moe_token_dispatcher_type: str = "alltoall"
+    bias_dropout_fusion: bool = False
+    apply_rope_fusion: bool = False
+    masked_softmax_fusion: bool = False
+    gradient_accumulation_fusion: bool = False
+
+    def __post_init__(self):
+        self.validate_zaya()
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if self.attention_types is None:
+            self.attention_types = ["global"] * self.num_layers
+        super().__post_init__()
+
+    def validate_zaya(self) -> None:
+        """One-line errors for combinations ZAYA1 cannot express (checked before Megatron's own checks)."""
+        heads, groups = self.num_attention_heads, self.num_query_groups or self.num_attention_heads
+        head_dim = self.kv_channels or self.hidden_size // heads
+
+        def fail(problem: str, fix: str) -> None:
+            raise ZayaConfigError(f"{problem}; {fix}")
+
+        if heads % groups:
+            fail(f"num_attention_heads={heads} is not divisible by num_query_groups={groups}",
+                 "choose KV heads that divide the query heads")
+        rotary_dim = int(head_dim * self.rotary_percent)
+        if rotary_dim % 2 or rotary_dim <= 0:
+            fail(f"rotary dim = kv_channels*rotary_percent = {head_dim}*{self.rotary_percent} = {rotary_dim} "
+                 "is not a positive even number", "pick rotary_percent so that it is even")
+        if (groups * head_dim) % 2:
+            fail(f"value width num_query_groups*kv_channels = {groups * head_dim} is odd",
+                 "the value time-delay splits it in half; use an even kv_channels")
+        if self.cca_time0 < 1 or self.cca_time1 < 1:
+            fail(f"cca_time0={self.cca_time0}, cca_time1={self.cca_time1}", "both conv sizes must be >= 1")
+        if not self.num_moe_experts:
+            fail("num_moe_experts is not set", "every ZAYA1 layer is an MoE layer: set --num-experts")
+        if self.moe_router_topk != 1:
+            fail(f"moe_router_topk={self.moe_router_topk}", "ZAYA1 routes top-1: set --moe-router-topk 1")
+        if self.skip_mode not in SKIP_MODES:
+            fail(f"skip_mode={self.skip_mode!r} is unknown", f"use one of {SKIP_MODES}")
+        if self.attention_types is not None:
+            if len(self.attention_types) != self.num_layers:
+                fail(f"attention_types has {len(self.attention_types)} entries for {self.num_layers} layers",
+                     "give one type per layer")
+            unknown = set(self.attention_types) - set(ATTENTION_TYPES)
+            if unknown:
+                fail(f"unknown attention types {sorted(unknown)}", f"use {ATTENTION_TYPES}")
+            if "sliding" in self.attention_types and not self.sliding_window:
+                fail("sliding layers are configured without sliding_window", "set sliding_window > 0")
+        if self.recompute_granularity is not None and "moe" in (self.recompute_modules or []):
+            fail("recomputing the MoE module is not supported", "the router state crosses it; drop 'moe'")
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels
+
+    @property
+    def num_router_classes(self) -> int:
+        return self.num_moe_experts + int(self.skip_class)
+
+    @property
+    def params_torch_dtype(self) -> torch.dtype:
+        return self.params_dtype
+
+
+# Named presets: ZayaConfig keyword arguments. The CLI turns them into Megatron flags, explicit flags win.
+PRESETS: dict[str, dict] = {
+    # The released ZAYA1-8B shape (8.3B total / 760M active; §1), 131k context, θ 5e6.
+    "zaya1-8b": dict(
+        num_layers=40, hidden_size=2048, num_attention_heads=8, num_query_groups=2, kv_channels=128,
+        ffn_hidden_size=2048, num_moe_experts=16, router_hidden_size=256, vocab_size=262_272,
+        max_position_embeddings=131_072, rotary_base=5_000_000.0,
+    ),
+    # ZAYA1-base as released after 32k midtraining: θ 1e6, 32k positions, skipped tokens pass as p·x.
+    "zaya1-base": dict(
+        num_layers=40, hidden_size=2048, num_attention_heads=8, num_query_groups=2, kv_channels=128,
+        ffn_hidden_size=2048, num_moe_experts=16, router_hidden_size=256, vocab_size=262_272,
+        max_position_embeddings=32_768, rotary_base=1_000_000.0, skip_mode="identity",
+    ),
+    # ZAYA1-8B width at 8 layers: the single-GPU benchmark and example model.
+    "zaya1-8b-shallow": dict(
+        num_layers=8, hidden_size=2048, num_attention_heads=8, num_query_groups=2, kv_channels=128,
+        ffn_hidden_size=2048, num_moe_experts=16, router_hidden_size=256, vocab_size=262_272,
+        max_position_embeddings=4096, rotary_base=10_000.0,
+    ),
+    # CPU demo: trains on the embedded corpus in minutes on two cores.
+    "tiny": dict(
+        num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2, kv_channels=32,
+        ffn_hidden_size=256, num_moe_experts=4, router_hidden_size=64, vocab_size=4096,
+        max_position_embeddings=1024, rotary_base=10_000.0,
+    ),
+    # Unit tests: the smallest shape that still has GQA, several experts and two layers of EDA.
+    "test": dict(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+        ffn_hidden_size=96, num_moe_experts=4, router_hidden_size=32, vocab_size=512,
+        max_position_embeddings=256, rotary_base=10_000.0,
+    ),
+}
+
+
+# The fields that define a model's architecture (what a checkpoint must agree on); the rest is runtime.
+ARCHITECTURE_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
+    "moe_ffn_hidden_size", "num_moe_experts", "vocab_size", "max_position_embeddings", "tie_embeddings",
+    "layernorm_epsilon", "cca_time0", "cca_time1", "rotary_percent", "rotary_base", "sliding_window",
+    "sliding_rotary_base", "attention_types", "router_hidden_size", "router_eda", "skip_class", "skip_mode",
+    "residual_scaling",
+)
+
+
+def architecture(cfg: ZayaConfig) -> dict:
+    """The architecture fields of ``cfg`` as plain Python values (stored in checkpoints)."""
+    return {name: getattr(cfg, name) for name in ARCHITECTURE_FIELDS}
+
+
+def preset(name: str) -> dict:
+    """The keyword arguments of a named preset (a copy)."""
+    if name not in PRESETS:
+        raise ZayaConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return dict(PRESETS[name])
+
+
+def zaya_config(name: str | None = None, **overrides) -> ZayaConfig:
+    """Build a :class:`ZayaConfig` from a preset and explicit overrides (overrides win)."""
+    kwargs = preset(name) if name else {}
+    kwargs.update(overrides)
+    unknown = set(kwargs) - {f.name for f in dataclasses.fields(ZayaConfig)}
+    if unknown:
+        raise ZayaConfigError(f"unknown ZayaConfig fields {sorted(unknown)}; check the spelling")
+    return ZayaConfig(**kwargs)
+
+
+__all__ = ["ZayaConfig", "ZayaConfigError", "PRESETS", "ARCHITECTURE_FIELDS", "architecture", "preset", "zaya_config"]

@@ -1,0 +1,114 @@
+"""``zaya-convert``: ZAYA1 checkpoints between Hugging Face and Megatron ``torch_dist``.
+
+    zaya-convert import-hf HF_DIR OUT_DIR        # -> Megatron checkpoint (loads with zaya-pretrain --load)
+    zaya-convert export-hf CKPT_DIR OUT_HF_DIR   # -> transformers.AutoModelForCausalLM.from_pretrained(OUT_HF_DIR)
+
+Bad input stops with a one-line error and exit code 2 before anything is written; the output is built in a
+temporary directory beside its destination and renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class UsageError(ValueError):
+    pass
+
+
+def _check_output(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"output {out} exists and is not empty; choose a new directory (nothing was overwritten)")
+
+
+def _publish(staging: Path, out: Path) -> None:
+    if out.exists():
+        out.rmdir()  # empty, checked before
+    staging.rename(out)
+
+
+def import_hf(hf_dir: Path, out: Path, dtype) -> None:
+    from megatron_zaya import checkpoint
+    from megatron_zaya.pretrained import load_hf
+
+    _check_output(out)
+    model, cfg = load_hf(hf_dir, dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        checkpoint.save(model, cfg, staging)
+        _publish(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    print(f"wrote Megatron torch_dist checkpoint {out} ({cfg.num_layers} layers, {cfg.num_moe_experts} experts); "
+          f"continue training with: zaya-pretrain --load {out} --finetune ...")
+
+
+def export_hf(ckpt_dir: Path, out: Path, dtype, tokenizer: Path | None) -> None:
+    from megatron_zaya.convert.hf import hf_config_from_zaya, megatron_to_hf
+    from megatron_zaya.convert.hf_io import write_hf_checkpoint
+    from megatron_zaya.pretrained import load_megatron
+
+    _check_output(out)
+    if tokenizer is not None and not tokenizer.is_dir():
+        raise UsageError(f"--tokenizer {tokenizer} is not a directory")
+    model, cfg = load_megatron(ckpt_dir, dtype)
+    hf_config = hf_config_from_zaya(cfg)
+    hf_config["dtype"] = str(cfg.params_dtype).removeprefix("torch.")
+    weights = megatron_to_hf({k: v.detach().cpu() for k, v in model.state_dict().items()}, cfg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        write_hf_checkpoint(staging, hf_config, weights)
+        if tokenizer is not None:
+            for item in tokenizer.iterdir():
+                if item.is_file():
+                    shutil.copy2(item, staging / item.name)
+        _publish(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    print(f"wrote Hugging Face checkpoint {out}; load it with "
+          f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zaya-convert", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import-hf", help="Hugging Face directory -> Megatron torch_dist checkpoint")
+    imp.add_argument("hf_dir", type=Path)
+    imp.add_argument("out_dir", type=Path)
+    exp = sub.add_parser("export-hf", help="Megatron checkpoint -> Hugging Face directory")
+    exp.add_argument("ckpt_dir", type=Path)
+    exp.add_argument("out_dir", type=Path)
+    exp.add_argument("--tokenizer", type=Path, default=None, help="copy these tokenizer files into the output")
+    for sp in (imp, exp):
+        sp.add_argument("--dtype", choices=DTYPES, default="auto", help="weights dtype (auto: keep the source's)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_zaya.checkpoint import CheckpointError
+    from megatron_zaya.convert.hf import ConversionError
+
+    args = parser().parse_args(argv)
+    try:
+        if args.command == "import-hf":
+            import_hf(args.hf_dir, args.out_dir, DTYPES[args.dtype])
+        else:
+            export_hf(args.ckpt_dir, args.out_dir, DTYPES[args.dtype], args.tokenizer)
+    except (ConversionError, CheckpointError, UsageError) as error:
+        print(f"zaya-convert: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""Compressed Convolutional Attention (CCA / CCGQA), ZAYA1's self-attention (architecture spec §3).
+
+Per token x ∈ R^D (shapes for ZAYA1-8B: D=2048, n_q=8 query heads, n_kv=2 KV heads, d=128):
+
+1. down-projections ``q0 = x W_q`` [n_q·d], ``k0 = x W_k`` [n_kv·d] (the "compressed" latent);
+2. mean skip terms ``q_res[i] = (q0[i] + k0[kv(i)]) / 2``, ``k_res[j] = mean_{i ∈ group j} q_res[i]``;
+3. on the packed ``q0 ‖ k0``: a causal depthwise conv over time (``cca_time0`` taps), then a causal grouped
+   conv with one group per head (``cca_time1`` taps, mixing the d channels of a head);
+   ``q = conv(q0) + q_res``, ``k = conv(k0) + k_res``;
+4. L2 QK-norm to length √d, keys scaled by a learned per-KV-head temperature τ (linear, not exp);
+5. partial RoPE (first ``rotary_percent`` of each head, NeoX rotate-half) applied *after* the norm;
+6. values ``v = x W_v``: the first half of the value channels from the current token, the second half
+   from the previous token (value time-delay; x_{-1} = 0);
+7. causal GQA softmax attention (the pluggable ``core_attention``), then ``W_o``.
+
+Tensor parallelism splits by heads: each rank holds n_q/tp query heads with their n_kv/tp KV heads, the
+conv channels of those heads, and their value channels. The conv and temperature parameters are raw
+``nn.Parameter``s sharded on dim 0, stored separately for the q and k parts so that each TP shard is a
+contiguous slice (the checkpoint layout is the same for every TP size).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from megatron.core.utils import divide
+from torch import nn
+
+from .core_attention import SDPAttention
+
+
+def causal_qk_conv(q0, k0, conv: "HeadShardedParameters", time0: int, time1: int, head_dim: int):
+    """Steps 3 of the module docstring: ``[s, b, Cq], [s, b, Ck] -> [s, b, Cq], [s, b, Ck]`` (no skip terms)."""
+    packed = torch.cat([q0, k0], dim=-1).permute(1, 2, 0)  # [b, C, s]
+    channels = packed.shape[1]
+    packed = F.pad(packed, ((time0 - 1) + (time1 - 1), 0))  # causal: left zero-padding only
+    w1 = torch.cat([conv.q_depthwise_weight, conv.k_depthwise_weight]).to(packed.dtype)
+    b1 = torch.cat([conv.q_depthwise_bias, conv.k_depthwise_bias]).to(packed.dtype)
+    w2 = torch.cat([conv.q_grouped_weight, conv.k_grouped_weight]).to(packed.dtype)
+    b2 = torch.cat([conv.q_grouped_bias, conv.k_grouped_bias]).to(packed.dtype)
+    mixed = F.conv1d(packed, w1, b1, groups=channels)
+    mixed = F.conv1d(mixed, w2, b2, groups=channels // head_dim)
+    mixed = mixed.permute(2, 0, 1)  # [s, b, C]
+    return mixed[..., : q0.shape[-1]], mixed[..., q0.shape[-1]:]
+
+
+def cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, time0, time1, head_dim, config, cp_group):
+    """Steps 2-5: pre-conv projections ``q0 [s,b,nq·d], k0 [s,b,nkv·d]`` -> q ``[s,b,nq,d]``, k ``[s,b,nkv,d]``.
+
+    Computed in fp32 (the reference's high-precision QK path) and returned in fp32.
+    """
+    s, b = q0.shape[:2]
+    q_heads, kv_heads = q0.shape[-1] // head_dim, k0.shape[-1] // head_dim
+    q_conv, k_conv = causal_qk_conv(q0.float(), k0.float(), conv, time0, time1, head_dim)
+
+    q0h = q0.float().view(s, b, q_heads, head_dim)
+    k0h = k0.float().view(s, b, kv_heads, head_dim)
+    group = q_heads // kv_heads
+    q_res = (q0h + k0h.repeat_interleave(group, dim=2)) * 0.5
+    k_res = q_res.view(s, b, kv_heads, group, head_dim).mean(dim=3)
+    q = q_conv.view(s, b, q_heads, head_dim) + q_res
+    k = k_conv.view(s, b, kv_heads, head_dim) + k_res
+
+    eps = torch.finfo(torch.float32).eps
+    q = q * (math.sqrt(head_dim) / q.norm(dim=-1, keepdim=True).clamp_min(eps))
+    k = k * (math.sqrt(head_dim) / k.norm(dim=-1, keepdim=True).clamp_min(eps))
+    k = k * key_temperature.float()[None, None, :, None]
+
+    q = apply_rotary_pos_emb(q, rotary_pos_emb, config=config, cp_group=cp_group)
+    k = apply_rotary_pos_emb(k, rotary_pos_emb, config=config, cp_group=cp_group)
+    return q, k
+
+
+def delay_channels(v: torch.Tensor, first_delayed: int) -> torch.Tensor:
+    """Shift channels ``[first_delayed:]`` of ``v [s, b, C]`` one token later (zeros at t=0)."""
+    if first_delayed >= v.shape[-1]:
+        return v
+    current, delayed = v[..., :first_delayed], v[..., first_delayed:]
+    delayed = F.pad(delayed[:-1], (0, 0, 0, 0, 1, 0))
+    return torch.cat([current, delayed], dim=-1)
+
+
+class HeadShardedParameters(MegatronModule):
+    """Raw parameters split by heads across tensor-parallel ranks (dim 0), checkpointed with global shapes."""
+
+    def __init__(self, config, tp_group, **full_tensors: torch.Tensor):
+        super().__init__(config=config)
+        self.tp_group = tp_group
+        rank, size = tp_group.rank(), tp_group.size()
+        for name, full in full_tensors.items():
+            local = full.chunk(size, dim=0)[rank].clone().to(config.params_dtype)
+            param = nn.Parameter(local)
+            tensor_parallel.set_tensor_model_parallel_attributes(param, True, 0, 1)
+            self.register_parameter(name, param)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        state = {}
+        self._save_to_state_dict(state, "", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(
+            state, prefix, {name: 0 for name in state}, sharded_offsets, tp_group=self.tp_group,
+            dp_cp_group=(metadata or {}).get("dp_cp_group"),
+        )
+
+
+@dataclass
+class CCASubmodules:
+    linear_q: type = ColumnParallelLinear
+    linear_k: type = ColumnParallelLinear
+    linear_v: type = ColumnParallelLinear
+    core_attention: type = SDPAttention
+    linear_proj: type = RowParallelLinear
+
+
+def _conv_init(channels: int, fan_in: int, taps: int, in_per_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's Conv1d default init (U(±1/√fan_in)) for a [channels, in_per_group, taps] weight and its bias."""
+    bound = 1.0 / math.sqrt(fan_in)
+    weight = torch.empty(channels, in_per_group, taps).uniform_(-bound, bound)
+    return weight, torch.empty(channels).uniform_(-bound, bound)
+
+
+class CompressedConvAttention(MegatronModule):
+    """CCA in the ``self_attention`` slot of a Megatron ``TransformerLayer`` (see the module docstring)."""
+
+    def __init__(self, config, submodules: CCASubmodules, layer_number: int,
+                 attn_mask_type=AttnMaskType.causal, pg_collection: ProcessGroupCollection | None = None,
+                 cp_comm_type=None, pp_layer_offset=None, name=None, **unused):
+        super().__init__(config=config)
+        pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+        self.pg_collection = pg_collection
+        self.tp_group = pg_collection.tp
+        tp_size, tp_rank = self.tp_group.size(), self.tp_group.rank()
+        d, nq, nkv = config.kv_channels, config.num_attention_heads, config.num_query_groups
+        if nkv % tp_size:
+            raise ValueError(f"num_query_groups={nkv} is not divisible by tensor parallel size {tp_size}; "
+                             "CCA splits KV heads (with their query groups and conv channels) across TP ranks")
+        self.head_dim, self.layer_number, self.attn_mask_type = d, layer_number, attn_mask_type
+        self.q_heads, self.kv_heads = divide(nq, tp_size), divide(nkv, tp_size)
+
+        def column(spec, out_features, buffer_name):
+            return build_module(spec, config.hidden_size, out_features, config=config,
+                                init_method=config.init_method, gather_output=False, bias=False,
+                                skip_bias_add=False, is_expert=False, tp_comm_buffer_name=buffer_name,
+                                tp_group=self.tp_group)
+
+        self.linear_q = column(submodules.linear_q, nq * d, "q")
+        self.linear_k = column(submodules.linear_k, nkv * d, "k")
+        self.linear_v = column(submodules.linear_v, nkv * d, "v")
+        # Value channels at or after global index nkv*d/2 come from the previous token.
+        self.first_delayed_channel = min(max(nkv * d // 2 - tp_rank * self.kv_heads * d, 0), self.kv_heads * d)
+
+        t0, t1 = config.cca_time0, config.cca_time1
+        q_dw, q_dw_b = _conv_init(nq * d, t0, t0, 1)
+        k_dw, k_dw_b = _conv_init(nkv * d, t0, t0, 1)
+        q_gr, q_gr_b = _conv_init(nq * d, d * t1, t1, d)
+        k_gr, k_gr_b = _conv_init(nkv * d, d * t1, t1, d)
+        self.conv = HeadShardedParameters(
+            config, self.tp_group,
+            q_depthwise_weight=q_dw, q_depthwise_bias=q_dw_b, k_depthwise_weight=k_dw, k_depthwise_bias=k_dw_b,
+            q_grouped_weight=q_gr, q_grouped_bias=q_gr_b, k_grouped_weight=k_gr, k_grouped_bias=k_gr_b,
+        )
+        self.qk_norm = HeadShardedParameters(
+            config, self.tp_group, key_temperature=torch.full((nkv,), config.key_temperature_init)
+        )
+        self.core_attention = build_module(
+            submodules.core_attention, config=config, layer_number=layer_number,
+            attn_mask_type=attn_mask_type, attention_type="self", cp_comm_type=cp_comm_type,
+            softmax_scale=1.0 / math.sqrt(d), pg_collection=pg_collection,
+        )
+        self.linear_proj = build_module(
+            submodules.linear_proj, nq * d, config.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=False, input_is_parallel=True,
+            skip_bias_add=True, is_expert=False, tp_comm_buffer_name="proj", tp_group=self.tp_group,
+        )
+
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **unused):
+        """``hidden_states [s(/tp), b, D]`` -> ``(out [s(/tp), b, D], None)``."""
+        q0, _ = self.linear_q(hidden_states)  # [s, b, nq·d / tp]; the sequence is gathered under SP
+        k0, _ = self.linear_k(hidden_states)
+        v, _ = self.linear_v(hidden_states)
+        s, b = q0.shape[:2]
+        q, k = cca_qk(q0, k0, self.conv, self.qk_norm.key_temperature, rotary_pos_emb,
+                      time0=self.config.cca_time0, time1=self.config.cca_time1, head_dim=self.head_dim,
+                      config=self.config, cp_group=self.pg_collection.cp)
+        v = delay_channels(v, self.first_delayed_channel).view(s, b, self.kv_heads, self.head_dim)
+        dtype = v.dtype
+        context = self.core_attention(q.to(dtype), k.to(dtype), v, attention_mask,
+                                      attn_mask_type=self.attn_mask_type)
+        return self.linear_proj(context)

@@ -1,0 +1,91 @@
+"""RMSNorm and ZAYA1's residual scaling (architecture spec §1-§2).
+
+``RMSNorm`` follows the reference numerics: statistics in fp32, the normalised value cast back to the input
+dtype, then scaled by the weight. Unlike Megatron's ``WrappedTorchNorm`` it supports sequence parallelism
+(its weight is marked so that Megatron all-reduces its gradient across tensor-parallel ranks), which MoE
+with TP needs when neither Transformer Engine nor apex is installed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / rms(x))`` with the statistics in fp32; ``x`` [..., D]."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def residual_dtype(config) -> torch.dtype:
+    """fp32 when ``fp32_residual_connection`` (ZAYA1's ``residual_in_fp32``), else the parameter dtype."""
+    return torch.float32 if config.fp32_residual_connection else config.params_dtype
+
+
+def _vector(config, value: float) -> nn.Parameter:
+    """A per-channel [hidden] parameter; under sequence parallelism its gradient is summed over TP ranks."""
+    param = nn.Parameter(torch.full((config.hidden_size,), value, dtype=config.params_dtype))
+    param.sequence_parallel = bool(config.sequence_parallel)
+    return param
+
+
+class RMSNorm(nn.Module):
+    """Megatron ``LayerNormBuilder``-compatible RMSNorm: ``RMSNorm(config=, hidden_size=, eps=)``."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class ResidualScaling(nn.Module):
+    """Merge a sublayer output into the fp32 residual stream: ``(h + β_h) ⊙ α_h + (r + β_r) ⊙ α_r``.
+
+    Sits in a ``TransformerLayer``'s ``self_attn_bda`` / ``mlp_bda`` slot (the slot that combines a sublayer's
+    output with the residual). The affine is applied as written in all reference code, not as the
+    ``α ⊙ x + β`` of the paper's prose (§2). Init α = 1, β = 0, i.e. a plain residual add.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.residual_dtype = residual_dtype(config)
+        self.hidden_states_scale = _vector(config, 1.0)
+        self.hidden_states_bias = _vector(config, 0.0)
+        self.residual_scale = _vector(config, 1.0)
+        self.residual_bias = _vector(config, 0.0)
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        dtype = self.residual_dtype
+        h = (hidden_states.to(dtype) + self.hidden_states_bias.to(dtype)) * self.hidden_states_scale.to(dtype)
+        r = (residual.to(dtype) + self.residual_bias.to(dtype)) * self.residual_scale.to(dtype)
+        return h + r
+
+
+class ResidualAdd(nn.Module):
+    """The plain residual add, for configs with ``residual_scaling=False``."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.residual_dtype = residual_dtype(config)
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return hidden_states.to(self.residual_dtype) + residual.to(self.residual_dtype)
+
+
+class InputScaling(nn.Module):
+    """The affine after the embedding, ``(e + b) ⊙ s``, which also moves the stream to the residual dtype."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.residual_dtype = residual_dtype(config)
+        self.scale = _vector(config, 1.0)
+        self.bias = _vector(config, 0.0)
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        return ((embeddings + self.bias) * self.scale).to(self.residual_dtype)

@@ -1,0 +1,139 @@
+"""The ZAYA1 router: an MLP over a depth-averaged router state, top-1 with balancing biases (spec §4).
+
+For the tokens x̂ of one MoE layer l (after its pre-MoE RMSNorm):
+
+    u_l  = W_down x̂ + b_down                      # D -> R (R = router_hidden_size)
+    r_l  = u_l + s_l ⊙ r_{l-1}                     # EDA; not on the first MoE layer; r_l goes to layer l+1
+    z    = W3 GELU(W2 GELU(W1 RMSNorm(r_l) + b1) + b2)     # R -> E (+1 skip class)
+    p    = softmax(z) in fp32
+    e*   = argmax(p + b)                           # b: balancing biases, a buffer (no gradient)
+    gate = p[e*]                                   # unbiased, not renormalised
+
+A token whose choice is the skip class goes to no expert; its MoE output is 0 (ZAYA1-8B) or p_skip · x̂
+(``skip_mode="identity"``, the ZAYA1-base fork), which ``ZayaMoELayer`` adds.
+The whole router runs in fp32 whatever the parameter dtype.
+
+Balancing (§4.8): the router counts the tokens each class receives over all micro-batches of a step;
+once per optimizer step :meth:`ZayaRouter.update_balancing_biases` takes an Adam step on the biases with
+gradient ``share_e - 1/E`` (over-used experts are pushed down). The biases and their Adam moments are
+persistent fp32 buffers, so they are checkpointed and survive ``Float16Module``'s cast.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+from torch import nn
+
+from .norm import rms_norm
+
+
+def route_top1(logits: torch.Tensor, biases: torch.Tensor, num_experts: int):
+    """Top-1 routing on biased probabilities.
+
+    Args: logits ``[T, C]`` (C = E, or E + 1 with the skip class last), biases ``[C]`` fp32.
+    Returns: probs ``[T, E]`` fp32 (the unbiased gate at the chosen expert, 0 elsewhere), routing_map
+    ``[T, E]`` bool, skip_gate ``[T]`` fp32 (p_skip where the skip class won, else 0), counts ``[C]`` int64.
+    """
+    probs_all = torch.softmax(logits.float(), dim=-1)
+    choice = torch.argmax(probs_all.detach() + biases, dim=-1)
+    gate = probs_all.gather(1, choice[:, None]).squeeze(1)
+    chosen = F.one_hot(choice, probs_all.shape[-1]).bool()
+    routing_map = chosen[:, :num_experts]
+    probs = torch.where(routing_map, gate[:, None], torch.zeros((), dtype=gate.dtype, device=gate.device))
+    skip_gate = torch.where(choice == num_experts, gate, torch.zeros((), dtype=gate.dtype, device=gate.device))
+    counts = chosen.sum(dim=0)
+    return probs, routing_map, skip_gate, counts
+
+
+class ZayaRouter(MegatronModule):
+    """``MoESubmodules.router``: ``forward(hidden [s, b, D], padding_mask) -> (probs [T, E], map [T, E])``.
+
+    The EDA state travels through the attributes ``state_in`` / ``state_out``, set and collected by
+    ``ZayaMoELayer.forward`` around Megatron's ``MoELayer.forward`` (whose signature has no room for it).
+    """
+
+    def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False):
+        super().__init__(config=config)
+        hidden, width, classes = config.hidden_size, config.router_hidden_size, config.num_router_classes
+        self.num_experts = config.num_moe_experts
+        self.down_proj = nn.Linear(hidden, width, bias=True, dtype=config.params_dtype)
+        self.norm_weight = nn.Parameter(torch.ones(width, dtype=config.params_dtype))
+        self.fc1 = nn.Linear(width, width, bias=True, dtype=config.params_dtype)
+        self.fc2 = nn.Linear(width, width, bias=True, dtype=config.params_dtype)
+        self.out_proj = nn.Linear(width, classes, bias=False, dtype=config.params_dtype)
+        self.eda_scale = None  # created in set_layer_number for every MoE layer but the first
+        for param in self.parameters():
+            # Under sequence parallelism each TP rank routes different tokens: sum the grads over TP.
+            param.sequence_parallel = bool(config.sequence_parallel)
+
+        biases = torch.zeros(classes, dtype=torch.float32)
+        if config.skip_class:
+            biases[-1] = config.skip_bias_init
+        self.register_buffer("balancing_biases", biases)
+        self.register_buffer("balancing_exp_avg", torch.zeros(classes, dtype=torch.float32))
+        self.register_buffer("balancing_exp_avg_sq", torch.zeros(classes, dtype=torch.float32))
+        self.register_buffer("balancing_step", torch.zeros((), dtype=torch.float32))
+        # Tokens per class since the last bias update (all micro-batches of this step, this rank).
+        self.register_buffer("tokens_per_class", torch.zeros(classes, dtype=torch.float32), persistent=False)
+        self.state_in: torch.Tensor | None = None
+        self.state_out: torch.Tensor | None = None
+        self.skip_gate: torch.Tensor | None = None
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """Called by Megatron once the (global, 1-based) layer number is known; layer 1 has no EDA input."""
+        self.layer_number = layer_number
+        if self.config.router_eda and layer_number > 1 and self.eda_scale is None:
+            self.eda_scale = nn.Parameter(
+                torch.ones(self.config.router_hidden_size, dtype=self.config.params_dtype,
+                           device=self.down_proj.weight.device)
+            )
+            self.eda_scale.sequence_parallel = bool(self.config.sequence_parallel)
+
+    def _apply(self, fn, recurse=True):
+        # Keep the balancing buffers in fp32 when the module is cast (e.g. by Float16Module).
+        fp32 = {k: v for k, v in self._buffers.items() if k.startswith(("balancing", "tokens_per"))}
+        for name in fp32:
+            del self._buffers[name]
+        super()._apply(fn, recurse)
+        for name, buf in fp32.items():
+            self._buffers[name] = buf.to(device=fn(torch.empty(0, device=buf.device)).device)
+        return self
+
+    def forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        if padding_mask is not None:
+            raise NotImplementedError("ZAYA1 pretraining packs sequences without padding; padding_mask unsupported")
+        x = hidden_states.float()
+        u = F.linear(x, self.down_proj.weight.float(), self.down_proj.bias.float())
+        if self.eda_scale is not None and self.state_in is not None:
+            u = u + self.state_in * self.eda_scale.float()
+        self.state_out = u
+        z = rms_norm(u, self.norm_weight.float(), self.config.layernorm_epsilon)
+        z = F.gelu(F.linear(z, self.fc1.weight.float(), self.fc1.bias.float()))
+        z = F.gelu(F.linear(z, self.fc2.weight.float(), self.fc2.bias.float()))
+        logits = F.linear(z, self.out_proj.weight.float()).reshape(-1, self.out_proj.out_features)
+        probs, routing_map, skip_gate, counts = route_top1(logits, self.balancing_biases, self.num_experts)
+        if self.training:
+            self.tokens_per_class += counts.float()
+        self.skip_gate = skip_gate
+        return probs, routing_map
+
+    @torch.no_grad()
+    def update_balancing_biases(self, tokens_per_class: torch.Tensor) -> None:
+        """One Adam step on the biases with gradient ``share - 1/E`` from global counts ``[C]``."""
+        cfg = self.config
+        balanced = slice(None) if cfg.balance_skip_class or not cfg.skip_class else slice(0, self.num_experts)
+        counts = tokens_per_class[balanced].float()
+        total = counts.sum()
+        if total <= 0:
+            return
+        grad = counts / total - 1.0 / counts.numel()
+        beta1, beta2 = cfg.balancing_betas
+        self.balancing_step += 1
+        step = self.balancing_step.item()
+        m, v = self.balancing_exp_avg[balanced], self.balancing_exp_avg_sq[balanced]  # views
+        m.mul_(beta1).add_(grad, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        update = (m / (1 - beta1**step)) / ((v / (1 - beta2**step)).sqrt() + cfg.balancing_eps)
+        self.balancing_biases[balanced] -= cfg.balancing_lr * update
