@@ -63,7 +63,8 @@ def export_hf(ckpt_dir: Path, out: Path, dtype, tokenizer: Path | None) -> None:
     model, cfg = load_megatron(ckpt_dir, dtype)
     hf_config = hf_config_from_zaya(cfg)
     hf_config["dtype"] = str(cfg.params_dtype).removeprefix("torch.")
-    weights = megatron_to_hf({k: v.detach().cpu() for k, v in model.state_dict().items()}, cfg)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    weights = megatron_to_hf(state, cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

@@ -138,7 +138,9 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: ZayaConfig) -> dict[str, to
         src, dst = f"model.layers.{layer}.", f"decoder.layers.{layer}."
         for ours, theirs in _LAYER_RENAMES.items():
             if ours == "mlp.router.eda_scale" and layer == 0:
-                continue  # the first MoE layer has no EDA input
+                # HF's first layer has no EDA scale; ours exists for uniform checkpoints and is unused.
+                out[dst + ours] = torch.ones(cfg.router_hidden_size, dtype=out["decoder.final_layernorm.weight"].dtype)
+                continue
             out[dst + ours] = take(src + theirs)
         out[dst + "self_attention.linear_v.weight"] = torch.cat(
             [take(src + "self_attn.qkv_proj.v_proj_current.weight"), take(src + "self_attn.qkv_proj.v_proj_delayed.weight")]

@@ -63,7 +63,9 @@ class ZayaRouter(MegatronModule):
         self.fc1 = nn.Linear(width, width, bias=True, dtype=config.params_dtype)
         self.fc2 = nn.Linear(width, width, bias=True, dtype=config.params_dtype)
         self.out_proj = nn.Linear(width, classes, bias=False, dtype=config.params_dtype)
-        self.eda_scale = None  # created in set_layer_number for every MoE layer but the first
+        # Every layer has the EDA scale so that Megatron can stack the layers' tensors in checkpoints; the
+        # first MoE layer receives no router state, so its scale stays unused (and at its init, 1).
+        self.eda_scale = nn.Parameter(torch.ones(width, dtype=config.params_dtype)) if config.router_eda else None
         for param in self.parameters():
             # Under sequence parallelism each TP rank routes different tokens: sum the grads over TP.
             param.sequence_parallel = bool(config.sequence_parallel)
@@ -82,14 +84,8 @@ class ZayaRouter(MegatronModule):
         self.skip_gate: torch.Tensor | None = None
 
     def set_layer_number(self, layer_number: int) -> None:
-        """Called by Megatron once the (global, 1-based) layer number is known; layer 1 has no EDA input."""
+        """Megatron's router protocol; ZAYA1's router does not depend on its depth."""
         self.layer_number = layer_number
-        if self.config.router_eda and layer_number > 1 and self.eda_scale is None:
-            self.eda_scale = nn.Parameter(
-                torch.ones(self.config.router_hidden_size, dtype=self.config.params_dtype,
-                           device=self.down_proj.weight.device)
-            )
-            self.eda_scale.sequence_parallel = bool(self.config.sequence_parallel)
 
     def _apply(self, fn, recurse=True):
         # Keep the balancing buffers in fp32 when the module is cast (e.g. by Float16Module).

@@ -1,0 +1,119 @@
+"""zaya-convert and load_pretrained: bit-identical round trips, the transformers oracle, and bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+from zaya_reference import hf_config, random_hf_model
+
+from megatron_zaya import load_pretrained
+from megatron_zaya.convert.cli import main as convert
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf") / "zaya-small"
+    config = hf_config(num_hidden_layers=2, sliding_window=4, layer_types=["hybrid_sliding", "hybrid"])
+    random_hf_model(config, seed=11).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def megatron_dir(hf_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("meg") / "ckpt"
+    assert convert(["import-hf", str(hf_dir), str(out)]) == 0
+    return out
+
+
+def reference_logits(path, ids):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+IDS = torch.randint(0, 384, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+def test_round_trip_is_bit_identical(hf_dir, megatron_dir, tmp_path):
+    out = tmp_path / "hf-again"
+    assert convert(["export-hf", str(megatron_dir), str(out)]) == 0
+    before, after = load_file(hf_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(before) == set(after)
+    for key, tensor in before.items():
+        assert tensor.dtype == after[key].dtype and torch.equal(tensor, after[key]), key
+    assert torch.equal(reference_logits(hf_dir, IDS), reference_logits(out, IDS))
+
+
+@pytest.mark.parametrize("source", ["hf", "megatron"])
+def test_load_pretrained_matches_transformers(source, hf_dir, megatron_dir):
+    model = load_pretrained(hf_dir if source == "hf" else megatron_dir)
+    with torch.no_grad():
+        logits = model(IDS)
+    ref = reference_logits(hf_dir, IDS)
+    assert logits.shape == ref.shape
+    assert ((logits - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+
+
+def _expect_error(capsys, argv, words, out):
+    assert convert(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("zaya-convert: error:") and "\n" not in err and all(w in err for w in words), err
+    assert not out.exists() or out.name == "occupied"
+
+
+def test_not_a_zaya_checkpoint(hf_dir, tmp_path, capsys):
+    bad = tmp_path / "llama"
+    shutil.copytree(hf_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    _expect_error(capsys, ["import-hf", str(bad), str(tmp_path / "o")], ["model_type", "llama"], tmp_path / "o")
+
+
+def test_missing_files(hf_dir, tmp_path, capsys):
+    bad = tmp_path / "noweights"
+    bad.mkdir()
+    shutil.copy(hf_dir / "config.json", bad / "config.json")
+    _expect_error(capsys, ["import-hf", str(bad), str(tmp_path / "o")], ["model.safetensors"], tmp_path / "o")
+    _expect_error(capsys, ["import-hf", str(tmp_path / "nowhere"), str(tmp_path / "o")], ["config.json"],
+                  tmp_path / "o")
+    _expect_error(capsys, ["export-hf", str(bad), str(tmp_path / "o")], ["latest_checkpointed_iteration"],
+                  tmp_path / "o")
+
+
+def test_shape_mismatch(hf_dir, tmp_path, capsys):
+    bad = tmp_path / "wrongshape"
+    shutil.copytree(hf_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 32}))
+    _expect_error(capsys, ["import-hf", str(bad), str(tmp_path / "o")], ["shape"], tmp_path / "o")
+
+
+def test_existing_output_is_never_overwritten(hf_dir, megatron_dir, tmp_path, capsys):
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "keep.txt").write_text("precious")
+    _expect_error(capsys, ["import-hf", str(hf_dir), str(occupied)], ["not empty"], occupied)
+    _expect_error(capsys, ["export-hf", str(megatron_dir), str(occupied)], ["not empty"], occupied)
+    assert [p.name for p in occupied.iterdir()] == ["keep.txt"]
+
+
+def test_broken_checkpoint_tracker(megatron_dir, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    shutil.copytree(megatron_dir, broken)
+    (broken / "latest_checkpointed_iteration.txt").write_text("100")
+    _expect_error(capsys, ["export-hf", str(broken), str(tmp_path / "o")], ["iter_0000100"], tmp_path / "o")
+
+
+def test_console_script_exit_code(tmp_path):
+    """The installed entry point exits 2 with a single line on bad input."""
+    result = subprocess.run([sys.executable, "-m", "megatron_zaya.convert.cli", "import-hf", str(tmp_path / "x"),
+                             str(tmp_path / "y")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("zaya-convert: error:")
