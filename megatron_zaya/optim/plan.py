@@ -76,18 +76,23 @@ def build_items(
     param_groups: Sequence[dict],
     layouts: Mapping[torch.Tensor, MatrixLayout],
     tp_size: int,
+    expert_tp_size: int,
 ) -> list[WorkItem]:
-    """Every slice of every parameter in ``param_groups`` as a ``WorkItem`` (owner not yet assigned)."""
+    """Every slice of every parameter in ``param_groups`` as a ``WorkItem`` (owner not yet assigned).
+
+    ``tp_size`` / ``expert_tp_size``: sizes of the (expert) tensor-parallel group of the parameters.
+    """
     items = []
     for g, group in enumerate(param_groups):
         for i, param in enumerate(group["params"]):
             layout = layouts.get(param) or _default_layout(param)
             if param.dim() not in (2, 3) or layout.slices != (param.shape[0] if param.dim() == 3 else 1):
                 raise ValueError(f"ZayaMuon: layout {layout} does not fit a parameter of shape {tuple(param.shape)}")
-            tp_dim = tp_dim_of(param, tp_size)
+            size = expert_tp_size if layout.expert else tp_size
+            tp_dim = tp_dim_of(param, size)
             local = tuple(param.shape[-2:])
-            global_ = tuple(n * tp_size if d == tp_dim else n for d, n in enumerate(local))
-            shards = tp_size if layout.blocks_per_tp_shard and tp_dim == 0 else 1
+            global_ = tuple(n * size if d == tp_dim else n for d, n in enumerate(local))
+            shards = size if layout.blocks_per_tp_shard and tp_dim == 0 else 1
             if global_[0] % (shards * layout.row_blocks):
                 raise ValueError(
                     f"ZayaMuon: {global_[0]} rows cannot be cut into {layout.row_blocks} row blocks "

@@ -14,7 +14,7 @@ self_attention.linear_v           Muon      two: rows [0, R/2) value-current, [R
                                             (R = global rows; under TP the halves are cut after the TP
                                             gather, so the split point is always global row R/2)
 self_attention.linear_proj        Muon      one
-self_attention.conv_*             AdamW     (3-D conv weights and their biases)
+self_attention.conv.* / conv_*    AdamW     (3-D conv weights and their biases)
 key_temperature                   AdamW
 mlp.router.{down_proj,fc1,fc2,    Muon      one each
   out_proj}.weight
@@ -49,11 +49,13 @@ class MatrixLayout:
     ``slices · row_blocks`` matrices of shape [rows / row_blocks, cols] (global shapes, after any TP
     gather). ``blocks_per_tp_shard``: each TP shard stores its own piece of every row block,
     ``[block0_r; block1_r]`` (Megatron's GLU fc1), rather than a contiguous piece of the whole parameter.
+    ``expert``: the parameter is TP-sharded over the expert tensor-parallel group.
     """
 
     slices: int = 1
     row_blocks: int = 1
     blocks_per_tp_shard: bool = False
+    expert: bool = False
 
     @property
     def matrices(self) -> int:
@@ -77,7 +79,7 @@ _RULES: tuple[tuple[str, str, str], ...] = (
     (r"self_attention\.linear_k\.weight", "attn_k", MUON),
     (r"self_attention\.linear_v\.weight", "attn_v_current_delayed", MUON),
     (r"self_attention\.linear_proj\.weight", "attn_out", MUON),
-    (r"self_attention\.conv_\w+\.(weight|bias)", "conv", ADAMW),
+    (r"self_attention\.conv[._]\w+(\.weight|\.bias)?", "conv", ADAMW),
     (r"key_temperature", "key_temperature", ADAMW),
     (r"mlp\.router\.(down_proj|fc1|fc2|out_proj)\.weight", "router", MUON),
     (r"mlp\.experts\.local_experts\.\d+\.linear_fc1\.weight", "expert_fc1", MUON),
@@ -115,12 +117,12 @@ def _layout(name: str, kind: str, param: torch.Tensor, split_gate_up: bool) -> M
             f"ZayaMuon: {name!r} should be a {'3-D [experts, rows, cols]' if grouped else '2-D'} matrix "
             f"parameter, got shape {tuple(param.shape)}; check the model's parameter layout"
         )
-    slices = param.shape[0] if grouped else 1
+    slices, expert = (param.shape[0] if grouped else 1), kind.startswith("expert")
     if kind == "attn_v_current_delayed":
         return MatrixLayout(row_blocks=2)
     if kind in _GATED_FC1 and split_gate_up:
-        return MatrixLayout(slices=slices, row_blocks=2, blocks_per_tp_shard=True)
-    return MatrixLayout(slices=slices)
+        return MatrixLayout(slices=slices, row_blocks=2, blocks_per_tp_shard=True, expert=True)
+    return MatrixLayout(slices=slices, expert=expert)
 
 
 def classify_named_parameters(

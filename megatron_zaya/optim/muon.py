@@ -1,0 +1,238 @@
+"""ZayaMuon: Muon with AdamW RMS matching, Newton–Schulz spread over data-parallel ranks.
+
+For every matrix ``W`` [rows, cols] with gradient ``G`` (Liu et al., *Muon is scalable*, 2025):
+
+    M ← μ·M + G                                   # fp32 momentum, only on the matrix's owner
+    U ← G + μ·M   (Nesterov)   or   U ← M
+    O ← NewtonSchulz(U)                           # quintic, on the full (TP-gathered) matrix
+    W ← W·(1 − lr·wd) − lr · 0.2·√max(rows, cols) · O
+
+``lr`` and ``wd`` are read from each param group at every step, so Megatron's LR / WD schedule drives
+them. With a data-parallel group, each matrix's Newton–Schulz runs on exactly one rank (see ``plan``);
+the owners all-gather their ``O`` (in the Newton–Schulz dtype, in windows of bounded size) and every rank
+applies all updates, so parameters stay identical across ranks. This assumes the usual DDP gradient
+all-reduce: every rank holds full gradients (see ``megatron.get_zaya_muon_optimizer``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from megatron_zaya.kernels.newton_schulz import DEFAULT_STEPS, QUINTIC_COEFFICIENTS, newton_schulz
+
+from .plan import WorkItem, assign_owners, build_items
+from .roles import MatrixLayout
+
+#: Newton–Schulz runs on stacks of equally shaped matrices of at most this many elements (memory cap).
+NS_BATCH_NUMEL = 1 << 27
+
+
+@dataclasses.dataclass(frozen=True)
+class MuonConfig:
+    """Muon hyper-parameters (``--zaya-muon-*`` flags); ``coefficients`` holds one (a, b, c) per step."""
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    coefficients: tuple[tuple[float, float, float], ...] = (QUINTIC_COEFFICIENTS,) * DEFAULT_STEPS
+    eps: float = 1e-7
+    ns_dtype: torch.dtype = torch.bfloat16
+    update_rms: float = 0.2
+    backend: str = "auto"
+    split_gate_up: bool = False
+    gather_numel: int = 1 << 28
+
+    def __post_init__(self):
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"--zaya-muon-momentum must be in [0, 1), got {self.momentum}")
+        if not self.coefficients or any(len(c) != 3 for c in self.coefficients):
+            raise ValueError("--zaya-muon-ns-coefficients needs one or more (a, b, c) triples")
+        if self.gather_numel < 1:
+            raise ValueError(f"--zaya-muon-gather-numel must be positive, got {self.gather_numel}")
+        if self.backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"--zaya-muon-kernel must be auto, torch or triton, got {self.backend!r}")
+
+
+class ZayaMuon(torch.optim.Optimizer):
+    """Muon over 2-D matrices and 3-D stacks of them ([slices, rows, cols], each slice on its own).
+
+    Args:
+        params: parameters or param groups (``lr`` and ``weight_decay`` may differ per group).
+        layouts: ``{param: MatrixLayout}`` for parameters that hold several matrices (see ``roles``);
+            others are one matrix (2-D) or one per slice (3-D).
+        dp_group: data-parallel group over which the Newton–Schulz work and the momentum are sharded.
+        tp_group / expert_tp_group: tensor-parallel groups of the parameters marked
+            ``tensor_model_parallel`` (``expert_tp_group`` for layouts with ``expert=True``; defaults to
+            ``tp_group``).
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        *,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        config: MuonConfig = MuonConfig(),
+        layouts: Mapping[torch.Tensor, MatrixLayout] | None = None,
+        dp_group: dist.ProcessGroup | None = None,
+        tp_group: dist.ProcessGroup | None = None,
+        expert_tp_group: dist.ProcessGroup | None = None,
+    ):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+        self.config = config
+        self.dp_group = dp_group
+        self.dp_size, self.dp_rank = _size_and_rank(dp_group)
+        self._tp = {False: tp_group, True: expert_tp_group if expert_tp_group is not None else tp_group}
+        items = build_items(self.param_groups, layouts or {}, _size_and_rank(self._tp[False])[0],
+                            _size_and_rank(self._tp[True])[0])
+        self.items = assign_owners(items, self.dp_size, len(config.coefficients))
+        self.owned = [item for item in self.items if item.owner == self.dp_rank]
+        # Each rank's owned items in order, with their offsets in its flat stream of updates.
+        self._streams: list[list[tuple[WorkItem, int]]] = [[] for _ in range(self.dp_size)]
+        stream_numel = [0] * self.dp_size
+        for item in self.items:
+            self._streams[item.owner].append((item, stream_numel[item.owner]))
+            stream_numel[item.owner] += item.numel
+        self._max_stream_numel = max(stream_numel, default=0)
+
+    def _param(self, item: WorkItem) -> torch.Tensor:
+        return self.param_groups[item.group]["params"][item.index]
+
+    @staticmethod
+    def _slice(tensor: torch.Tensor, item: WorkItem) -> torch.Tensor:
+        return tensor[item.slice_index] if tensor.dim() == 3 else tensor
+
+    def _momentum(self, item: WorkItem) -> torch.Tensor:
+        param = self._param(item)
+        buffers = self.state[param].setdefault("momentum", {})
+        if item.slice_index not in buffers:
+            buffers[item.slice_index] = torch.zeros(item.local_shape, dtype=torch.float32, device=param.device)
+        return buffers[item.slice_index]
+
+    def init_state(self) -> None:
+        """Create the (zero) momentum of every owned item, e.g. before loading a checkpoint into it."""
+        for item in self.owned:
+            self._momentum(item)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        updates = self._orthogonalise_owned()
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.mul_(1.0 - group["lr"] * group["weight_decay"])
+        self._exchange_and_apply(updates)
+        return loss
+
+    def _orthogonalise_owned(self) -> list[torch.Tensor]:
+        """Momentum step and Newton–Schulz for this rank's items -> their local updates O (ns dtype)."""
+        mu = self.config.momentum
+        blocks = []
+        for item in self.owned:
+            grad = self._param(item).grad
+            if grad is None:
+                raise RuntimeError(
+                    f"ZayaMuon: a parameter of shape {tuple(self._param(item).shape)} has no gradient; every "
+                    "Muon parameter needs one at each step (leave frozen parameters out of the optimizer)"
+                )
+            grad = self._slice(grad, item).float()
+            momentum = self._momentum(item).mul_(mu).add_(grad)
+            update = grad.add(momentum, alpha=mu) if self.config.nesterov else momentum
+            tp_group = self._tp[item.layout.expert]
+            tp_size, _ = _size_and_rank(tp_group)
+            if item.tp_dim is not None:
+                update = _all_gather_cat(update, item.tp_dim, tp_group, tp_size)
+            blocks.append(_to_blocks(update, item, tp_size))
+        results = self._batched_newton_schulz(blocks)
+        updates = []
+        for item, result in zip(self.owned, results):
+            tp_size, tp_rank = _size_and_rank(self._tp[item.layout.expert])
+            full = _from_blocks(result, item, tp_size)
+            if item.tp_dim is not None:
+                full = full.chunk(tp_size, dim=item.tp_dim)[tp_rank]
+            updates.append(full.contiguous())
+        return updates
+
+    def _batched_newton_schulz(self, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Newton–Schulz on every [k, rows, cols] entry, stacking equal shapes into batches."""
+        cfg = self.config
+        by_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for k, b in enumerate(blocks):
+            by_shape[tuple(b.shape[1:])].append(k)
+        results: list[torch.Tensor | None] = [None] * len(blocks)
+        for (rows, cols), indices in by_shape.items():
+            per_batch = max(1, NS_BATCH_NUMEL // (rows * cols))
+            matrices = [(k, j) for k in indices for j in range(blocks[k].shape[0])]
+            outputs = []
+            for start in range(0, len(matrices), per_batch):
+                stack = torch.stack([blocks[k][j] for k, j in matrices[start : start + per_batch]])
+                outputs.extend(newton_schulz(stack, cfg.coefficients, cfg.eps, cfg.ns_dtype, cfg.backend).unbind(0))
+            produced = iter(outputs)
+            for k in indices:
+                results[k] = torch.stack([next(produced) for _ in range(blocks[k].shape[0])])
+        return results
+
+    def _exchange_and_apply(self, updates: list[torch.Tensor]) -> None:
+        """All-gather the owners' updates window by window and add ``-lr·scale·O`` to every parameter."""
+        if self.dp_size == 1:
+            for item, update in zip(self.owned, updates):
+                self._apply(item, update.view(-1), 0, item.numel)
+            return
+        device = self._param(self.items[0]).device
+        stream = torch.cat([u.view(-1) for u in updates]) if updates else torch.empty(0, device=device)
+        stream = stream.to(self.config.ns_dtype)
+        window = max(1, self.config.gather_numel // self.dp_size)
+        received = torch.empty(self.dp_size, window, dtype=self.config.ns_dtype, device=device)
+        for start in range(0, self._max_stream_numel, window):
+            send = torch.zeros(window, dtype=self.config.ns_dtype, device=device)
+            chunk = stream[start : start + window]
+            send[: chunk.numel()] = chunk
+            dist.all_gather(list(received.unbind(0)), send, group=self.dp_group)
+            for rank, entries in enumerate(self._streams):
+                for item, offset in entries:
+                    lo, hi = max(start, offset), min(start + window, offset + item.numel)
+                    if lo < hi:
+                        self._apply(item, received[rank, lo - start : hi - start], lo - offset, hi - offset)
+
+    def _apply(self, item: WorkItem, values: torch.Tensor, lo: int, hi: int) -> None:
+        """param[slice].flat[lo:hi] -= lr · scale · values."""
+        group = self.param_groups[item.group]
+        target = self._slice(self._param(item), item).view(-1)[lo:hi]
+        target.add_(values.to(target.dtype), alpha=-group["lr"] * item.update_scale(self.config.update_rms))
+
+
+def _size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _all_gather_cat(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _shards_along_rows(item: WorkItem, tp_size: int) -> int:
+    return tp_size if item.layout.blocks_per_tp_shard and item.tp_dim == 0 else 1
+
+
+def _to_blocks(full: torch.Tensor, item: WorkItem, tp_size: int) -> torch.Tensor:
+    """[rows, cols] -> [row_blocks, rows / row_blocks, cols] (undoing a per-TP-shard block interleave)."""
+    k, s = item.layout.row_blocks, _shards_along_rows(item, tp_size)
+    rows, cols = full.shape
+    return full.reshape(s, k, rows // (s * k), cols).transpose(0, 1).reshape(k, rows // k, cols)
+
+
+def _from_blocks(blocks: torch.Tensor, item: WorkItem, tp_size: int) -> torch.Tensor:
+    """Inverse of ``_to_blocks``."""
+    k, s = item.layout.row_blocks, _shards_along_rows(item, tp_size)
+    _, block_rows, cols = blocks.shape
+    return blocks.reshape(k, s, block_rows // s, cols).transpose(0, 1).reshape(k * block_rows, cols)
