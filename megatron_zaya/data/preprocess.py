@@ -1,0 +1,226 @@
+"""`zaya-preprocess`: tokenise .txt / .jsonl files into a Megatron `.bin/.idx` dataset.
+
+    zaya-preprocess data/*.jsonl --output-prefix data/corpus --workers 4
+    zaya-pretrain ... --data-path data/corpus --tokenizer-type HuggingFaceTokenizer --tokenizer-model <same tokenizer>
+
+Each document is encoded the way Megatron's HuggingFaceTokenizer encodes text (the tokenizer's own
+special tokens included, e.g. a BOS where its template adds one), then the EOS id, Megatron's `.eod`,
+is appended. The files are written under a temporary name and renamed at the end, so a failed or
+interrupted run leaves nothing behind and a reader never sees half a dataset.
+"""
+
+import argparse
+import collections
+import contextlib
+import multiprocessing
+import multiprocessing.pool
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import batched
+
+import numpy as np
+from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
+from tqdm import tqdm
+
+from .documents import InputError, expand_inputs, read_documents
+
+DOCUMENTS_PER_BATCH = 64
+
+
+@dataclass(frozen=True)
+class DatasetSummary:
+    prefix: str
+    documents: int
+    tokens: int
+    dtype: type
+
+
+def load_tokenizer(name_or_dir: str):
+    """A transformers fast tokenizer, loaded the way Megatron's HuggingFaceTokenizer loads it."""
+    try:
+        from transformers import AutoTokenizer
+    except ModuleNotFoundError:
+        raise InputError("transformers is not installed; pip install 'megatron-zaya[hf]'") from None
+    path = os.path.expanduser(name_or_dir)
+    if name_or_dir.startswith(("/", ".", "~")) and not os.path.isdir(path):
+        raise InputError(f"tokenizer directory {name_or_dir} does not exist; check --tokenizer")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises many types (OSError, ValueError, HF hub errors)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(
+            f"cannot load tokenizer '{name_or_dir}' ({reason}); pass a directory holding tokenizer.json "
+            "and tokenizer_config.json, or a cached Hugging Face model name"
+        ) from None
+
+
+def encode_documents(tokenizer, texts: Iterable[str], eod: int | None) -> list[np.ndarray]:
+    """Token ids of each document, `eod` appended unless it is None. Returns int64 arrays [n_tokens]."""
+    ids = tokenizer(list(texts), verbose=False)["input_ids"]
+    tail = [] if eod is None else [eod]
+    return [np.asarray(doc + tail, dtype=np.int64) for doc in ids]
+
+
+def write_indexed_dataset(
+    inputs: list[str],
+    output_prefix: str,
+    tokenizer: str,
+    *,
+    json_key: str = "text",
+    split_lines: bool = False,
+    append_eod: bool = True,
+    workers: int = 1,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> DatasetSummary:
+    """Tokenise every document of `inputs` (files or globs) into `output_prefix`.bin/.idx.
+
+    Documents keep input order whatever `workers` is, so the output bytes do not depend on it.
+    Raises InputError, having written nothing, on any bad input.
+    """
+    paths = expand_inputs(inputs)
+    _check_output(output_prefix, overwrite)
+    if workers < 1:
+        raise InputError(f"--workers {workers}: need at least 1 worker")
+    tok = load_tokenizer(tokenizer)
+    eod = tok.eos_token_id if append_eod else None
+    if append_eod and eod is None:
+        raise InputError(
+            f"tokenizer '{tokenizer}' has no eos_token to use as EOD; "
+            "set one in its tokenizer_config.json or pass --no-append-eod"
+        )
+    dtype = DType.optimal_dtype(len(tok))
+
+    documents = (doc for path in paths for doc in read_documents(path, json_key, split_lines))
+    batches = batched(documents, DOCUMENTS_PER_BATCH)
+    temp_prefix = f"{output_prefix}.tmp{os.getpid()}"
+    n_documents = n_tokens = 0
+    builder = IndexedDatasetBuilder(get_bin_path(temp_prefix), dtype=dtype)
+    try:
+        with (
+            _worker_pool(tok, eod, workers) as pool,
+            tqdm(desc="tokenizing", unit="doc", disable=None if progress else True) as bar,  # None: tty only
+        ):
+            for encoded in _encode_in_order(batches, tok, eod, pool, workers):
+                for doc in encoded:
+                    builder.add_document(doc, [doc.size])
+                    n_tokens += doc.size
+                n_documents += len(encoded)
+                bar.update(len(encoded))
+        builder.finalize(get_idx_path(temp_prefix))
+        if n_documents == 0:
+            raise InputError(
+                f"no documents in {', '.join(inputs)}: the inputs are empty or blank; check the files and --json-key"
+            )
+        # .idx last: its presence means the dataset is complete.
+        os.replace(get_bin_path(temp_prefix), get_bin_path(output_prefix))
+        os.replace(get_idx_path(temp_prefix), get_idx_path(output_prefix))
+    finally:
+        builder.data_file.close()  # already closed by finalize() unless we failed before it
+        for path in (get_bin_path(temp_prefix), get_idx_path(temp_prefix)):
+            if os.path.exists(path):
+                os.remove(path)
+    return DatasetSummary(output_prefix, n_documents, n_tokens, dtype)
+
+
+def _check_output(output_prefix: str, overwrite: bool) -> None:
+    directory = os.path.dirname(output_prefix) or "."
+    if not os.path.isdir(directory):
+        raise InputError(f"output directory {directory} does not exist; create it or change --output-prefix")
+    if not os.access(directory, os.W_OK):
+        raise InputError(f"output directory {directory} is not writable; fix its permissions or change --output-prefix")
+    for path in (get_bin_path(output_prefix), get_idx_path(output_prefix)):
+        if os.path.exists(path) and not overwrite:
+            raise InputError(f"{path} already exists; pass --overwrite to replace it or change --output-prefix")
+
+
+@contextlib.contextmanager
+def _worker_pool(tok, eod: int | None, workers: int) -> Iterator[multiprocessing.pool.Pool | None]:
+    """None for one worker, else `workers` forked processes that inherit the loaded tokenizer.
+
+    fork, not spawn/forkserver: those re-import megatron and transformers in every pool (~10 s). The
+    pool is made before the progress bar starts its monitor thread, and the workers only run the Rust
+    tokenizer, single-threaded.
+    """
+    if workers == 1:
+        yield None
+        return
+    with multiprocessing.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(tok, eod)) as pool:
+        yield pool
+
+
+def _encode_in_order(batches, tok, eod, pool, workers: int) -> Iterator[list[np.ndarray]]:
+    """Encoded batches in input order; with a pool, at most 2 * workers batches are in flight."""
+    if pool is None:
+        for batch in batches:
+            yield encode_documents(tok, batch, eod)
+        return
+    pending = collections.deque()
+    for batch in batches:  # documents are read (and validated) here, in this process
+        pending.append(pool.apply_async(_encode_in_worker, (batch,)))
+        if len(pending) >= 2 * workers:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+_worker_state = {}
+
+
+def _init_worker(tok, eod: int | None) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: --workers is the parallelism
+    _worker_state.update(tokenizer=tok, eod=eod)
+
+
+def _encode_in_worker(batch: tuple[str, ...]) -> list[np.ndarray]:
+    return encode_documents(_worker_state["tokenizer"], batch, _worker_state["eod"])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="zaya-preprocess",
+        description="Tokenise .txt/.jsonl files (optionally .gz) into a Megatron .bin/.idx dataset.",
+    )
+    parser.add_argument("inputs", nargs="+", help="input files or globs (quote globs)")
+    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory or HF name (default: the embedded one)")
+    parser.add_argument("--json-key", default="text", help="key of the document text in .jsonl lines")
+    parser.add_argument("--split-lines", action="store_true", help=".txt: one document per line, not per paragraph")
+    parser.add_argument(
+        "--no-append-eod", dest="append_eod", action="store_false", help="do not end documents with EOD"
+    )
+    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.bin/.idx")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.tokenizer is None:
+        from .embedded import embedded_tokenizer_dir
+
+        args.tokenizer = embedded_tokenizer_dir()
+    try:
+        summary = write_indexed_dataset(
+            args.inputs,
+            args.output_prefix,
+            args.tokenizer,
+            json_key=args.json_key,
+            split_lines=args.split_lines,
+            append_eod=args.append_eod,
+            workers=args.workers,
+            overwrite=args.overwrite,
+        )
+    except InputError as e:
+        print(f"zaya-preprocess: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(
+        f"wrote {summary.documents} documents, {summary.tokens} tokens ({np.dtype(summary.dtype).name}) "
+        f"to {summary.prefix}.bin/.idx"
+    )
+
+
+if __name__ == "__main__":
+    main()

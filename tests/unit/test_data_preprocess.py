@@ -1,0 +1,177 @@
+"""zaya-preprocess: documents in -> Megatron .bin/.idx out, checked by reading back with Megatron's
+IndexedDataset against the raw `tokenizers` library encoding each document on its own."""
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from tokenizers import Tokenizer
+
+from megatron_zaya.data import embedded_tokenizer_dir
+from megatron_zaya.data.preprocess import main, write_indexed_dataset
+
+REFERENCE = Tokenizer.from_file(str(Path(embedded_tokenizer_dir()) / "tokenizer.json"))
+EOS = REFERENCE.token_to_id("<eos>")
+
+DOCUMENTS = [
+    "It is a truth universally acknowledged.",
+    "Two lines\nin one document, with  double spaces.",
+    "Ünïcödé — “quotes”, emoji 😀 and a tab\there.",
+    "x",
+]
+
+
+def expected_tokens(doc: str, eod: bool = True) -> list[int]:
+    return REFERENCE.encode(doc).ids + ([EOS] if eod else [])
+
+
+def read_back(prefix) -> list[list[int]]:
+    dataset = IndexedDataset(str(prefix))
+    assert dataset.index.dtype == np.uint16  # 4096 entries fit in 16 bits
+    np.testing.assert_array_equal(dataset.document_indices, np.arange(len(dataset) + 1))  # one sequence per doc
+    return [dataset[i].tolist() for i in range(len(dataset))]
+
+
+def write_jsonl(path, docs, key="text"):
+    path.write_text("".join(json.dumps({"id": i, key: d}) + "\n" for i, d in enumerate(docs)), encoding="utf-8")
+
+
+def test_jsonl_round_trip(tmp_path):
+    write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS, key="body")
+    summary = write_indexed_dataset([str(tmp_path / "docs.jsonl")], str(tmp_path / "out"), embedded_tokenizer_dir(),
+                                    json_key="body", progress=False)
+    expected = [expected_tokens(d) for d in DOCUMENTS]
+    assert read_back(tmp_path / "out") == expected
+    assert (summary.documents, summary.tokens) == (len(DOCUMENTS), sum(map(len, expected)))
+
+
+def test_txt_paragraphs_lines_gzip_and_globs(tmp_path):
+    # Blank lines (also whitespace-only ones, and runs of them) separate documents.
+    (tmp_path / "a.txt").write_text("\n\n".join(DOCUMENTS[:2]) + "\n \t\n\n" + DOCUMENTS[2] + "\n", encoding="utf-8")
+    with gzip.open(tmp_path / "b.txt.gz", "wt", encoding="utf-8") as f:
+        f.write(DOCUMENTS[3])
+    write_indexed_dataset([str(tmp_path / "*.txt*")], str(tmp_path / "paragraphs"), embedded_tokenizer_dir(),
+                          progress=False)
+    assert read_back(tmp_path / "paragraphs") == [expected_tokens(d) for d in DOCUMENTS]
+
+    write_indexed_dataset([str(tmp_path / "a.txt")], str(tmp_path / "lines"), embedded_tokenizer_dir(),
+                          split_lines=True, append_eod=False, progress=False)
+    lines = [line for d in DOCUMENTS[:3] for line in d.split("\n")]
+    assert read_back(tmp_path / "lines") == [expected_tokens(line, eod=False) for line in lines]
+
+
+def test_workers_write_the_same_bytes_as_one_process(tmp_path):
+    # Enough documents for many batches in flight, of uneven lengths.
+    docs = [" ".join(DOCUMENTS[i % 4] for _ in range(1 + i % 7)).replace("\n", " ") for i in range(700)]
+    (tmp_path / "many.txt").write_text("\n".join(docs) + "\n", encoding="utf-8")
+    for workers in (1, 2):
+        write_indexed_dataset([str(tmp_path / "many.txt")], str(tmp_path / f"w{workers}"), embedded_tokenizer_dir(),
+                              split_lines=True, workers=workers, progress=False)
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"w1{suffix}").read_bytes() == (tmp_path / f"w2{suffix}").read_bytes()
+    assert read_back(tmp_path / "w2") == [expected_tokens(d) for d in docs]
+
+
+def test_overwrite_replaces_existing_output(tmp_path):
+    write_jsonl(tmp_path / "one.jsonl", DOCUMENTS[:1])
+    write_jsonl(tmp_path / "two.jsonl", DOCUMENTS[1:3])
+    main([str(tmp_path / "one.jsonl"), "--output-prefix", str(tmp_path / "out")])
+    main([str(tmp_path / "two.jsonl"), "--output-prefix", str(tmp_path / "out"), "--overwrite"])
+    assert read_back(tmp_path / "out") == [expected_tokens(d) for d in DOCUMENTS[1:3]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.jsonl", "out.bin", "out.idx", "two.jsonl"]
+
+
+def _good_then_bad_jsonl(tmp_path):
+    # The bad line comes after several batches were tokenised and written to the temporary file.
+    write_jsonl(tmp_path / "in.jsonl", DOCUMENTS * 100)
+    with open(tmp_path / "in.jsonl", "a") as f:
+        f.write('{"text": "unterminated}\n')
+    return ["in.jsonl", "--workers", "2"], "in.jsonl:401: invalid JSON"
+
+
+def _missing_key(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", DOCUMENTS[:2])
+    with open(tmp_path / "in.jsonl", "a") as f:
+        f.write('{"content": "x"}\n')
+    return ["in.jsonl"], "in.jsonl:3: no key 'text' (found: content); pass the right --json-key"
+
+
+def _not_a_string(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"text": ["a", "b"]}\n')
+    return ["in.jsonl"], "in.jsonl:1: 'text' holds a list, not a string"
+
+
+def _missing_file(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", DOCUMENTS)
+    return ["in.jsonl", "nope.txt"], "nope.txt: no such file; check the path"
+
+
+def _glob_matches_nothing(tmp_path):
+    return ["*.jsonl"], "*.jsonl: no file matches this pattern"
+
+
+def _directory(tmp_path):
+    (tmp_path / "sub").mkdir()
+    return ["sub"], "sub is a directory; pass its files"
+
+
+def _unknown_format(tmp_path):
+    (tmp_path / "in.csv").write_text("a,b\n")
+    return ["in.csv"], "in.csv: unknown input format; name text files *.txt and JSON-lines files *.jsonl"
+
+
+def _not_utf8(tmp_path):
+    (tmp_path / "in.txt").write_bytes(b"caf\xe9\n")
+    return ["in.txt"], "in.txt: not valid UTF-8"
+
+
+def _broken_gzip(tmp_path):
+    (tmp_path / "in.txt.gz").write_bytes(b"not gzip")
+    return ["in.txt.gz"], "in.txt.gz: broken gzip file"
+
+
+def _empty_corpus(tmp_path):
+    (tmp_path / "in.txt").write_text("\n  \n\n")
+    write_jsonl(tmp_path / "in.jsonl", ["", "   "])
+    return ["in.txt", "in.jsonl"], "no documents in"
+
+
+def _existing_output(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", DOCUMENTS)
+    (tmp_path / "out.idx").write_bytes(b"someone else's dataset")
+    return ["in.jsonl"], "out.idx already exists; pass --overwrite"
+
+
+def _missing_output_dir(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", DOCUMENTS)
+    return ["in.jsonl", "--output-prefix", "no/such/dir/out"], "output directory"
+
+
+def _missing_tokenizer_dir(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", DOCUMENTS)
+    return ["in.jsonl", "--tokenizer", "./no-tokenizer"], "tokenizer directory ./no-tokenizer does not exist"
+
+
+@pytest.mark.parametrize("make_case", [
+    _good_then_bad_jsonl, _missing_key, _not_a_string, _missing_file, _glob_matches_nothing, _directory,
+    _unknown_format, _not_utf8, _broken_gzip, _empty_corpus, _existing_output, _missing_output_dir,
+    _missing_tokenizer_dir,
+])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(make_case, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    argv, expected_message = make_case(tmp_path)
+    if "--output-prefix" not in argv:
+        argv += ["--output-prefix", "out"]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("zaya-preprocess: error: ")
+    assert expected_message in err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
