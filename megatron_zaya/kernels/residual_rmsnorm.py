@@ -1,0 +1,310 @@
+"""ZAYA residual scaling fused with the next RMSNorm, and a plain RMSNorm (Triton, forward and backward).
+
+ZAYA1 merges each sublayer output ``h`` into the fp32 residual stream ``res`` with two learned per-channel
+affines and normalises the result for the next sublayer (docs/zaya1-architecture.md §2):
+
+    new_res = (h + hidden_bias) * hidden_scale + (res + residual_bias) * residual_scale      # in fp32
+    normed  = weight * rmsnorm(new_res.to(weight.dtype))
+
+with ``rmsnorm(x) = (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)``, i.e. transformers'
+``ZayaRMSNorm`` applied to ``residual.to(weight.dtype)``. (transformers adds the hidden-side affine in the
+model dtype; we do the whole merge in fp32.) Unfused, this is ~10 elementwise passes over [T, D]; fused, one
+read of ``h`` and ``res`` and one write of ``normed`` and ``new_res``. The backward recomputes ``new_res``
+from the saved ``h`` and ``res`` (it needs them anyway for the scale gradients) and reduces the five [D]
+vector gradients in per-program partial sums (deterministic, no atomics).
+
+``TritonRMSNorm`` is the plain RMSNorm (``weight * rmsnorm(x)``) as a Megatron norm module.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .utils import flat_rows, persistent_programs, row_block, triton_runs
+
+MAX_HIDDEN = 16384  # one row lives in registers
+
+
+# ----------------------------------------------------------------------------------------- references
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * rmsnorm(x)`` as transformers' ZayaRMSNorm computes it. x [..., D], weight [D]."""
+    x32 = x.float()
+    normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normalized.to(x.dtype)
+
+
+def residual_rms_norm_reference(
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    hidden_bias: torch.Tensor,
+    hidden_scale: torch.Tensor,
+    residual_bias: torch.Tensor,
+    residual_scale: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ZAYA residual merge then RMSNorm. hidden, residual [..., D]; the five vectors [D].
+
+    Returns (normed [..., D] in weight's dtype, new_residual [..., D] fp32).
+    """
+    f = torch.float32
+    new_residual = (hidden.to(f) + hidden_bias.to(f)) * hidden_scale.to(f) + (
+        residual.to(f) + residual_bias.to(f)
+    ) * residual_scale.to(f)
+    return rms_norm_reference(new_residual.to(weight.dtype), weight, eps), new_residual
+
+
+# ----------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _forward_kernel(
+    hidden_ptr,  # [T, D] the norm input (plain) or the sublayer output h (residual variant)
+    residual_ptr,  # [T, D] residual stream (residual variant only)
+    hidden_bias_ptr,
+    hidden_scale_ptr,
+    residual_bias_ptr,
+    residual_scale_ptr,  # [D] each (residual variant only)
+    weight_ptr,  # [D]
+    out_ptr,  # [T, D]
+    new_residual_ptr,  # [T, D] fp32 (residual variant only)
+    rstd_ptr,  # [T] fp32
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.cast(tl.program_id(0), tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    offsets = row * n_cols + cols
+    if HAS_RESIDUAL:
+        h = tl.load(hidden_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        res = tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        hb = tl.load(hidden_bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        hs = tl.load(hidden_scale_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        rb = tl.load(residual_bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        rs = tl.load(residual_scale_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        new_res = (h + hb) * hs + (res + rb) * rs
+        tl.store(new_residual_ptr + offsets, new_res, mask=mask)
+        norm_dtype = weight_ptr.dtype.element_ty  # the norm sees residual.to(weight.dtype)
+        x = new_res.to(norm_dtype).to(tl.float32)
+    else:
+        norm_dtype = hidden_ptr.dtype.element_ty
+        x = tl.load(hidden_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(rstd_ptr + row, rstd)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    x_hat = (x * rstd).to(norm_dtype).to(tl.float32)  # ZayaRMSNorm rounds before applying the weight
+    tl.store(out_ptr + offsets, (x_hat * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _backward_kernel(
+    grad_out_ptr,  # [T, D]
+    grad_new_residual_ptr,  # [T, D] fp32 (residual variant only)
+    hidden_ptr,
+    residual_ptr,
+    hidden_bias_ptr,
+    hidden_scale_ptr,
+    residual_bias_ptr,
+    residual_scale_ptr,
+    weight_ptr,
+    rstd_ptr,
+    grad_hidden_ptr,  # [T, D] in hidden's dtype
+    grad_residual_ptr,  # [T, D] in residual's dtype (residual variant only)
+    partials_ptr,  # [5, programs, D] fp32: weight, hidden_bias, hidden_scale, residual_bias, residual_scale
+    n_rows,
+    n_cols,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    grad_w = tl.zeros([BLOCK], dtype=tl.float32)
+    if HAS_RESIDUAL:
+        norm_dtype = weight_ptr.dtype.element_ty
+        grad_hb = tl.zeros([BLOCK], dtype=tl.float32)
+        grad_hs = tl.zeros([BLOCK], dtype=tl.float32)
+        grad_rb = tl.zeros([BLOCK], dtype=tl.float32)
+        grad_rs = tl.zeros([BLOCK], dtype=tl.float32)
+    else:
+        norm_dtype = hidden_ptr.dtype.element_ty
+    for row in range(pid, n_rows, programs):
+        offsets = tl.cast(row, tl.int64) * n_cols + cols
+        # The [D] vectors are re-read per row (they stay in L1/L2) rather than held across the loop: this keeps
+        # the residual variant at ~127 registers on sm_90, so two programs fit on an SM.
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            hb = tl.load(hidden_bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            hs = tl.load(hidden_scale_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            rb = tl.load(residual_bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            rs = tl.load(residual_scale_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            h_biased = tl.load(hidden_ptr + offsets, mask=mask, other=0.0).to(tl.float32) + hb
+            res_biased = tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32) + rb
+            x = (h_biased * hs + res_biased * rs).to(norm_dtype).to(tl.float32)
+        else:
+            x = tl.load(hidden_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        x_hat = x * rstd
+        grad_out = tl.load(grad_out_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        grad_w += grad_out * x_hat.to(norm_dtype).to(tl.float32)
+        grad_x_hat = grad_out * w
+        grad_x = rstd * (grad_x_hat - x_hat * (tl.sum(grad_x_hat * x_hat, axis=0) / n_cols))
+        if HAS_RESIDUAL:
+            grad_total = grad_x + tl.load(grad_new_residual_ptr + offsets, mask=mask, other=0.0)
+            grad_h = grad_total * hs
+            grad_res = grad_total * rs
+            tl.store(grad_hidden_ptr + offsets, grad_h.to(grad_hidden_ptr.dtype.element_ty), mask=mask)
+            tl.store(grad_residual_ptr + offsets, grad_res.to(grad_residual_ptr.dtype.element_ty), mask=mask)
+            grad_hb += grad_h
+            grad_hs += grad_total * h_biased
+            grad_rb += grad_res
+            grad_rs += grad_total * res_biased
+        else:
+            tl.store(grad_hidden_ptr + offsets, grad_x.to(grad_hidden_ptr.dtype.element_ty), mask=mask)
+    stride = programs * n_cols
+    partial = partials_ptr + pid * n_cols + cols
+    tl.store(partial, grad_w, mask=mask)
+    if HAS_RESIDUAL:
+        tl.store(partial + stride, grad_hb, mask=mask)
+        tl.store(partial + 2 * stride, grad_hs, mask=mask)
+        tl.store(partial + 3 * stride, grad_rb, mask=mask)
+        tl.store(partial + 4 * stride, grad_rs, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------- autograd
+
+
+def _launch_forward(hidden, residual, vectors, weight, eps, out_dtype):
+    rows, n_cols = hidden.shape
+    block, num_warps = row_block(n_cols, MAX_HIDDEN, "rms_norm")
+    out = torch.empty((rows, n_cols), dtype=out_dtype, device=hidden.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+    new_residual = torch.empty((rows, n_cols), dtype=torch.float32, device=hidden.device) if vectors else None
+    _forward_kernel[(rows,)](
+        hidden, residual, *(vectors or (weight,) * 4), weight, out, new_residual, rstd, n_cols, eps,
+        HAS_RESIDUAL=bool(vectors), BLOCK=block, num_warps=num_warps,
+    )  # fmt: skip
+    return out, new_residual, rstd
+
+
+def _launch_backward(grad_out, grad_new_residual, hidden, residual, vectors, weight, rstd):
+    rows, n_cols = hidden.shape
+    block, num_warps = row_block(n_cols, MAX_HIDDEN, "rms_norm")
+    programs = persistent_programs(hidden.device, rows)
+    grad_hidden = torch.empty_like(hidden)
+    grad_residual = torch.empty_like(residual) if vectors else None
+    partials = torch.empty((5 if vectors else 1, programs, n_cols), dtype=torch.float32, device=hidden.device)
+    _backward_kernel[(programs,)](
+        grad_out, grad_new_residual, hidden, residual, *(vectors or (weight,) * 4), weight, rstd,
+        grad_hidden, grad_residual, partials, rows, n_cols,
+        HAS_RESIDUAL=bool(vectors), BLOCK=block, num_warps=num_warps,
+    )  # fmt: skip
+    return grad_hidden, grad_residual, partials.sum(1)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x2d = flat_rows(x)
+        out, _, rstd = _launch_forward(x2d, None, None, weight, eps, torch.promote_types(x.dtype, weight.dtype))
+        ctx.save_for_backward(x2d, weight, rstd)
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2d, weight, rstd = ctx.saved_tensors
+        grad_x, _, partials = _launch_backward(flat_rows(grad_out), None, x2d, None, None, weight, rstd)
+        return grad_x.view(grad_out.shape), partials[0].to(weight.dtype), None
+
+
+class _ResidualRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, residual, hidden_bias, hidden_scale, residual_bias, residual_scale, weight, eps):
+        vectors = (hidden_bias, hidden_scale, residual_bias, residual_scale)
+        h2d, res2d = flat_rows(hidden), flat_rows(residual)
+        normed, new_residual, rstd = _launch_forward(h2d, res2d, vectors, weight, eps, weight.dtype)
+        ctx.save_for_backward(h2d, res2d, *vectors, weight, rstd)
+        return normed.view(hidden.shape), new_residual.view(hidden.shape)
+
+    @staticmethod
+    def backward(ctx, grad_normed, grad_new_residual):
+        h2d, res2d, *vectors, weight, rstd = ctx.saved_tensors
+        grad_h, grad_res, partials = _launch_backward(
+            flat_rows(grad_normed), flat_rows(grad_new_residual.float()), h2d, res2d, vectors, weight, rstd
+        )
+        shape = grad_normed.shape
+        grad_w, *grad_vectors = (p.to(t.dtype) for p, t in zip(partials, (weight, *vectors)))
+        return grad_h.view(shape), grad_res.view(shape), *grad_vectors, grad_w, None
+
+
+# ----------------------------------------------------------------------------------------- public API
+
+
+def _check_vector(name: str, v: torch.Tensor, n: int) -> None:
+    if v.shape != (n,):
+        raise ValueError(f"{name} must have shape [{n}] (the hidden size), got {list(v.shape)}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * rmsnorm(x)``: x [..., D], weight [D] -> [..., D] in promote(x, weight) dtype."""
+    _check_vector("weight", weight, x.shape[-1])
+    if not triton_runs(_forward_kernel, x, weight):
+        return rms_norm_reference(x, weight, eps)
+    return _RMSNorm.apply(x, weight, eps)
+
+
+def residual_rms_norm(
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    hidden_bias: torch.Tensor,
+    hidden_scale: torch.Tensor,
+    residual_bias: torch.Tensor,
+    residual_scale: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused ZAYA residual merge + RMSNorm; same contract as :func:`residual_rms_norm_reference`."""
+    if hidden.shape != residual.shape:
+        raise ValueError(f"hidden {list(hidden.shape)} and residual {list(residual.shape)} must have one shape")
+    names = ("hidden_bias", "hidden_scale", "residual_bias", "residual_scale", "weight")
+    vectors = (hidden_bias, hidden_scale, residual_bias, residual_scale, weight)
+    for name, v in zip(names, vectors):
+        _check_vector(name, v, hidden.shape[-1])
+    args = (hidden, residual, *vectors)
+    if not triton_runs(_forward_kernel, *args):
+        return residual_rms_norm_reference(*args, eps)
+    return _ResidualRMSNorm.apply(*args, eps)
+
+
+class TritonRMSNorm(torch.nn.Module):
+    """RMSNorm module on the Triton kernel, built like a Megatron norm: ``TritonRMSNorm(config, hidden_size, eps)``.
+
+    Fits Megatron's ``LayerNormBuilder`` protocol (input_layernorm, pre_mlp_layernorm, the block's final
+    norm, q/k layernorms); checkpoint layout is a single ``weight`` [hidden_size], as torch.nn.RMSNorm's.
+    Unlike Megatron's torch fallback it supports sequence parallelism (marks the weight for the SP grad
+    all-reduce).
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused_megatron_kwargs):
+        super().__init__()
+        if getattr(config, "layernorm_zero_centered_gamma", False):
+            raise ValueError("TritonRMSNorm has no zero-centered gamma; unset --apply-layernorm-1p")
+        if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
+            raise ValueError(f"TritonRMSNorm is an RMSNorm but config.normalization is {config.normalization!r}")
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

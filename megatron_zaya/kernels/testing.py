@@ -1,0 +1,171 @@
+"""Test support for the Triton kernels: run them on CPU (interpreter), compile them for GPUs without one.
+
+Loading. triton 3.8 reads ``TRITON_INTERPRET`` when ``@triton.jit`` decorates a function: for our kernels
+when their module is imported, for triton's library functions (``tl.sum``, ``tl.max``, ...) when triton is
+imported. Once anything in the process has imported triton compiled (``import megatron.core`` does), an
+interpreted kernel calling ``tl.sum`` fails, and the reverse holds too. ``load_kernel_module`` therefore
+imports a kernel module against a private copy of triton's Python modules, loaded with
+``TRITON_INTERPRET`` set as asked (the compiled extension ``triton._C`` is shared), then puts
+``sys.modules``, the package attributes and the environment back. Because triton also imports lazily
+inside its functions, the private copy is put back into ``sys.modules`` for the duration of each launch
+of the module's kernels (and of a ``compile_only`` block). Other tests in the process are unaffected,
+whatever they imported first.
+
+Interpreter limits. It computes in numpy and stores bfloat16 as raw uint16 bits, so bf16 arithmetic and
+bf16 ``tl.dot`` are wrong there (triton-lang/triton#11584, #4972). Our kernels upcast to fp32 right after
+every load (as they do on GPUs); kernels built on ``tl.dot`` are tested with fp32/fp16 on CPU and bf16 on
+GPUs (tests/gpu/test_kernels_gpu.py).
+
+Compiling. ``compile_only(module, target)`` makes every launch compile for a ``GPUTarget`` (sm_90,
+gfx942, ...) and return without running, so CPU tests catch compile errors, register spills and shared
+memory overflows on both vendors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+
+import torch
+
+_PACKAGE = __name__.rsplit(".", 1)[0]
+
+
+def _is_triton_python(name: str) -> bool:
+    return (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C")
+
+
+def _private(name: str) -> bool:
+    """Modules a private load re-imports: triton's Python side and our kernel modules (not this one)."""
+    return _is_triton_python(name) or (name.startswith(_PACKAGE + ".") and name != __name__)
+
+
+@contextlib.contextmanager
+def _interpret_env(interpret: bool) -> Iterator[None]:
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+@contextlib.contextmanager
+def _triton_installed(module: ModuleType) -> Iterator[None]:
+    """Within: ``import triton...`` resolves to ``module``'s private copy (triton imports inside functions)."""
+    private = module.private_triton_modules
+    displaced = {name: sys.modules.pop(name) for name in list(sys.modules) if _is_triton_python(name)}
+    sys.modules.update(private)
+    try:
+        with _interpret_env(module.triton_interpreted):
+            yield
+    finally:
+        private.update({name: sys.modules.pop(name) for name in list(sys.modules) if _is_triton_python(name)})
+        sys.modules.update(displaced)
+
+
+def _run_with_private_triton(kernel, module: ModuleType) -> None:
+    launch = kernel.run
+
+    def run(*args, **kwargs):
+        with _triton_installed(module):
+            return launch(*args, **kwargs)
+
+    kernel.run = run
+
+
+def load_kernel_module(module_name: str, *, interpret: bool = True) -> ModuleType:
+    """A private import of ``module_name`` with its kernels interpreted (CPU) or compiled (see compile_only)."""
+    package = sys.modules[_PACKAGE]
+    saved_modules = {name: sys.modules.pop(name) for name in list(sys.modules) if _private(name)}
+    saved_package = dict(vars(package))
+    try:
+        with _interpret_env(interpret):
+            module = importlib.import_module(module_name)
+    finally:
+        private = {name: sys.modules.pop(name) for name in list(sys.modules) if _private(name)}
+        sys.modules.update(saved_modules)
+        vars(package).clear()
+        vars(package).update(saved_package)
+    module.private_triton_modules = {name: m for name, m in private.items() if _is_triton_python(name)}
+    module.triton_interpreted = interpret
+    kernels = [value for value in vars(module).values() if type(value).__name__ in ("InterpretedFunction", "JITFunction")]
+    kind = "InterpretedFunction" if interpret else "JITFunction"
+    if not kernels or any(type(kernel).__name__ != kind for kernel in kernels):
+        raise RuntimeError(f"{module_name}: expected its Triton kernels to load as {kind}s")
+    if interpret:
+        for kernel in kernels:
+            _run_with_private_triton(kernel, module)
+    return module
+
+
+def assert_matches_oracle(name: str, actual, oracle, reference=None, rel_tol: float = 1e-5) -> None:
+    """Assert ``actual`` is as close to the float64 ``oracle`` as the eager torch ``reference`` is.
+
+    Error is the largest absolute difference. The bound is twice the reference's own error (both round to
+    the same low-precision outputs, in different orders) or, if larger, the oracle's magnitude times
+    ``rel_tol`` or two units of ``actual``'s precision; a wrong kernel misses it by orders of magnitude.
+    """
+    if actual.shape != oracle.shape:
+        raise AssertionError(f"{name}: shape {list(actual.shape)} != oracle shape {list(oracle.shape)}")
+    oracle = oracle.double()
+    error = (actual.double() - oracle).abs().max().item()
+    scale = oracle.abs().max().item()
+    bound = max(rel_tol, 2 * torch.finfo(actual.dtype).eps) * max(scale, 1e-30)
+    if reference is not None:
+        bound = max(bound, 2 * (reference.double() - oracle).abs().max().item())
+    if not error <= bound or not torch.isfinite(actual).all():
+        raise AssertionError(f"{name}: max error {error:.3g} vs float64 exceeds {bound:.3g} (|oracle| max {scale:.3g})")
+
+
+class _CompileOnlyDriver:
+    """Stands in for triton's GPU driver: reports ``target`` so launches specialise for it without a GPU."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_device(self):
+        return f"compile-only:{self.target.backend}:{self.target.arch}"  # kernels cache their backend per device
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+
+@contextlib.contextmanager
+def compile_only(module: ModuleType, target) -> Iterator[list]:
+    """Within: launches of ``module``'s kernels compile for ``target`` (a ``GPUTarget``) and do not run.
+
+    ``module`` comes from ``load_kernel_module(..., interpret=False)``. Host code runs for real (give it meta
+    tensors), so the specialisations are those a GPU run compiles. Yields the list of compiled kernels.
+    """
+    triton = module.triton
+    compiled = []
+
+    def compile_instead_of_run(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        options = json.loads(compile["specialization_data"])["options"]
+        options = {name: tuple(v) if isinstance(v, list) else v for name, v in options.items()}  # JSON made lists
+        source = triton.compiler.ASTSource(fn.jit_function, compile["signature"], compile["constants"],
+                                           compile["configs"][0])  # fmt: skip
+        compiled.append(triton.compile(source, target=target, options=options))
+        return True  # the launcher then returns without running anything
+
+    driver, previous_driver = triton.runtime.driver, triton.runtime.driver._active
+    triton.knobs.runtime.jit_cache_hook = compile_instead_of_run
+    driver.set_active(_CompileOnlyDriver(target))
+    try:
+        with _triton_installed(module):
+            yield compiled
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+        driver._active = previous_driver

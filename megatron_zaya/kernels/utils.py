@@ -1,0 +1,58 @@
+"""Launch helpers shared by the Triton kernels: when to run a kernel, and how big to make its blocks.
+
+Every kernel module exposes a plain function that runs the Triton kernel on GPU tensors (CUDA or ROCm,
+both appear as ``tensor.is_cuda``) and falls back to its plain-torch reference elsewhere, so the same model
+code runs on the CPU test machine. Under ``TRITON_INTERPRET=1`` (set before the kernel module is imported:
+triton 3.8 chooses interpreter vs compiler when ``@triton.jit`` runs) the kernels also run on CPU tensors,
+which is how the unit tests exercise them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+
+def is_interpreted(kernel) -> bool:
+    """True when ``kernel`` was decorated under ``TRITON_INTERPRET=1`` (runs on CPU tensors, in numpy).
+
+    Checked by class name: the tests load a private copy of triton (see ``testing.py``).
+    """
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def triton_runs(kernel, *tensors: torch.Tensor) -> bool:
+    """Whether ``kernel`` can run on ``tensors``: all on a GPU, or the kernel is interpreted."""
+    return is_interpreted(kernel) or all(t.is_cuda for t in tensors)
+
+
+@functools.cache
+def _multiprocessor_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def persistent_programs(device: torch.device, work_items: int, per_multiprocessor: int = 2) -> int:
+    """Grid size for a kernel whose programs loop over ``work_items``: a few per SM/CU, never more than items."""
+    if device.type == "cuda":
+        slots = per_multiprocessor * _multiprocessor_count(device.index if device.index is not None else 0)
+    else:  # the interpreter runs programs one after another; a few exercise the striding loop
+        slots = 3
+    return max(1, min(work_items, slots))
+
+
+def row_block(n_cols: int, max_cols: int, what: str) -> tuple[int, int]:
+    """(BLOCK, num_warps) for a kernel that holds one row of ``n_cols`` in registers."""
+    if n_cols > max_cols:
+        raise ValueError(
+            f"{what}: rows of {n_cols} elements exceed the {max_cols} this kernel keeps in registers; "
+            f"call the *_reference function for such shapes"
+        )
+    block = triton.next_power_of_2(n_cols)
+    return block, min(16, max(1, block // 256))
+
+
+def flat_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [..., D] as a contiguous [rows, D] view (a copy only when ``x`` is not contiguous)."""
+    return x.contiguous().view(-1, x.shape[-1])

@@ -1,0 +1,115 @@
+"""Residual-scaling + RMSNorm Triton kernels (CPU interpreter) against float64 torch."""
+
+import pytest
+import torch
+
+from megatron_zaya.kernels.testing import assert_matches_oracle, load_kernel_module
+
+kernels = load_kernel_module("megatron_zaya.kernels.residual_rmsnorm")
+EPS = 1e-5
+
+
+def _grads(outputs, inputs, grad_outputs):
+    """d(outputs . grad_outputs) / d inputs, for inputs that require grad."""
+    return torch.autograd.grad(outputs, inputs, [g.to(o.dtype) for o, g in zip(outputs, grad_outputs)])
+
+
+def _leaves(*tensors, dtype=None):
+    return [t.detach().to(dtype or t.dtype).requires_grad_() for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37, 96), (3, 5, 64)])
+def test_rms_norm_forward_backward(dtype, shape):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen).to(dtype) * 3
+    weight = (1 + 0.5 * torch.randn(shape[-1], generator=gen)).to(dtype)
+    grad = torch.randn(shape, generator=gen)
+
+    runs = {}
+    for name, fn, cast in [
+        ("kernel", kernels.rms_norm, None),
+        ("reference", kernels.rms_norm_reference, None),
+        ("oracle", kernels.rms_norm_reference, torch.float64),
+    ]:
+        inputs = _leaves(x, weight, dtype=cast)
+        out = fn(*inputs, EPS)
+        runs[name] = (out, *_grads([out], inputs, [grad]))
+
+    assert runs["kernel"][0].dtype == dtype
+    for i, what in enumerate(["out", "d_x", "d_weight"]):
+        assert_matches_oracle(what, runs["kernel"][i], runs["oracle"][i], runs["reference"][i])
+
+
+@pytest.mark.parametrize("hidden_dtype", [torch.float32, torch.bfloat16])
+def test_residual_rms_norm_forward_backward(hidden_dtype):
+    gen = torch.Generator().manual_seed(1)
+    rows, dim = 29, 80
+    hidden = torch.randn(rows, dim, generator=gen).to(hidden_dtype)
+    residual = torch.randn(rows, dim, generator=gen) * 4  # the fp32 residual stream
+    # Vectors in mixed dtypes, as under Float16Module: biases/scales bf16 or fp32, norm weight in the model dtype.
+    vectors = [
+        (0.1 * torch.randn(dim, generator=gen)).to(hidden_dtype),  # hidden_bias
+        (1 + 0.3 * torch.randn(dim, generator=gen)),  # hidden_scale (fp32)
+        (0.1 * torch.randn(dim, generator=gen)).to(hidden_dtype),  # residual_bias
+        (1 + 0.3 * torch.randn(dim, generator=gen)).to(hidden_dtype),  # residual_scale
+        (1 + 0.3 * torch.randn(dim, generator=gen)).to(hidden_dtype),  # norm weight
+    ]
+    grad_normed = torch.randn(rows, dim, generator=gen)
+    grad_residual = torch.randn(rows, dim, generator=gen)
+
+    runs = {}
+    for name, fn, cast in [
+        ("kernel", kernels.residual_rms_norm, None),
+        ("reference", kernels.residual_rms_norm_reference, None),
+        ("oracle", kernels.residual_rms_norm_reference, torch.float64),
+    ]:
+        inputs = _leaves(hidden, residual, *vectors, dtype=cast)
+        normed, new_residual = fn(*inputs, EPS)
+        runs[name] = (normed, new_residual, *_grads([normed, new_residual], inputs, [grad_normed, grad_residual]))
+
+    kernel = runs["kernel"]
+    assert kernel[0].dtype == hidden_dtype and kernel[1].dtype == torch.float32
+    assert kernel[2].dtype == hidden_dtype and kernel[3].dtype == torch.float32
+    names = ["normed", "new_residual", "d_hidden", "d_residual", "d_hidden_bias", "d_hidden_scale",
+             "d_residual_bias", "d_residual_scale", "d_weight"]  # fmt: skip
+    for i, what in enumerate(names):
+        assert_matches_oracle(what, kernel[i], runs["oracle"][i], runs["reference"][i])
+
+
+def test_reference_matches_transformers_zaya_modules():
+    """The reference is transformers' ZayaResidualScaling followed by ZayaRMSNorm (fp32 parameters)."""
+    from transformers.models.zaya.modeling_zaya import ZayaResidualScaling, ZayaRMSNorm
+
+    gen = torch.Generator().manual_seed(2)
+    scaling, norm = ZayaResidualScaling(48), ZayaRMSNorm(48, eps=EPS)
+    with torch.no_grad():
+        for p in [*scaling.parameters(), *norm.parameters()]:
+            p.copy_(torch.randn(p.shape, generator=gen))
+    hidden, residual = torch.randn(2, 7, 48, generator=gen), torch.randn(2, 7, 48, generator=gen)
+    expected_residual = scaling(hidden, residual)
+    normed, new_residual = kernels.residual_rms_norm_reference(
+        hidden, residual, scaling.hidden_states_bias, scaling.hidden_states_scale,
+        scaling.residual_bias, scaling.residual_scale, norm.weight, EPS,
+    )  # fmt: skip
+    torch.testing.assert_close(new_residual, expected_residual)
+    torch.testing.assert_close(normed, norm(expected_residual))
+
+
+def test_triton_rms_norm_module_is_a_megatron_norm():
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(sequence_parallel=True, normalization="RMSNorm", layernorm_zero_centered_gamma=False)
+    norm = kernels.TritonRMSNorm(config=config, hidden_size=64, eps=EPS)
+    assert norm.weight.sequence_parallel and list(norm.state_dict()) == ["weight"]
+    x = torch.randn(4, 2, 64)
+    torch.testing.assert_close(norm(x), kernels.rms_norm_reference(x, norm.weight, EPS))
+    with pytest.raises(ValueError, match="normalization"):
+        kernels.TritonRMSNorm(SimpleNamespace(**{**vars(config), "normalization": "LayerNorm"}), 64)
+
+
+def test_bad_shapes_raise_clear_errors():
+    with pytest.raises(ValueError, match=r"weight must have shape \[8\]"):
+        kernels.rms_norm(torch.randn(2, 8), torch.ones(7), EPS)
+    with pytest.raises(ValueError, match="exceed"):
+        kernels.rms_norm(torch.randn(1, kernels.MAX_HIDDEN + 1), torch.ones(kernels.MAX_HIDDEN + 1), EPS)
