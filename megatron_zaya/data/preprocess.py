@@ -16,6 +16,7 @@ import multiprocessing
 import multiprocessing.pool
 import os
 import sys
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import batched
@@ -95,7 +96,7 @@ def write_indexed_dataset(
 
     documents = (doc for path in paths for doc in read_documents(path, json_key, split_lines))
     batches = batched(documents, DOCUMENTS_PER_BATCH)
-    temp_prefix = f"{output_prefix}.tmp{os.getpid()}"
+    temp_prefix = f"{output_prefix}.tmp-{uuid.uuid4().hex[:12]}"  # unique across ranks and hosts
     n_documents = n_tokens = 0
     builder = IndexedDatasetBuilder(get_bin_path(temp_prefix), dtype=dtype)
     try:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 from megatron.training.arguments import add_megatron_arguments
@@ -80,6 +82,25 @@ def test_embedded_dataset_is_built_once(tmp_path, chapters):
     stamps = {p: os.stat(p).st_mtime_ns for p in (prefix + ".bin", prefix + ".idx")}
     assert embedded_dataset_prefix(str(cache)) == prefix
     assert {p: os.stat(p).st_mtime_ns for p in stamps} == stamps  # cached, not rewritten
+
+
+def test_megatron_gpt_dataset_reads_the_embedded_data(tmp_path, chapters, megatron_tokenizer):
+    """`--data-path <prefix>` as pretrain uses it: every sample is pieces of chapters joined by EOD."""
+    tokenizer, _ = megatron_tokenizer
+    config = GPTDatasetConfig(
+        random_seed=1234, sequence_length=128, blend=([embedded_dataset_prefix(str(tmp_path))], None),
+        split="98,2,0", tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=False, path_to_cache=str(tmp_path / "index-cache"), mid_level_dataset_surplus=0.005,
+    )
+    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, [8, 2, None], lambda: True, config).build()
+    corpus = "\n".join(chapters)
+    for sample in (train[0], train[7], valid[1]):
+        ids = sample["tokens"].tolist() + sample["labels"][-1:].tolist()
+        assert sample["labels"][:-1].tolist() == ids[1:-1]
+        pieces = np.split(np.array(ids), np.flatnonzero(np.array(ids) == tokenizer.eod))
+        for piece in pieces:
+            text = REFERENCE.decode([t for t in piece.tolist() if t != tokenizer.eod])
+            assert text in corpus
 
 
 def test_build_script_regenerates_the_shipped_tokenizer(tmp_path, chapters):
