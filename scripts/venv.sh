@@ -24,6 +24,6 @@ fi
 stamp=.venv/.megatron-zaya-installed
 if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[hf,dev]"
+  .venv/bin/python -m pip install -q -e ".[dev]"
   touch "$stamp"
 fi

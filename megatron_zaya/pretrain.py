@@ -1,0 +1,166 @@
+"""``zaya-pretrain`` (also ``python -m megatron_zaya.pretrain``): Megatron's ``pretrain()`` for ZAYA1.
+
+Every ``pretrain_gpt`` flag works unchanged; ZAYA1 adds ``--zaya-*`` flags and presets. With no data flag
+the run uses the embedded corpus and tokenizer (the "main job": the ``tiny`` preset, a few hundred steps,
+a checkpoint, a loss-curve PNG). Examples::
+
+    zaya-pretrain                                              # the embedded main job (CPU or GPU)
+    torchrun --nproc-per-node 8 -m megatron_zaya.pretrain --zaya-preset zaya1-8b \\
+        --data-path /data/corpus_text_document --tokenizer-type HuggingFaceTokenizer \\
+        --tokenizer-model google/gemma-3-4b-pt --seq-length 4096 --micro-batch-size 1 \\
+        --global-batch-size 512 --train-iters 100000 --lr 2e-3 --bf16 --save ckpt --load ckpt
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from .training.arguments import UsageError
+
+EMBEDDED_RUN_DIR = "runs/zaya-tiny"
+
+# Training flags of the embedded main job (prepended: any explicit flag wins).
+MAIN_JOB_FLAGS = [
+    "--seq-length", "128", "--micro-batch-size", "8", "--global-batch-size", "16", "--train-iters", "300",
+    "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "20",
+    "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "10", "--eval-interval", "100",
+    "--eval-iters", "2", "--split", "98,2,0", "--seed", "1234", "--save-interval", "300",
+    "--save", EMBEDDED_RUN_DIR, "--load", EMBEDDED_RUN_DIR,
+]
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    value = None
+    for i, token in enumerate(argv):
+        if token == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif token.startswith(flag + "="):
+            value = token.split("=", 1)[1]
+    return value
+
+
+def _has(argv: list[str], *flags: str) -> bool:
+    return any(t == f or t.startswith(f + "=") for t in argv for f in flags)
+
+
+def build_argv(argv: list[str], cuda: bool) -> list[str]:
+    """ZAYA1's flags, the preset's, platform and main-job defaults, then the user's (last wins)."""
+    from .config import PRESETS, preset
+    from .training.arguments import ZAYA_FLAGS, preset_flags
+
+    name = _flag_value(argv, "--zaya-preset")
+    if name is None and not _has(argv, "--num-layers"):
+        name = "tiny"
+    if name is not None and name not in PRESETS:
+        raise UsageError(f"unknown preset {name!r} for --zaya-preset; choose one of {', '.join(PRESETS)}")
+    flags = list(ZAYA_FLAGS) + (preset_flags(name) if name else [])
+    flags += [] if cuda else ["--distributed-backend", "gloo", "--use-cpu-initialization"]
+
+    if not _has(argv, "--data-path", "--mock-data", "--train-data-path", "--data-args-path"):
+        from .data import embedded_dataset_prefix, embedded_tokenizer_dir
+
+        flags += MAIN_JOB_FLAGS + (["--bf16"] if cuda else [])
+        flags += ["--data-path", embedded_dataset_prefix(str(Path(EMBEDDED_RUN_DIR).parent / "embedded-data")),
+                  "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", embedded_tokenizer_dir()]
+    elif _has(argv, "--mock-data") and not _has(argv, "--tokenizer-type"):
+        vocab = _flag_value(argv, "--zaya-vocab-size") or (preset(name)["vocab_size"] if name else None)
+        if vocab is None:
+            raise UsageError("--mock-data needs a vocabulary: give --zaya-preset, --zaya-vocab-size or a tokenizer")
+        flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(int(vocab) - 1)]  # + the EOD token
+    return flags + argv
+
+
+def _relaunch_on_all_gpus(argv: list[str]) -> None:
+    """Started without a launcher on a machine with several GPUs: re-run under torchrun on all of them."""
+    import torch
+
+    if torch.cuda.device_count() > 1 and "WORLD_SIZE" not in os.environ:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={torch.cuda.device_count()}", "-m", "megatron_zaya.pretrain", *argv]
+        os.execv(sys.executable, command)
+
+
+def _parse(argv: list[str]):
+    """Megatron's argument parsing with ZAYA1's flags; our checks first, so that bad input fails in one line."""
+    from megatron.training.arguments import parse_and_validate_args, parse_args
+    from megatron.training.global_vars import get_tokenizer
+
+    from .training.arguments import add_zaya_args, check_args
+
+    sys.argv = ["zaya-pretrain", *argv]
+    check_args(parse_args(add_zaya_args), int(os.environ.get("WORLD_SIZE", "1")))
+    try:
+        args = parse_and_validate_args(add_zaya_args)
+    except AssertionError as error:
+        raise UsageError(f"invalid arguments: {error}") from error
+    tokenizer_vocab = get_tokenizer().vocab_size
+    model_vocab = args.zaya_vocab_size or args.padded_vocab_size
+    if tokenizer_vocab > model_vocab:
+        raise UsageError(f"the tokenizer has {tokenizer_vocab} tokens but the model's vocabulary is {model_vocab}; "
+                         "use a tokenizer that fits or raise --zaya-vocab-size")
+    args.padded_vocab_size = model_vocab
+    return args
+
+
+def run(argv: list[str]) -> None:
+    import torch
+
+    from .patches import apply_patches
+
+    cuda = torch.cuda.is_available()
+    argv = build_argv(argv, cuda)
+    apply_patches(_flag_value(argv, "--zaya-patches"))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 20000))
+
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    from .training.loss_curve import LOSS_CURVE
+    from .training.steps import forward_step, model_provider, train_valid_test_datasets_provider
+
+    args = _parse(argv)
+    plot = args.zaya_loss_plot or (str(Path(args.save) / "loss.png") if args.save else None)
+    LOSS_CURVE.enabled = plot is not None
+    pretrain(pretrain_cfg_container_from_args(args, None), train_valid_test_datasets_provider,
+             ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+    _finish(args, plot)
+
+
+def _finish(args, plot: str | None) -> None:
+    """On the rank that computed losses (last stage, first DP and TP rank): the plot and what to run next."""
+    from megatron.core import parallel_state as mpu
+
+    from .training.loss_curve import LOSS_CURVE
+
+    if not (mpu.is_pipeline_last_stage() and mpu.get_data_parallel_rank() == 0
+            and mpu.get_tensor_model_parallel_rank() == 0):
+        return
+    lines = []
+    if plot and LOSS_CURVE.points():
+        lines.append(f"loss curve: {LOSS_CURVE.write(plot)}")
+    if args.save:
+        lines += [f"checkpoint: {args.save}",
+                  f"continue training: zaya-pretrain --load {args.save} --save {args.save} "
+                  f"--train-iters {2 * args.train_iters} --override-opt_param-scheduler  (plus this run's flags)",
+                  f"convert to Hugging Face: zaya-convert export-hf {args.save} {args.save}-hf"]
+    if lines:
+        print("\n[zaya] done.\n  " + "\n  ".join(lines), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _relaunch_on_all_gpus(argv)
+    try:
+        run(argv)
+    except UsageError as error:
+        print(f"zaya-pretrain: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

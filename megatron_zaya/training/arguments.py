@@ -1,0 +1,162 @@
+"""``zaya-pretrain`` arguments: Megatron's own flags, ZAYA1's ``--zaya-*`` flags, and presets as flag bundles.
+
+A preset expands to ordinary Megatron flags placed *before* the user's, so an explicit flag always wins
+(argparse keeps the last value). ZAYA1's fixed choices (RMSNorm, SwiGLU, no biases, RoPE, top-1 routing,
+no aux loss, no dropout) are such a bundle too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from ..config import ATTENTION_TYPES, PRESETS, SKIP_MODES, ZayaConfig, ZayaConfigError, preset
+
+
+class UsageError(ValueError):
+    """Bad command-line input: printed as one line ``zaya-pretrain: error: ...``, exit code 2."""
+
+
+# ZAYA1's architecture, expressed in Megatron's flags.
+ZAYA_FLAGS = [
+    "--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--swiglu", "--disable-bias-linear",
+    "--position-embedding-type", "rope", "--rotary-percent", "0.5", "--no-rope-fusion",
+    "--moe-router-topk", "1", "--moe-router-pre-softmax", "--moe-router-load-balancing-type", "none",
+    "--moe-aux-loss-coeff", "0", "--moe-token-dispatcher-type", "alltoall",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--transformer-impl", "local",
+    "--ckpt-format", "torch_dist", "--no-gradient-accumulation-fusion",
+]
+
+# ZayaConfig preset field -> the flag that sets it.
+_PRESET_FLAGS = {
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
+    "num_query_groups": "--num-query-groups", "kv_channels": "--kv-channels", "ffn_hidden_size": "--ffn-hidden-size",
+    "num_moe_experts": "--num-experts", "router_hidden_size": "--zaya-router-hidden-size",
+    "vocab_size": "--zaya-vocab-size", "max_position_embeddings": "--max-position-embeddings",
+    "rotary_base": "--rotary-base", "skip_mode": "--zaya-skip-mode",
+}
+
+
+def preset_flags(name: str) -> list[str]:
+    """The Megatron / ZAYA flags a preset stands for."""
+    flags = ["--group-query-attention"]
+    values = preset(name)
+    for field, value in values.items():
+        text = str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+        flags += [_PRESET_FLAGS[field], text]  # Megatron parses --rotary-base as an int
+    flags += ["--moe-ffn-hidden-size", str(values["ffn_hidden_size"])]
+    return flags
+
+
+def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron ``extra_args_provider``: the ``--zaya-*`` flags."""
+    g = parser.add_argument_group("ZAYA1")
+    g.add_argument("--zaya-preset", choices=sorted(PRESETS), default=None,
+                   help="fill the model flags with a named shape; explicit flags win")
+    g.add_argument("--zaya-patches", default=None,
+                   help="patch hooks to apply: all | none | ids/groups, comma-separated (zaya-patches list)")
+    g.add_argument("--zaya-vocab-size", type=int, default=None,
+                   help="model vocabulary (embedding rows); default: the tokenizer's, padded")
+    g.add_argument("--zaya-cca-time0", type=int, default=2, help="CCA depthwise conv taps")
+    g.add_argument("--zaya-cca-time1", type=int, default=2, help="CCA per-head grouped conv taps")
+    g.add_argument("--zaya-key-temperature-init", type=float, default=1.0)
+    g.add_argument("--zaya-sliding-window", type=int, default=None, help="tokens a sliding layer attends to")
+    g.add_argument("--zaya-sliding-rotary-base", type=float, default=10_000.0)
+    g.add_argument("--zaya-attention-types", default=None,
+                   help="comma-separated global|sliding per layer, or a shorter pattern repeated over the layers")
+    g.add_argument("--zaya-router-hidden-size", type=int, default=256)
+    g.add_argument("--zaya-no-router-eda", dest="zaya_router_eda", action="store_false",
+                   help="disable exponential depth averaging of the router state")
+    g.add_argument("--zaya-no-skip-class", dest="zaya_skip_class", action="store_false")
+    g.add_argument("--zaya-skip-mode", choices=SKIP_MODES, default="zero",
+                   help="a skipped token outputs 0 (ZAYA1-8B) or p_skip*x (ZAYA1-base)")
+    g.add_argument("--zaya-skip-bias-init", type=float, default=-1.0)
+    g.add_argument("--zaya-balancing-lr", type=float, default=1e-3, help="Adam lr of the balancing biases")
+    g.add_argument("--zaya-balancing-betas", type=float, nargs=2, default=(0.9, 0.999))
+    g.add_argument("--zaya-balancing-eps", type=float, default=1e-8)
+    g.add_argument("--zaya-balance-skip-class", action="store_true", help="also balance the skip class")
+    g.add_argument("--zaya-no-residual-scaling", dest="zaya_residual_scaling", action="store_false")
+    g.add_argument("--zaya-lm-head-precision", choices=("fp32", "param"), default="fp32",
+                   help="fp32: logits from an fp32 matmul (ZAYA1's high-precision head)")
+    g.add_argument("--zaya-core-attention", choices=("sdpa", "te"), default="sdpa")
+    g.add_argument("--zaya-loss-plot", default=None, help="write the training-loss curve here (PNG)")
+    return parser
+
+
+def expand_attention_types(spec: str | None, num_layers: int) -> list[str] | None:
+    if spec is None:
+        return None
+    pattern = [t.strip() for t in spec.split(",") if t.strip()]
+    unknown = set(pattern) - set(ATTENTION_TYPES)
+    if unknown or not pattern:
+        raise UsageError(f"--zaya-attention-types: unknown types {sorted(unknown)}; use {','.join(ATTENTION_TYPES)}")
+    return [pattern[i % len(pattern)] for i in range(num_layers)]
+
+
+def zaya_config_from_args(args) -> ZayaConfig:
+    """The model config of a (validated) Megatron args namespace."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    overrides = dict(
+        vocab_size=args.padded_vocab_size, max_position_embeddings=args.max_position_embeddings,
+        tie_embeddings=not args.untie_embeddings_and_output_weights,
+        lm_head_fp32=args.zaya_lm_head_precision == "fp32", cca_time0=args.zaya_cca_time0,
+        cca_time1=args.zaya_cca_time1, key_temperature_init=args.zaya_key_temperature_init,
+        rotary_percent=args.rotary_percent, rotary_base=float(args.rotary_base),
+        sliding_window=args.zaya_sliding_window, sliding_rotary_base=args.zaya_sliding_rotary_base,
+        attention_types=expand_attention_types(args.zaya_attention_types, args.num_layers),
+        router_hidden_size=args.zaya_router_hidden_size, router_eda=args.zaya_router_eda,
+        skip_class=args.zaya_skip_class, skip_mode=args.zaya_skip_mode, skip_bias_init=args.zaya_skip_bias_init,
+        balancing_lr=args.zaya_balancing_lr, balancing_betas=tuple(args.zaya_balancing_betas),
+        balancing_eps=args.zaya_balancing_eps, balance_skip_class=args.zaya_balance_skip_class,
+        residual_scaling=args.zaya_residual_scaling, apply_rope_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+    )
+    view = argparse.Namespace(**{**vars(args), **overrides})  # Megatron copies same-named fields from args
+    try:
+        return core_transformer_config_from_args(view, ZayaConfig)
+    except ZayaConfigError as error:
+        raise UsageError(str(error)) from error
+
+
+# --------------------------------------------------------------------------------- checks before Megatron
+def _data_prefixes(values: list[str] | None) -> list[str]:
+    """The path prefixes of a ``--data-path`` list (``[w1] p1 [w2] p2 ...``)."""
+    if not values:
+        return []
+    def is_number(text):
+        try:
+            float(text)
+            return True
+        except ValueError:
+            return False
+    return [v for v in values if not is_number(v)]
+
+
+def check_args(args, world_size: int) -> None:
+    """Fail early, in one line, on input Megatron would reject with a traceback (or not at all)."""
+    for prefix in _data_prefixes(args.data_path) + _data_prefixes(args.train_data_path):
+        for suffix in (".bin", ".idx"):
+            path = Path(prefix + suffix)
+            if not path.is_file() or not os.access(path, os.R_OK):
+                raise UsageError(f"data path {prefix!r}: {path} is missing or unreadable; build it with "
+                                 "zaya-preprocess or fix --data-path")
+    if args.max_position_embeddings is not None and args.seq_length is not None \
+            and args.seq_length > args.max_position_embeddings:
+        raise UsageError(f"--seq-length {args.seq_length} exceeds the model's positions "
+                         f"(--max-position-embeddings {args.max_position_embeddings}); shorten it or raise the limit")
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    ep = args.expert_model_parallel_size
+    etp = args.expert_tensor_parallel_size or tp
+    if world_size % (tp * pp * cp):
+        raise UsageError(f"world size {world_size} is not divisible by TP*PP*CP = {tp}*{pp}*{cp}; "
+                         "change the parallel sizes or the number of processes")
+    if world_size % (etp * ep * pp):
+        raise UsageError(f"world size {world_size} is not divisible by expert TP*EP*PP = {etp}*{ep}*{pp}; "
+                         "change --expert-model-parallel-size")
+    if args.num_experts and args.num_experts % ep:
+        raise UsageError(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}")
+    if args.num_query_groups and args.num_query_groups % tp:
+        raise UsageError(f"--num-query-groups {args.num_query_groups} is not divisible by TP {tp}: CCA splits "
+                         "KV heads across TP ranks; use a TP size that divides the KV heads")

@@ -1,0 +1,85 @@
+"""Once per optimizer step: update every ZAYA1 router's balancing biases, and log the expert load.
+
+Installed as the model config's ``finalize_model_grads_func``, the hook Megatron's training loop calls
+once per step after the last micro-batch's backward (``megatron.training.training.train`` keeps a
+function a model builder set there). It runs Megatron's own ``finalize_model_grads``, then:
+
+1. sums each router's per-class token counts of this step over the tensor-, data- and context-parallel
+   ranks of its pipeline stage (with sequence parallelism every TP rank routes different tokens; without
+   it the TP ranks count the same tokens, which scales all counts alike and leaves the shares unchanged);
+2. takes one Adam step per router on its biases with gradient ``share - 1/E`` (spec §4.8);
+3. every ``--log-interval`` steps, logs the load of the most unbalanced layer in Megatron's
+   ``key: value |`` form and every layer's load to TensorBoard / W&B when those are enabled.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+from ..model.router import ZayaRouter
+
+
+def routers(model_chunks) -> list[ZayaRouter]:
+    return [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, ZayaRouter)]
+
+
+def step_balancing(model_chunks) -> list[dict]:
+    """All-reduce this step's counts, update the biases, reset the counts; per-layer load statistics."""
+    found = routers(model_chunks)
+    if not found:
+        return []
+    counts = torch.stack([r.tokens_per_class for r in found])  # [layers, classes]
+    if torch.distributed.is_initialized():
+        group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        torch.distributed.all_reduce(counts, group=group)
+    stats = []
+    for router, layer_counts in zip(found, counts):
+        router.update_balancing_biases(layer_counts)
+        router.tokens_per_class.zero_()
+        experts = layer_counts[: router.num_experts]
+        total = layer_counts.sum().clamp_min(1)
+        share = experts / experts.sum().clamp_min(1)
+        biases = router.balancing_biases[: router.num_experts]
+        stats.append({
+            "layer": router.layer_number, "max share": share.max().item(), "min share": share.min().item(),
+            "skip rate": (layer_counts[router.num_experts:].sum() / total).item(),
+            "bias min": biases.min().item(), "bias max": biases.max().item(),
+        })
+    return stats
+
+
+def finalize_model_grads_with_balancing(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+    """Megatron's ``finalize_model_grads`` followed by the ZAYA1 balancing step (see the module docstring)."""
+    finalize_model_grads(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    stats = step_balancing(model)
+    if stats:
+        _log(stats)
+
+
+def _log(stats: list[dict]) -> None:
+    from megatron.training import get_args
+    from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+    from megatron.training.utils import print_rank_last
+
+    args = get_args()
+    iteration = getattr(args, "curr_iteration", 0) + 1
+    if iteration % args.log_interval:
+        return
+    worst = max(stats, key=lambda s: s["max share"] - s["min share"])
+    print_rank_last(
+        f" [zaya] iteration {iteration:8d} | expert share max: {worst['max share']:.3f} | "
+        f"expert share min: {worst['min share']:.3f} (layer {worst['layer']}) | "
+        f"skip rate: {max(s['skip rate'] for s in stats):.4f} | "
+        f"bias range: [{min(s['bias min'] for s in stats):.4f}, {max(s['bias max'] for s in stats):.4f}] |"
+    )
+    writers = [w for w in (get_tensorboard_writer(), get_wandb_writer()) if w is not None]
+    for layer in stats:
+        for key in ("max share", "min share", "skip rate", "bias min", "bias max"):
+            name = f"zaya/layer{layer['layer']:02d}/{key.replace(' ', '_')}"
+            for writer in writers:
+                if hasattr(writer, "add_scalar"):
+                    writer.add_scalar(name, layer[key], iteration)
+                else:
+                    writer.log({name: layer[key]}, iteration)

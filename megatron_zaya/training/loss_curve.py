@@ -1,0 +1,53 @@
+"""The training-loss curve of this rank: recorded by the loss function, written as CSV and PNG at the end."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+
+class LossCurve:
+    """Per-iteration token-weighted mean of this rank's training loss (micro-batches of a step pooled)."""
+
+    def __init__(self):
+        self.enabled = False
+        self._sums: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
+
+    def add(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        if not self.enabled or not torch.is_grad_enabled():  # evaluation runs under no_grad
+            return
+        from megatron.training import get_args
+
+        entry = self._sums[get_args().curr_iteration + 1]
+        entry[0] += float(loss_sum)
+        entry[1] += float(num_tokens)
+
+    def points(self) -> list[tuple[int, float]]:
+        return [(it, s / max(n, 1.0)) for it, (s, n) in sorted(self._sums.items())]
+
+    def write(self, png_path: str | Path) -> Path:
+        """Write ``png_path`` and a ``.csv`` beside it; returns the PNG path."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        png = Path(png_path)
+        png.parent.mkdir(parents=True, exist_ok=True)
+        points = self.points()
+        png.with_suffix(".csv").write_text("iteration,loss\n" + "".join(f"{i},{v!r}\n" for i, v in points))
+        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+        ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2)
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("training loss (nats/token)")
+        ax.set_title("ZAYA1 training loss")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(png)
+        plt.close(fig)
+        return png
+
+
+LOSS_CURVE = LossCurve()
