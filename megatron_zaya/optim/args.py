@@ -56,7 +56,7 @@ def parse_coefficients(text: str, steps: int) -> tuple[tuple[float, float, float
     if steps < 1:
         raise ValueError(f"--zaya-muon-ns-steps must be at least 1, got {steps}")
     if len(triples) == 1:
-        return triples * steps
+        return tuple(triples) * steps
     if len(triples) != steps:
         raise ValueError(
             f"--zaya-muon-ns-coefficients gives {len(triples)} triples but --zaya-muon-ns-steps is {steps}; "

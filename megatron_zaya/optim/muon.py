@@ -47,6 +47,7 @@ class MuonConfig:
     gather_numel: int = 1 << 28
 
     def __post_init__(self):
+        object.__setattr__(self, "coefficients", tuple(tuple(float(x) for x in c) for c in self.coefficients))
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"--zaya-muon-momentum must be in [0, 1), got {self.momentum}")
         if not self.coefficients or any(len(c) != 3 for c in self.coefficients):

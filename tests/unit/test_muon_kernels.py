@@ -1,0 +1,134 @@
+"""The symmetric Newton–Schulz Triton kernels vs plain float64 (issue #5, kernels), without a GPU.
+
+* Interpreted (``TRITON_INTERPRET=1`` via ``kernels.testing.load_kernel_module``, fp32: the interpreter's
+  bf16 ``tl.dot`` is wrong) on small ragged shapes, so the masks, triangle indexing and mirroring run.
+* Compiled for NVIDIA sm_90 and AMD gfx942 at ZAYA1-8B shapes (``compile_only``): no spills, shared memory
+  within the chip's limit.
+* The torch fallback where Triton is absent or there is no GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+import megatron_zaya.kernels.newton_schulz as ns_module
+from megatron_zaya.kernels.testing import compile_only, load_kernel_module
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return load_kernel_module("megatron_zaya.kernels.newton_schulz", interpret=True)
+
+
+@pytest.mark.parametrize("batch,m,k,block", [(1, 5, 7, 16), (3, 40, 72, 16), (2, 50, 33, 32)])
+def test_gram_is_x_xt(interpreted, batch, m, k, block):
+    Y = torch.randn(batch, m, k, generator=torch.Generator().manual_seed(m))
+    out = interpreted.gram(Y, block_m=block, block_k=16)
+    ref = Y.double() @ Y.double().mT
+    assert torch.allclose(out.double(), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+    assert torch.equal(out, out.mT)  # the mirrored half is the exact transpose
+
+
+@pytest.mark.parametrize("batch,m,block", [(2, 37, 16), (1, 64, 32)])
+def test_fused_polynomial_step(interpreted, batch, m, block):
+    """B = b·A + c·A·A for a symmetric A, in one pass over the lower triangle."""
+    X = torch.randn(batch, m, m + 9, generator=torch.Generator().manual_seed(m)) / m
+    A = X @ X.mT
+    b, c = -4.7750, 2.0315
+    out = interpreted.gram(A, alpha=c, aux=A, beta=b, block_m=block, block_k=16)
+    ref = b * A.double() + c * A.double() @ A.double()
+    assert torch.allclose(out.double(), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+    assert torch.equal(out, out.mT)
+
+
+@pytest.mark.parametrize("shape", [(2, 24, 40), (40, 24)])
+def test_newton_schulz_triton_matches_reference(interpreted, shape):
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(5))
+    coefficients = (interpreted.QUINTIC_COEFFICIENTS,) * 5
+    ref = torch.from_numpy(_numpy_newton_schulz(G.double().numpy(), coefficients))
+    out = interpreted.newton_schulz(G, coefficients, dtype=torch.float32, backend="triton")
+    assert out.shape == G.shape
+    assert (out.double() - ref).abs().max() <= 2e-5
+
+
+def _numpy_newton_schulz(G, coefficients, eps=1e-7):
+    """An independent float64 NumPy oracle (batched over leading axes)."""
+    X = G / (np.sqrt((G**2).sum(axis=(-2, -1), keepdims=True)) + eps)
+    transposed = X.shape[-2] > X.shape[-1]
+    X = np.swapaxes(X, -1, -2) if transposed else X
+    for a, b, c in coefficients:
+        A = X @ np.swapaxes(X, -1, -2)
+        X = a * X + (b * A + c * A @ A) @ X
+    return np.swapaxes(X, -1, -2) if transposed else X
+
+
+def test_auto_backend_uses_torch_on_cpu():
+    """Without a GPU (and not interpreted) ``auto`` is the torch reference, and ``triton`` is refused clearly."""
+    G = torch.randn(3, 16, 20, generator=torch.Generator().manual_seed(2))
+    coefficients = (ns_module.QUINTIC_COEFFICIENTS,) * 5
+    if not ns_module.TRITON_INTERPRETED:
+        out = ns_module.newton_schulz(G, coefficients, dtype=torch.float32)
+        assert torch.equal(out, ns_module.newton_schulz_reference(G, coefficients, dtype=torch.float32))
+        with pytest.raises(RuntimeError, match="needs Triton and a GPU tensor"):
+            ns_module.newton_schulz(G, coefficients, backend="triton")
+    with pytest.raises(ValueError, match="unknown Newton–Schulz backend"):
+        ns_module.newton_schulz(G, coefficients, backend="cuda")
+
+
+def test_torch_fallback_without_triton(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # ``import triton`` raises ImportError
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    spec = importlib.util.spec_from_file_location("newton_schulz_without_triton", ns_module.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert not module.HAVE_TRITON
+    G = torch.randn(24, 40, generator=torch.Generator().manual_seed(4))
+    coefficients = (module.QUINTIC_COEFFICIENTS,) * 5
+    out = module.newton_schulz(G, coefficients, dtype=torch.float32)
+    ref = torch.from_numpy(_numpy_newton_schulz(G.double().numpy(), coefficients))
+    assert (out.double() - ref).abs().max() <= 2e-5
+    with pytest.raises(RuntimeError, match="needs Triton"):
+        module.newton_schulz(G, coefficients, backend="triton")
+
+
+# ZAYA1-8B Newton–Schulz operands (m <= n after the transpose): experts fc1 (16 at once), q, k.
+ZAYA_SHAPES = [(16, 2048, 4096), (1, 1024, 2048), (1, 256, 2048)]
+SHARED_LIMIT = {"sm_90": 227 * 1024, "gfx942": 64 * 1024}
+
+
+def _spills(kernel, target_name, triton) -> int:
+    if target_name == "sm_90":
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(kernel.asm["cubin"])
+            cubin.flush()
+            usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", cubin.name],
+                                   capture_output=True, text=True, check=True).stdout  # fmt: skip
+        return sum(int(n) for n in re.findall(r"LOCAL:(\d+)", usage))
+    return sum(int(n) for n in re.findall(r"\.[sv]gpr_spill_count:\s+(\d+)", kernel.asm["amdgcn"]))
+
+
+@pytest.mark.parametrize("target_name", ["sm_90", "gfx942"])
+def test_kernels_compile_for_gpus_at_zaya_shapes(target_name):
+    module = load_kernel_module("megatron_zaya.kernels.newton_schulz", interpret=False)
+    GPUTarget = module.triton.backends.compiler.GPUTarget
+    target = {"sm_90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}[target_name]
+    with compile_only(module, target) as compiled:
+        for batch, m, n in ZAYA_SHAPES:
+            X = torch.empty(batch, m, n, dtype=torch.bfloat16, device="meta")
+            A = torch.empty(batch, m, m, dtype=torch.bfloat16, device="meta")
+            module.gram(X)
+            module.gram(A, alpha=2.0, aux=A, beta=-4.0)
+    assert len(compiled) == 2 * len(ZAYA_SHAPES)
+    for kernel in compiled:
+        assert _spills(kernel, target_name, module.triton) == 0, f"{kernel.name} spills on {target_name}"
+        assert kernel.metadata.shared <= SHARED_LIMIT[target_name], f"{kernel.name} shared memory on {target_name}"

@@ -1,0 +1,109 @@
+"""Newton–Schulz orthogonalisation vs the float64 polar factor of an SVD (issue #5, tests).
+
+Newton–Schulz keeps the singular vectors of G and maps each normalised singular value σ̂ = σ / ‖G‖_F
+through the scalar polynomials p(σ) = a·σ + b·σ³ + c·σ⁵ of its steps. The oracle is therefore
+U · diag(φ(σ̂)) · Vᵀ from a float64 SVD, with φ the composition of the p's evaluated in float64; the band
+the coefficients promise is the range of φ over [δ, 1], computed from the coefficients on a dense grid.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_zaya.kernels.newton_schulz import QUINTIC_COEFFICIENTS, newton_schulz
+
+QUINTIC = (QUINTIC_COEFFICIENTS,) * 5
+EPS = 1e-7
+
+
+def phi(sigma: torch.Tensor, coefficients) -> torch.Tensor:
+    for a, b, c in coefficients:
+        sigma = a * sigma + b * sigma**3 + c * sigma**5
+    return sigma
+
+
+def promised_band(coefficients, delta: float) -> tuple[float, float]:
+    grid = torch.logspace(torch.log10(torch.tensor(delta)).item(), 0.0, 200_001, dtype=torch.float64)
+    values = phi(grid, coefficients)
+    return values.min().item(), values.max().item()
+
+
+def oracle(G: torch.Tensor, coefficients) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(expected output, normalised input singular values, polar factor U Vᵀ), all float64."""
+    G = G.double()
+    U, S, Vh = torch.linalg.svd(G, full_matrices=False)
+    sigma_hat = S / (torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True).squeeze(-1) + EPS)
+    expected = U @ torch.diag_embed(phi(sigma_hat, coefficients)) @ Vh
+    return expected, sigma_hat, U @ Vh
+
+
+def orthogonal(n: int, generator: torch.Generator) -> torch.Tensor:
+    q, r = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=generator))
+    return q * torch.sign(torch.diagonal(r))
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (3, 16, 28), (32, 32)])
+def test_random_matrices_follow_the_singular_value_map(shape):
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
+    out = newton_schulz(G, QUINTIC, EPS, dtype=torch.float32, backend="torch")
+    expected, sigma_hat, polar = oracle(G, QUINTIC)
+    assert out.shape == G.shape and out.dtype == torch.float32
+    assert (out.double() - expected).abs().max() <= 2e-5
+
+    delta = sigma_hat.min().item()
+    low, high = promised_band(QUINTIC, delta)
+    sv = torch.linalg.svdvals(out.double())
+    assert sv.min() >= low - 1e-4 and sv.max() <= high + 1e-4
+    # Distance to the polar factor is bounded by how far the band strays from 1.
+    deviation = max(1 - low, high - 1)
+    assert torch.linalg.matrix_norm(out.double() - polar, ord=2).max() <= deviation + 1e-4
+
+
+def test_ill_conditioned_matrix():
+    g = torch.Generator().manual_seed(7)
+    m, n = 32, 48
+    sigma = torch.logspace(0, -6, m, dtype=torch.float64)  # condition number 1e6
+    G = (orthogonal(m, g) @ torch.diag(sigma) @ orthogonal(n, g)[:m]).float()
+    out = newton_schulz(G, QUINTIC, EPS, dtype=torch.float32, backend="torch")
+    expected, sigma_hat, _ = oracle(G, QUINTIC)
+    assert (out.double() - expected).abs().max() <= 1e-4
+
+    sv = torch.linalg.svdvals(out.double())  # φ is not monotone: compare as sorted sets
+    assert torch.allclose(sv, phi(sigma_hat, QUINTIC).sort(descending=True).values, atol=1e-5, rtol=0)
+    delta = 1e-3  # singular directions above δ must land in the band the coefficients promise
+    low, high = promised_band(QUINTIC, delta)
+    inside = sigma_hat >= delta
+    assert inside.sum() >= 10 and (~inside).sum() >= 5  # both regimes are exercised
+    # U · diag(·) · Vᵀ keeps the pairing: project the output on each input singular direction.
+    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    per_direction = torch.einsum("mi,mn,in->i", U, out.double(), Vh)
+    assert per_direction[inside].min() >= low - 1e-4 and per_direction[inside].max() <= high + 1e-4
+    assert not ((per_direction[~inside] >= low - 1e-4).all())  # tiny ones are still on their way up
+
+
+def test_configurable_coefficients_and_steps():
+    """Twelve cubic steps (a, b, c) = (1.5, -0.5, 0) converge to the polar factor itself."""
+    G = torch.randn(20, 36, generator=torch.Generator().manual_seed(3))
+    cubic = ((1.5, -0.5, 0.0),) * 12
+    out = newton_schulz(G, cubic, EPS, dtype=torch.float32, backend="torch")
+    expected, sigma_hat, polar = oracle(G, cubic)
+    assert (out.double() - expected).abs().max() <= 2e-5
+    residual = (phi(sigma_hat, cubic) - 1).abs().max().item()
+    assert residual < 1e-3  # twelve cubic steps converge from these σ̂ ...
+    assert torch.linalg.matrix_norm(out.double() - polar, ord=2) <= residual + 1e-5  # ... to the polar factor
+    # The per-step form takes a different triple each step.
+    mixed = (QUINTIC_COEFFICIENTS, (1.5, -0.5, 0.0), (2.0, -1.5, 0.5))
+    out = newton_schulz(G, mixed, EPS, dtype=torch.float32, backend="torch")
+    assert (out.double() - oracle(G, mixed)[0]).abs().max() <= 2e-5
+
+
+def test_bfloat16_stays_in_the_band():
+    """The default training dtype: bf16 rounding widens the band by about a percent, no more."""
+    G = torch.randn(4, 64, 96, generator=torch.Generator().manual_seed(11))
+    out = newton_schulz(G, QUINTIC, EPS, dtype=torch.bfloat16, backend="torch")
+    assert out.dtype == torch.bfloat16
+    _, sigma_hat, _ = oracle(G, QUINTIC)
+    low, high = promised_band(QUINTIC, sigma_hat.min().item())
+    sv = torch.linalg.svdvals(out.double())
+    assert sv.min() >= low - 0.03 and sv.max() <= high + 0.03
