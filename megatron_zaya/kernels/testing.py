@@ -97,7 +97,8 @@ def load_kernel_module(module_name: str, *, interpret: bool = True) -> ModuleTyp
         vars(package).update(saved_package)
     module.private_triton_modules = {name: m for name, m in private.items() if _is_triton_python(name)}
     module.triton_interpreted = interpret
-    kernels = [value for value in vars(module).values() if type(value).__name__ in ("InterpretedFunction", "JITFunction")]
+    kernel_types = ("InterpretedFunction", "JITFunction")
+    kernels = [value for value in vars(module).values() if type(value).__name__ in kernel_types]
     kind = "InterpretedFunction" if interpret else "JITFunction"
     if not kernels or any(type(kernel).__name__ != kind for kernel in kernels):
         raise RuntimeError(f"{module_name}: expected its Triton kernels to load as {kind}s")

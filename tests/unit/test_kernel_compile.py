@@ -13,7 +13,7 @@ import torch
 
 from megatron_zaya.kernels.testing import compile_only, load_kernel_module
 
-TOKENS, HIDDEN = 8192, 2048
+TOKENS, HIDDEN, FFN = 8192, 2048, 2048
 BF16, FP32 = torch.bfloat16, torch.float32
 
 
@@ -31,7 +31,14 @@ def _rmsnorm(k):
     _backward(list(k.residual_rms_norm(_meta(TOKENS, HIDDEN), _meta(TOKENS, HIDDEN, dtype=FP32), *vectors, 1e-5)))
 
 
-CASES = {"residual_rmsnorm": (_rmsnorm, 4)}  # module: (run forward+backward on meta tensors, kernels launched)
+def _swiglu(k):
+    fc1_out = _meta(TOKENS, 2 * FFN)
+    _backward([k.swiglu(fc1_out)])
+    _backward([k.swiglu(fc1_out, _meta(TOKENS, 1, dtype=FP32))])
+
+
+# module: (run forward+backward on meta tensors, number of kernel launches)
+CASES = {"residual_rmsnorm": (_rmsnorm, 4), "swiglu": (_swiglu, 4)}
 
 
 def _target(name, triton):

@@ -1,0 +1,71 @@
+"""The ``kernels`` patch group: registration, and that each patch wires its kernel where Megatron looks."""
+
+import pytest
+import torch
+
+from megatron_zaya.patches.registry import REGISTRY, skip_reason
+
+KERNEL_PATCHES = ["kernels.rmsnorm", "kernels.swiglu"]
+
+
+def test_kernel_patches_are_registered_for_gpus_only_with_an_off_switch():
+    import megatron_zaya.patches.kernels  # noqa: F401  (registers the group)
+
+    assert sorted(p for p in REGISTRY if p.startswith("kernels.")) == sorted(KERNEL_PATCHES)
+    for patch_id in KERNEL_PATCHES:
+        patch = REGISTRY[patch_id]
+        assert patch.kernel and patch.platforms == ("cuda", "rocm")
+        assert "Off:" in patch.doc and patch_id in patch.doc
+        assert skip_reason(patch, "cpu") is not None and skip_reason(patch, "rocm") is None
+
+
+def _config(normalization):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, normalization=normalization)
+
+
+def test_rmsnorm_patch_builds_triton_rmsnorm_in_local_specs(monkeypatch):
+    from megatron.core.models import backends
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from megatron_zaya.kernels.residual_rmsnorm import TritonRMSNorm
+
+    for module, name in [(backends, "WrappedTorchNorm"), (backends, "LNImpl"), (gpt_layer_specs, "LNImpl")]:
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    REGISTRY["kernels.rmsnorm"].fn()
+
+    submodules = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm").submodules
+    norm = submodules.input_layernorm(config=_config("RMSNorm"), hidden_size=64, eps=1e-5)
+    assert isinstance(norm, TritonRMSNorm) and norm.eps == 1e-5
+    final_norm = gpt_layer_specs.LNImpl(config=_config("RMSNorm"), hidden_size=64, eps=1e-6)
+    assert isinstance(final_norm, TritonRMSNorm) and final_norm.eps == 1e-6
+    assert isinstance(gpt_layer_specs.LNImpl(config=_config("LayerNorm"), hidden_size=64), torch.nn.LayerNorm)
+
+
+def test_swiglu_patch_routes_megatron_calls_to_the_kernel(monkeypatch):
+    from megatron.core.transformer import mlp
+    from megatron.core.transformer.moe import experts, shared_experts
+
+    from megatron_zaya.kernels.swiglu import swiglu_reference
+
+    originals = []
+
+    def megatron_default(*args):
+        originals.append(args)
+        return "megatron"
+
+    for module, name in [(mlp, "bias_swiglu_impl"), (shared_experts, "bias_swiglu_impl"),
+                         (mlp, "weighted_bias_swiglu_impl"), (experts, "weighted_bias_swiglu_impl")]:  # fmt: skip
+        monkeypatch.setattr(module, name, megatron_default)
+    REGISTRY["kernels.swiglu"].fn()
+
+    x, probs = torch.randn(6, 2, 16), torch.rand(12, 1)
+    torch.testing.assert_close(mlp.bias_swiglu_impl(x, None), swiglu_reference(x))
+    torch.testing.assert_close(shared_experts.bias_swiglu_impl(x, None), swiglu_reference(x))
+    flat = x.view(12, 16)
+    torch.testing.assert_close(experts.weighted_bias_swiglu_impl(flat, None, probs), swiglu_reference(flat, probs))
+    torch.testing.assert_close(mlp.weighted_bias_swiglu_impl(flat, None, probs), swiglu_reference(flat, probs))
+    assert originals == []
+    assert mlp.bias_swiglu_impl(x, None, True) == "megatron"  # fp8 activation store stays Megatron's
+    assert experts.weighted_bias_swiglu_impl(flat, None, probs, True) == "megatron"
