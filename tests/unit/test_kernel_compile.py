@@ -13,7 +13,7 @@ import torch
 
 from megatron_zaya.kernels.testing import compile_only, load_kernel_module
 
-TOKENS, HIDDEN, FFN = 8192, 2048, 2048
+TOKENS, HIDDEN, FFN, EXPERTS = 8192, 2048, 2048, 16
 BF16, FP32 = torch.bfloat16, torch.float32
 
 
@@ -37,8 +37,13 @@ def _swiglu(k):
     _backward([k.swiglu(fc1_out, _meta(TOKENS, 1, dtype=FP32))])
 
 
+def _router(k):
+    probs, _, skip_gate, _ = k.route_top1(_meta(TOKENS, EXPERTS + 1, dtype=FP32), _meta(EXPERTS + 1, dtype=FP32), EXPERTS)
+    _backward([probs, skip_gate])
+
+
 # module: (run forward+backward on meta tensors, number of kernel launches)
-CASES = {"residual_rmsnorm": (_rmsnorm, 4), "swiglu": (_swiglu, 4)}
+CASES = {"residual_rmsnorm": (_rmsnorm, 4), "swiglu": (_swiglu, 4), "router": (_router, 2)}
 
 
 def _target(name, triton):

@@ -1,0 +1,68 @@
+"""ZAYA top-1 router epilogue Triton kernel (CPU interpreter) against float64 torch and transformers' ZayaRouter."""
+
+import pytest
+import torch
+
+from megatron_zaya.kernels.testing import assert_matches_oracle, load_kernel_module
+
+kernels = load_kernel_module("megatron_zaya.kernels.router")
+EXPERTS = 5
+
+
+def _inputs(tokens, logits_dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (2 * torch.randn(tokens, EXPERTS + 1, generator=gen)).to(logits_dtype)
+    biases = 0.3 * torch.randn(EXPERTS + 1, generator=gen)
+    biases[-1] = 0.1  # the skip class wins for some tokens
+    return logits, biases
+
+
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_route_top1_forward_backward(logits_dtype):
+    logits, biases = _inputs(77, logits_dtype)  # 77 tokens: three blocks, the last one partial
+    grad_probs = torch.randn(77, EXPERTS)
+    grad_skip = torch.randn(77)
+
+    runs = {}
+    for name, fn, cast in [("kernel", kernels.route_top1, None), ("reference", kernels.route_top1_reference, None),
+                           ("oracle", kernels.route_top1_reference, torch.float64)]:  # fmt: skip
+        leaf = logits.detach().to(cast or logits.dtype).requires_grad_()
+        probs, routing_map, skip_gate, counts = fn(leaf, biases.to(cast or biases.dtype), EXPERTS)
+        grads = [grad_probs.to(probs.dtype), grad_skip.to(probs.dtype)]
+        (grad_logits,) = torch.autograd.grad([probs, skip_gate], [leaf], grads)
+        runs[name] = probs, routing_map, skip_gate, counts, grad_logits
+
+    kernel, reference, oracle = runs["kernel"], runs["reference"], runs["oracle"]
+    assert torch.equal(kernel[1], oracle[1]) and kernel[1].dtype == torch.bool  # same choices as float64
+    assert torch.equal(kernel[3], oracle[3]) and kernel[3].dtype == torch.int64
+    assert 0 < kernel[3][-1] < 77 and kernel[1].sum() + kernel[3][-1] == 77  # some tokens skip; one class each
+    assert kernel[0].dtype == kernel[2].dtype == torch.float32 and kernel[4].dtype == logits_dtype
+    for i, name in [(0, "probs"), (2, "skip_gate"), (4, "d_logits")]:
+        assert_matches_oracle(name, kernel[i], oracle[i], reference[i])
+
+
+def test_reference_matches_transformers_zaya_router_selection():
+    """Same expert, same unbiased gate as transformers' ZayaRouter (which zeroes the skip class)."""
+    from transformers.models.zaya.configuration_zaya import ZayaConfig
+    from transformers.models.zaya.modeling_zaya import ZayaRouter
+
+    torch.manual_seed(0)
+    config = ZayaConfig(hidden_size=32, router_hidden_size=16, num_experts=EXPERTS, num_hidden_layers=2)
+    router = ZayaRouter(config, layer_idx=0)
+    router.balancing_biases.copy_(_inputs(1, torch.float32, seed=1)[1])
+    hidden = torch.randn(2, 9, 32)
+    logits, hf_probs, hf_indices, _ = router(hidden)
+
+    probs, routing_map, skip_gate, counts = kernels.route_top1_reference(logits, router.balancing_biases, EXPERTS)
+    skipped = skip_gate > 0
+    assert 0 < skipped.sum() < 18
+    assert torch.equal(routing_map.int().argmax(-1)[~skipped], hf_indices[~skipped, 0])
+    torch.testing.assert_close(probs.sum(-1), hf_probs[:, 0])  # HF gives the skip class weight 0
+    assert counts.sum() == 18
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match="num_experts \\+ 1"):
+        kernels.route_top1(torch.randn(4, EXPERTS), torch.zeros(EXPERTS + 1), EXPERTS)
+    with pytest.raises(ValueError, match="balancing biases"):
+        kernels.route_top1(torch.randn(4, EXPERTS + 1), torch.zeros(EXPERTS), EXPERTS)
