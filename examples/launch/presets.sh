@@ -19,7 +19,8 @@
 #   bf16 weights 17.7 GB + fp32 grads 35.4 GB + fp32 master weights and Adam moments 106 GB / N
 #   = 66 GB at N = 8, 54 GB at N = 128. Activations per micro-batch of one 4096-token sequence:
 #   ~10 GB for 40 blocks + 8.6 GB for the fp32 logits and their gradient (4096 x 262272 x 4 B x 2).
-#   H100 80 GB: 66 + 19 does not fit, so full recompute (~10 GB of activations, tight on one node);
+#   H100 80 GB: 66 + 19 does not fit, so full recompute (~10 GB of activations, tight on one node;
+#   it needs ZayaTransformerBlock to honour Megatron's --recompute-* flags, which it did not yet);
 #   H200 141 GB: 2 -> ~104 GB; MI300X 192 GB: 4 -> ~142 GB; MI355X 288 GB: 8 -> ~218 GB.
 #
 # GEMM tuning on ROCm (hipBLASLt offline tuning), opt-in:

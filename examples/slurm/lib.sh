@@ -32,13 +32,15 @@ zaya_master_addr() {
   echo "${hosts%%$'\n'*}"
 }
 
-# zaya_mounts PATH...: "p:p,q:q,..." for the existing paths among PATH... (each once) plus CONTAINER_MOUNTS.
-# A path that does not exist (a hub model name, an output prefix) contributes its parent if that exists.
+# zaya_mounts PATH...: "p:p,q:q,..." for the existing paths among PATH... (each once, made absolute)
+# plus CONTAINER_MOUNTS. A path that does not exist (a hub model name, a data prefix) contributes
+# its parent directory if that exists.
 zaya_mounts() {
   local path mounts=() seen=" "
   for path in "$@"; do
     [[ -e $path ]] || path=$(dirname "$path")
-    [[ -e $path && $path == /* ]] || continue
+    [[ -e $path ]] || continue
+    path=$(realpath "$path")
     if [[ $seen != *" $path "* ]]; then
       seen+="$path "
       mounts+=("$path:$path")
@@ -51,7 +53,8 @@ zaya_mounts() {
 
 # zaya_srun_prefix "PATH..." SRUN_OPTION...: set the array ZAYA_SRUN to the srun command, with the
 # container around it, to which the caller appends the command to run in it. The container sees
-# ZAYA_REPO, RUN_DIR and the space-separated host PATHs at their own paths, and not your home
+# ZAYA_REPO, the submission directory (its working directory, so relative paths mean what they
+# mean here), RUN_DIR and the space-separated host PATHs at their own paths, and not your home
 # directory (a ~/.local site-packages there could shadow the image's packages).
 # SRUN_OPTIONs take the --name=value form.
 # shellcheck disable=SC2034  # ZAYA_SRUN is this function's output
@@ -59,18 +62,18 @@ zaya_srun_prefix() {
   local paths mounts
   read -r -a paths <<<"$1"
   shift
-  mounts=$(zaya_mounts "$ZAYA_REPO" "$RUN_DIR" "${paths[@]}")
+  mounts=$(zaya_mounts "$ZAYA_REPO" "$PWD" "$RUN_DIR" "${paths[@]}")
   case "${CONTAINER_RUNTIME:-pyxis}" in
     pyxis)
       zaya_require CONTAINER_IMAGE
       ZAYA_SRUN=(srun "$@" --container-image="$CONTAINER_IMAGE" --container-mounts="$mounts"
-        --container-workdir="$RUN_DIR" --no-container-mount-home)
+        --container-workdir="$PWD" --no-container-mount-home)
       ;;
     apptainer)
       zaya_require CONTAINER_IMAGE
       local gpu_flag=--nv
       [[ $ZAYA_PLATFORM != mi* ]] || gpu_flag=--rocm
-      ZAYA_SRUN=(srun "$@" apptainer exec "$gpu_flag" --no-home --bind="$mounts" --pwd="$RUN_DIR"
+      ZAYA_SRUN=(srun "$@" apptainer exec "$gpu_flag" --no-home --bind="$mounts" --pwd="$PWD"
         "$CONTAINER_IMAGE")
       ;;
     none) ZAYA_SRUN=(srun "$@") ;;

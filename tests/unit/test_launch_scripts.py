@@ -57,7 +57,7 @@ MASTER_PORT = str(20000 + JOB_ID % 10000)
 
 def base_env(tmp_path: Path, **extra) -> dict[str, str]:
     """A clean environment with the fakes first on PATH, then this venv (python3 with megatron-zaya)."""
-    (tmp_path / "records").mkdir(exist_ok=True)
+    (tmp_path / "records").mkdir(parents=True, exist_ok=True)
     env = {
         "PATH": f"{FAKEBIN}:{Path(sys.executable).parent}:/usr/bin:/bin",
         "HOME": str(tmp_path),
@@ -183,7 +183,7 @@ def torchrun_argv(node_rank: int, command_args: list[str]) -> list[str]:
 
 def pretrain_job(tmp_path: Path, platform: str, **extra) -> tuple[dict[str, str], Path, list[str], Path]:
     run_dir, data_dir, tokenizer = tmp_path / "run", tmp_path / "data", tmp_path / "tokenizer"
-    data_dir.mkdir()
+    data_dir.mkdir(parents=True)
     tokenizer.mkdir()
     data = ["0.7", f"{data_dir}/web_text_document", "0.3", f"{data_dir}/code_text_document"]
     env = slurm_job_env(tmp_path, ZAYA_PLATFORM=platform, RUN_DIR=run_dir, DATA_PATH=" ".join(data),
@@ -200,12 +200,12 @@ def test_pretrain_sbatch_gives_each_node_its_torchrun_line_and_environment(tmp_p
     assert [c["argv"][1:] for c in records(tmp_path, "scontrol")] == [["show", "hostnames", "gpu-a[01-02]"]]
     (srun,) = records(tmp_path, "srun")
     data_dir = tmp_path / "data"
-    mounts = f"{REPO}:{REPO},{run_dir}:{run_dir},{data_dir}:{data_dir},{tokenizer}:{tokenizer}"
+    mounts = ",".join(f"{p}:{p}" for p in (REPO, tmp_path, run_dir, data_dir, tokenizer))
     assert srun["options"] == {
         "nodes": "2", "ntasks-per-node": "1", "cpus-per-task": "128", "kill-on-bad-exit": "1",
         "output": f"{run_dir}/logs/train-%j-restart0-node%n.log",
         "container-image": "/images/megatron-zaya.sqsh", "container-mounts": mounts,
-        "container-workdir": str(run_dir), "no-container-mount-home": "",
+        "container-workdir": str(tmp_path), "no-container-mount-home": "",
     }
     train_args = expected_train_args(run_dir, data, tokenizer, MICRO_BATCH_8B[platform])
     if platform == "h100":
@@ -317,7 +317,7 @@ def test_hf_roundtrip_imports_trains_exports_and_resumes(tmp_path):
 def preprocess_env(tmp_path: Path, task: int) -> dict[str, str]:
     raw = tmp_path / "raw"
     raw.mkdir(exist_ok=True)
-    for name in ("web.jsonl", "Code.txt", "books.json"):
+    for name in ("web.jsonl.gz", "Code.txt", "books.jsonl"):
         (raw / name).write_text("{}\n")
     (tmp_path / "tokenizer").mkdir(exist_ok=True)
     return slurm_job_env(tmp_path, ZAYA_PLATFORM="mi300x", INPUTS=f"{raw}/*", OUTPUT_DIR=tmp_path / "out",
@@ -330,12 +330,22 @@ def test_preprocess_array_task_takes_its_file_in_sorted_order(tmp_path):
     assert proc.returncode == 0, proc.stderr
     (call,) = records(tmp_path, "zaya-preprocess")
     raw, out = tmp_path / "raw", tmp_path / "out"
-    # C-locale order: Code.txt, books.json, web.jsonl
-    assert call["argv"][1:] == ["--input", f"{raw}/web.jsonl", "--output-prefix", f"{out}/web",
+    # C-locale order: Code.txt, books.jsonl, web.jsonl.gz
+    assert call["argv"][1:] == [f"{raw}/web.jsonl.gz", "--output-prefix", f"{out}/web",
                                 "--tokenizer", str(tmp_path / "tokenizer"), "--workers", "32"]
     (srun,) = records(tmp_path, "srun")
     assert srun["options"]["output"] == f"{out}/logs/preprocess-70_2.log"
-    assert f"{raw}/web.jsonl:{raw}/web.jsonl" in srun["options"]["container-mounts"].split(",")
+    assert f"{raw}/web.jsonl.gz:{raw}/web.jsonl.gz" in srun["options"]["container-mounts"].split(",")
+
+
+def test_preprocess_array_task_skips_a_finished_output(tmp_path):
+    env = preprocess_env(tmp_path, 0)
+    (tmp_path / "out").mkdir()
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"out/Code{suffix}").write_bytes(b"")
+    proc = run(SLURM / "preprocess_data.sbatch", env, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "exist already" in proc.stdout and not records(tmp_path, "zaya-preprocess")
 
 
 def test_preprocess_array_task_beyond_the_inputs_says_which_array_to_submit(tmp_path):
@@ -405,3 +415,58 @@ def test_full_model_on_one_large_gpu_uses_micro_batch_one(tmp_path):
     (call,) = records(tmp_path, "torchrun")
     argv = call["argv"]
     assert argv[argv.index("--micro-batch-size") + 1] == "1" and "--nproc-per-node=1" in argv
+
+
+# --- the flags parse in zaya-pretrain ----------------------------------------------------------
+
+PARSE_WITH_ZAYA_PRETRAIN = """
+import json, sys
+from megatron.training.arguments import parse_args
+from megatron_zaya.patches import apply_patches
+from megatron_zaya.pretrain import build_argv
+from megatron_zaya.training.arguments import add_zaya_args
+apply_patches(None)
+parsed = []
+for argv in json.loads(sys.stdin.read()):
+    sys.argv = ["zaya-pretrain", *build_argv(argv, cuda=True)]
+    args = parse_args(add_zaya_args)
+    parsed.append({k: getattr(args, k) for k in ("num_layers", "micro_batch_size", "data_path", "load", "finetune",
+                                                  "exit_signal_handler", "mock_data")})
+print(json.dumps(parsed))
+"""
+
+
+def test_every_generated_command_line_parses_in_zaya_pretrain(tmp_path):
+    """The scripts' flags exist in zaya-pretrain (Megatron's parser plus --zaya-*), not only in our tests.
+
+    OPTIMIZER=adam: Megatron's parser does not list zaya_muon among --optimizer's choices yet.
+    """
+    command_lines = []
+    env, run_dir, data, _ = pretrain_job(tmp_path / "job", "h100", OPTIMIZER="adam")
+    assert run(SLURM / "pretrain_zaya1_8b.sbatch", env, tmp_path / "job").returncode == 0
+    hf_model = tmp_path / "roundtrip/hf"
+    hf_model.mkdir(parents=True)
+    env = slurm_job_env(tmp_path / "roundtrip", ZAYA_PLATFORM="mi300x", HF_MODEL=hf_model,
+                        RUN_DIR=tmp_path / "roundtrip/run", DATA_PATH="/d/web", OPTIMIZER="adam",
+                        CONTAINER_RUNTIME="none")
+    assert run(SLURM / "hf_roundtrip.sbatch", env, tmp_path / "roundtrip").returncode == 0
+    for model in ("tiny", "zaya1-8b-shallow"):
+        one_node = tmp_path / model
+        one_node.mkdir()
+        assert run(REPO / "examples/pretrain.sh", base_env(one_node, ZAYA_PLATFORM="h200", MODEL=model),
+                   one_node).returncode == 0
+    for job in ("job", "roundtrip", "tiny", "zaya1-8b-shallow"):
+        call = records(tmp_path / job, "torchrun")[0]["argv"]
+        command_lines.append(call[call.index("zaya-pretrain") + 1:])
+
+    proc = subprocess.run([sys.executable, "-c", PARSE_WITH_ZAYA_PRETRAIN], input=json.dumps(command_lines),
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job, roundtrip, tiny, shallow = json.loads(proc.stdout.splitlines()[-1])
+    assert job | {"data_path": None} == {"num_layers": 40, "micro_batch_size": 1, "data_path": None,
+                                         "load": f"{run_dir}/checkpoints", "finetune": False,
+                                         "exit_signal_handler": True, "mock_data": False}
+    assert job["data_path"] == data
+    assert roundtrip["load"] == f"{tmp_path}/roundtrip/run/imported" and roundtrip["finetune"]
+    assert tiny["num_layers"] == 4 and tiny["load"] == "runs/tiny/checkpoints"
+    assert shallow["num_layers"] == 8 and shallow["micro_batch_size"] == 2 and shallow["mock_data"]
