@@ -51,6 +51,28 @@ zaya_mounts() {
   echo "${mounts[*]}"
 }
 
+# zaya_input_files: set the array ZAYA_INPUT_FILES to the files the glob INPUTS matches, in the same
+# (C-locale) order everywhere, so array task i of preprocess_data.sbatch is file i here too.
+# shellcheck disable=SC2034  # ZAYA_INPUT_FILES is this function's output
+zaya_input_files() {
+  local matches
+  shopt -s nullglob
+  # shellcheck disable=SC2206  # INPUTS is a glob to expand
+  matches=($INPUTS)
+  shopt -u nullglob
+  ((${#matches[@]})) || zaya_die "INPUTS='$INPUTS' matches no file"
+  mapfile -t ZAYA_INPUT_FILES < <(printf '%s\n' "${matches[@]}" | LC_ALL=C sort)
+}
+
+# zaya_output_prefix FILE: the .bin/.idx prefix zaya-preprocess writes FILE to:
+# OUTPUT_DIR/<file name without .gz and its extension>.
+zaya_output_prefix() {
+  local name
+  name=$(basename "$1")
+  name=${name%.gz}
+  echo "$OUTPUT_DIR/${name%.*}"
+}
+
 # zaya_srun_prefix "PATH..." SRUN_OPTION...: set the array ZAYA_SRUN to the srun command, with the
 # container around it, to which the caller appends the command to run in it. The container sees
 # ZAYA_REPO, the submission directory (its working directory, so relative paths mean what they

@@ -354,6 +354,21 @@ def test_preprocess_array_task_beyond_the_inputs_says_which_array_to_submit(tmp_
     assert proc.stderr == "error: array task 3 has no input: INPUTS matches 3 files; submit with --array=0-2\n"
 
 
+def test_submit_pipeline_chains_preprocessing_and_pretraining(tmp_path):
+    env = preprocess_env(tmp_path, 0) | {"RUN_DIR": str(tmp_path / "run")}
+    proc = subprocess.run(["bash", str(SLURM / "submit_pipeline.sh"), "--nodes=16", "--partition=gpu"], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "preprocessing: job 1001 (3 array tasks); pretraining: job 1002\n"
+    preprocess, pretrain = records(tmp_path, "sbatch")
+    assert preprocess["argv"][1:] == ["--parsable", "--array=0-2", str(SLURM / "preprocess_data.sbatch")]
+    assert pretrain["argv"][1:] == ["--parsable", "--dependency=afterok:1001", "--nodes=16", "--partition=gpu",
+                                    str(SLURM / "pretrain_zaya1_8b.sbatch")]
+    out = tmp_path / "out"
+    assert pretrain["env"]["DATA_PATH"] == f"{out}/Code {out}/books {out}/web"  # array-task order
+    assert preprocess["env"]["ZAYA_REPO"] == pretrain["env"]["ZAYA_REPO"] == str(REPO)
+
+
 # --- examples/pretrain.sh (one node) -----------------------------------------------------------
 
 
