@@ -3,9 +3,10 @@
 #
 #   ZAYA_PLATFORM=mi300x source examples/launch/presets.sh      # mi300x | mi355x | h100 | h200
 #
-# Sourced by the image's entrypoint (Dockerfile.rocm), examples/pretrain.sh and
-# examples/slurm/node_launch.sh, so a container, a one-node run and a Slurm job all get the same
-# settings. A variable is set here only when it is unset or empty: anything you export first wins.
+# Sourced by the image's entrypoint (Dockerfile.rocm), examples/pretrain.sh, the Slurm jobs
+# (examples/slurm/lib.sh) and, on every node, examples/slurm/node_launch.sh, so a container, a
+# one-node run and a Slurm job all get the same settings. A variable is set here only when it is
+# unset or empty: anything you export first wins.
 #
 # Besides the environment below, it sets GPUS_PER_NODE (torchrun processes per node, default 8) and
 # these shell variables (not exported):

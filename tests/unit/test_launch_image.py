@@ -71,8 +71,8 @@ def test_dockerfile_builds_from_a_pinned_rocm_primus_tag():
 def test_dockerfile_base_versions_satisfy_setup_py():
     python_requires, requires = setup_py()
     found = labels(dockerfile()[1])
-    assert found["ai.zaya.base.python"] in python_requires
-    assert Version(found["ai.zaya.base.torch"]) in requires["torch"].specifier
+    assert found["megatron-zaya.base.python"] in python_requires
+    assert Version(found["megatron-zaya.base.torch"]) in requires["torch"].specifier
 
 
 def test_dockerfile_pins_agree_with_setup_py():
