@@ -104,3 +104,69 @@ def use_triton_swiglu() -> None:
     for module in (mlp, experts):
         weighted = _triton_weighted_bias_swiglu(module.weighted_bias_swiglu_impl)
         replace_attr(module, "weighted_bias_swiglu_impl", weighted)
+
+
+def _tensor_parallel_size(tp_group) -> int:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if tp_group is not None:
+        return dist.get_world_size(tp_group)
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_world_size()
+    return 1
+
+
+def _triton_loss(logits, target):
+    from megatron_zaya.kernels.cross_entropy import cross_entropy
+
+    return cross_entropy(logits, target)
+
+
+def _triton_vocab_parallel_cross_entropy(original):
+    @functools.wraps(original)
+    def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None):
+        if label_smoothing or _tensor_parallel_size(tp_group) > 1:
+            return original(vocab_parallel_logits, target, label_smoothing, tp_group)
+        return _triton_loss(vocab_parallel_logits, target)
+
+    return vocab_parallel_cross_entropy
+
+
+def _triton_fused_vocab_parallel_cross_entropy(original):
+    @functools.wraps(original)
+    def fused_vocab_parallel_cross_entropy(vocab_parallel_logits, target, tp_group):
+        if _tensor_parallel_size(tp_group) > 1:
+            return original(vocab_parallel_logits, target, tp_group)
+        return _triton_loss(vocab_parallel_logits, target)
+
+    return fused_vocab_parallel_cross_entropy
+
+
+@register(
+    "kernels.cross_entropy",
+    target="megatron.core.tensor_parallel.vocab_parallel_cross_entropy",
+    platforms=GPU,
+    kernel=True,
+)
+def use_triton_cross_entropy() -> None:
+    """Compute the language-model loss with the Triton cross-entropy when the vocabulary is not split (TP=1).
+
+    ``LanguageModule.compute_language_model_loss`` calls ``tensor_parallel.vocab_parallel_cross_entropy``
+    (or ``fused_vocab_parallel_cross_entropy`` with ``--cross-entropy-loss-fusion``), which upcasts the
+    [s, b, V] logits to fp32 and makes several full passes (max, exp, sum, softmax kept for the backward):
+    at ZAYA1's V = 262,272 that is GBs of traffic and memory per micro-batch. The Triton kernel makes one
+    read of the logits forward and one read + one write backward, keeping only a [s*b] logsumexp.
+    Replaced: ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy`` (looked up there at call time)
+    and ``language_module.fused_vocab_parallel_cross_entropy``. Tensor-parallel vocabularies and label
+    smoothing go to Megatron's implementation. (The LM head fused with the loss, ``linear_cross_entropy``,
+    needs the model to skip materialising logits; ZAYA's model calls it directly.) Off: leave
+    ``kernels.cross_entropy`` out of ``--zaya-patches`` / ``ZAYA_PATCHES``.
+    """
+    from megatron.core import tensor_parallel
+    from megatron.core.models.common.language_module import language_module
+
+    plain = _triton_vocab_parallel_cross_entropy(tensor_parallel.vocab_parallel_cross_entropy)
+    replace_attr(tensor_parallel, "vocab_parallel_cross_entropy", plain)
+    fused = _triton_fused_vocab_parallel_cross_entropy(language_module.fused_vocab_parallel_cross_entropy)
+    replace_attr(language_module, "fused_vocab_parallel_cross_entropy", fused)

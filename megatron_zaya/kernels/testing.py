@@ -148,12 +148,16 @@ def compile_only(module: ModuleType, target) -> Iterator[list]:
     """Within: launches of ``module``'s kernels compile for ``target`` (a ``GPUTarget``) and do not run.
 
     ``module`` comes from ``load_kernel_module(..., interpret=False)``. Host code runs for real (give it meta
-    tensors), so the specialisations are those a GPU run compiles. Yields the list of compiled kernels.
+    tensors), so the specialisations are those a GPU run compiles. Yields the list of compiled kernels,
+    one per distinct specialisation.
     """
     triton = module.triton
-    compiled = []
+    compiled, seen = [], set()
 
     def compile_instead_of_run(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        if (fn.jit_function, key) in seen:  # launches with the same specialisation compile once
+            return True
+        seen.add((fn.jit_function, key))
         options = json.loads(compile["specialization_data"])["options"]
         options = {name: tuple(v) if isinstance(v, list) else v for name, v in options.items()}  # JSON made lists
         source = triton.compiler.ASTSource(fn.jit_function, compile["signature"], compile["constants"],

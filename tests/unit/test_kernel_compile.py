@@ -13,7 +13,7 @@ import torch
 
 from megatron_zaya.kernels.testing import compile_only, load_kernel_module
 
-TOKENS, HIDDEN, FFN, EXPERTS = 8192, 2048, 2048, 16
+TOKENS, HIDDEN, FFN, EXPERTS, VOCAB = 8192, 2048, 2048, 16, 262272
 BF16, FP32 = torch.bfloat16, torch.float32
 
 
@@ -42,8 +42,19 @@ def _router(k):
     _backward([probs, skip_gate])
 
 
-# module: (run forward+backward on meta tensors, number of kernel launches)
-CASES = {"residual_rmsnorm": (_rmsnorm, 4), "swiglu": (_swiglu, 4), "router": (_router, 2)}
+def _cross_entropy(k):
+    labels = torch.zeros(TOKENS, dtype=torch.int64, device="meta")
+    _backward([k.cross_entropy(_meta(TOKENS, VOCAB), labels)])
+    _backward([k.linear_cross_entropy(_meta(TOKENS, HIDDEN), _meta(VOCAB, HIDDEN), labels)])
+
+
+# module: (run forward+backward on meta tensors, the kernels that must have been compiled)
+CASES = {
+    "residual_rmsnorm": (_rmsnorm, {"_forward_kernel", "_backward_kernel"}),
+    "swiglu": (_swiglu, {"_forward_kernel", "_backward_kernel"}),
+    "router": (_router, {"_forward_kernel", "_backward_kernel"}),
+    "cross_entropy": (_cross_entropy, {"_logsumexp_kernel", "_grad_kernel"}),
+}
 
 
 def _target(name, triton):
@@ -72,10 +83,10 @@ SHARED_LIMIT = {"sm_90": 227 * 1024, "gfx942": 64 * 1024}
 def test_kernels_compile_without_spills(module_name, target_name, monkeypatch):
     module = load_kernel_module(f"megatron_zaya.kernels.{module_name}", interpret=False)
     monkeypatch.setattr(module, "triton_runs", lambda *tensors: True)  # meta tensors stand in for GPU ones
-    run, expected_launches = CASES[module_name]
+    run, expected_kernels = CASES[module_name]
     with compile_only(module, _target(target_name, module.triton)) as compiled:
         run(module)
-    assert len(compiled) == expected_launches
+    assert {kernel.name for kernel in compiled} == expected_kernels
     for kernel in compiled:
         spills, shared = _spills_and_shared(kernel, target_name, module.triton)
         assert spills == 0, f"{kernel.name} spills {spills} registers on {target_name}"

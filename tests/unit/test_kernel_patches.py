@@ -5,7 +5,7 @@ import torch
 
 from megatron_zaya.patches.registry import REGISTRY, skip_reason
 
-KERNEL_PATCHES = ["kernels.rmsnorm", "kernels.swiglu"]
+KERNEL_PATCHES = ["kernels.rmsnorm", "kernels.swiglu", "kernels.cross_entropy"]
 
 
 def test_kernel_patches_are_registered_for_gpus_only_with_an_off_switch():
@@ -69,3 +69,22 @@ def test_swiglu_patch_routes_megatron_calls_to_the_kernel(monkeypatch):
     assert originals == []
     assert mlp.bias_swiglu_impl(x, None, True) == "megatron"  # fp8 activation store stays Megatron's
     assert experts.weighted_bias_swiglu_impl(flat, None, probs, True) == "megatron"
+
+
+def test_cross_entropy_patch_takes_the_tp1_loss_and_leaves_the_rest_to_megatron(monkeypatch):
+    from megatron.core import tensor_parallel
+    from megatron.core.models.common.language_module import language_module
+
+    from megatron_zaya.kernels.cross_entropy import cross_entropy_reference
+
+    calls = []
+    monkeypatch.setattr(tensor_parallel, "vocab_parallel_cross_entropy", lambda *a: calls.append(a) or "megatron")
+    monkeypatch.setattr(language_module, "fused_vocab_parallel_cross_entropy", lambda *a: calls.append(a) or "fused")
+    REGISTRY["kernels.cross_entropy"].fn()
+
+    logits, labels = torch.randn(4, 2, 50), torch.randint(0, 50, (4, 2))
+    expected = cross_entropy_reference(logits, labels)
+    torch.testing.assert_close(tensor_parallel.vocab_parallel_cross_entropy(logits, labels), expected)
+    torch.testing.assert_close(language_module.fused_vocab_parallel_cross_entropy(logits, labels, None), expected)
+    assert calls == []
+    assert tensor_parallel.vocab_parallel_cross_entropy(logits, labels, 0.1) == "megatron"  # label smoothing

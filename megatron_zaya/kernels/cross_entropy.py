@@ -1,0 +1,266 @@
+"""Cross-entropy over a large vocabulary, alone or fused with the LM head so [T, V] logits never exist.
+
+ZAYA1's vocabulary has V = 262,272 entries (docs/zaya1-architecture.md §1) and its LM head runs in fp32:
+the fp32 logits of 8192 tokens alone take 8.6 GB, their gradient as much again.
+
+* ``cross_entropy(logits [..., V], labels [...]) -> loss [...]`` fp32: two Triton kernels, one pass each
+  way. The forward keeps a running max / sum-of-exp per row (online logsumexp) and picks the target
+  logit; the backward writes ``(softmax - onehot) * d_loss`` in the logits' dtype.
+* ``linear_cross_entropy(hidden [T, D], weight [V, D], labels [T]) -> loss [T]`` fp32: the same kernels
+  applied to [token chunk x vocab chunk] tiles of ``hidden @ weight.T``, computed by the vendor GEMM
+  (cuBLAS / hipBLASLt) with fp32 output and accumulation from bf16 inputs. The forward merges the
+  per-chunk logsumexps; the backward recomputes each tile's logits and accumulates d hidden (fp32) and
+  d weight (fp32 per vocab chunk) from it. Peak extra memory is one tile (fp32 logits + its gradient).
+
+Labels must lie in [0, V) or equal ``ignore_index`` (loss 0, no gradient). Tensor-parallel vocabularies
+(logits split over ranks) are out of scope here: Megatron's ``vocab_parallel_cross_entropy`` stays in use
+for TP > 1 (see patches/kernels.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .utils import flat_rows, triton_runs
+
+IGNORE_INDEX = -100
+BLOCK_V = 4096  # vocab columns per program iteration
+TILE_ELEMENTS = 2**28  # logits elements per [token x vocab] tile of linear_cross_entropy: 1 GiB in fp32
+
+
+# ----------------------------------------------------------------------------------------- references
+
+
+def cross_entropy_reference(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX):
+    """Per-token loss in fp32: logits [..., V], labels [...] -> [...]."""
+    flat = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           reduction="none", ignore_index=ignore_index)  # fmt: skip
+    return flat.view(labels.shape)
+
+
+def linear_cross_entropy_reference(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
+    """LM head in fp32 then cross-entropy: hidden [..., D], weight [V, D], labels [...] -> loss [...] fp32."""
+    return cross_entropy_reference(hidden.float() @ weight.float().t(), labels, ignore_index)
+
+
+# ----------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit(do_not_specialize=["label_offset"])
+def _logsumexp_kernel(
+    logits_ptr,  # [rows, n_cols] slice of the logits (row stride logits_stride)
+    logits_stride,
+    labels_ptr,  # [rows] int64
+    label_offset,  # vocab index of column 0 of this slice
+    n_cols,
+    max_ptr,  # [rows] fp32 running max, in/out (-inf before the first slice)
+    sum_exp_ptr,  # [rows] fp32 running sum of exp(logit - max), in/out (0 before the first slice)
+    target_ptr,  # [rows] fp32 target logit, written by the slice that holds the label
+    BLOCK: tl.constexpr,
+):
+    row = tl.cast(tl.program_id(0), tl.int64)
+    row_ptr = logits_ptr + row * logits_stride
+    cols = tl.arange(0, BLOCK)
+    lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        x = tl.load(row_ptr + start + cols, mask=start + cols < n_cols, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(lane_max, x)
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # lanes that saw only padding stay 0
+        lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.exp(x - shift)
+        lane_max = new_max
+    slice_max = tl.max(lane_max, axis=0)
+    slice_sum = tl.sum(lane_sum * tl.exp(lane_max - slice_max), axis=0)
+    running_max = tl.load(max_ptr + row)
+    total_max = tl.maximum(running_max, slice_max)
+    total_sum = tl.load(sum_exp_ptr + row) * tl.exp(running_max - total_max)
+    total_sum += slice_sum * tl.exp(slice_max - total_max)
+    tl.store(max_ptr + row, total_max)
+    tl.store(sum_exp_ptr + row, total_sum)
+    label = tl.load(labels_ptr + row) - label_offset
+    in_slice = (label >= 0) & (label < n_cols)
+    target = tl.load(row_ptr + label, mask=in_slice, other=0.0).to(tl.float32)
+    tl.store(target_ptr + row, target, mask=in_slice)
+
+
+@triton.jit(do_not_specialize=["label_offset"])
+def _grad_kernel(
+    logits_ptr,  # [rows, n_cols] slice (row stride logits_stride)
+    logits_stride,
+    labels_ptr,  # [rows] int64
+    label_offset,
+    lse_ptr,  # [rows] fp32 logsumexp over the whole vocabulary
+    grad_loss_ptr,  # [rows] fp32, already 0 for ignored tokens
+    grad_ptr,  # [rows, n_cols] output (row stride grad_stride)
+    grad_stride,
+    n_cols,
+    BLOCK: tl.constexpr,
+):
+    row = tl.cast(tl.program_id(0), tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(logits_ptr + row * logits_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    label = tl.load(labels_ptr + row) - label_offset
+    grad = tl.exp(x - tl.load(lse_ptr + row)) - (cols == label).to(tl.float32)
+    grad *= tl.load(grad_loss_ptr + row)
+    tl.store(grad_ptr + row * grad_stride + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+def _accumulate_logsumexp(logits, labels, label_offset, running_max, running_sum, target):
+    _logsumexp_kernel[(logits.shape[0],)](
+        logits, logits.stride(0), labels, label_offset, logits.shape[1], running_max, running_sum, target,
+        BLOCK=min(BLOCK_V, triton.next_power_of_2(logits.shape[1])), num_warps=8,
+    )  # fmt: skip
+
+
+def _softmax_grad(logits, labels, label_offset, lse, grad_loss, out):
+    block = min(BLOCK_V, triton.next_power_of_2(logits.shape[1]))
+    grid = (logits.shape[0], triton.cdiv(logits.shape[1], block))
+    _grad_kernel[grid](logits, logits.stride(0), labels, label_offset, lse, grad_loss, out, out.stride(0),
+                       logits.shape[1], BLOCK=block, num_warps=8)  # fmt: skip
+    return out
+
+
+def _new_statistics(rows: int, device: torch.device):
+    """(running max = -inf, running sum = 0, target = 0), fp32 [rows] each."""
+    return (torch.full((rows,), float("-inf"), device=device), torch.zeros(rows, device=device),
+            torch.zeros(rows, device=device))  # fmt: skip
+
+
+def _loss(running_max, running_sum, target, labels, ignore_index):
+    lse = running_max + torch.log(running_sum)
+    return torch.where(labels == ignore_index, 0.0, lse - target), lse
+
+
+# ----------------------------------------------------------------------------------------- cross_entropy
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits2d, labels1d, ignore_index):
+        running_max, running_sum, target = _new_statistics(logits2d.shape[0], logits2d.device)
+        _accumulate_logsumexp(logits2d, labels1d, 0, running_max, running_sum, target)
+        loss, lse = _loss(running_max, running_sum, target, labels1d, ignore_index)
+        ctx.save_for_backward(logits2d, labels1d, lse)
+        ctx.ignore_index = ignore_index
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits2d, labels1d, lse = ctx.saved_tensors
+        grad_loss = torch.where(labels1d == ctx.ignore_index, 0.0, grad_loss.float())
+        grad_logits = _softmax_grad(logits2d, labels1d, 0, lse, grad_loss, torch.empty_like(logits2d))
+        return grad_logits, None, None
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Fused per-token cross-entropy; same contract as :func:`cross_entropy_reference`."""
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {list(logits.shape)} must be labels {list(labels.shape)} + [vocab]")
+    if not triton_runs(_logsumexp_kernel, logits, labels):
+        return cross_entropy_reference(logits, labels, ignore_index)
+    loss = _CrossEntropy.apply(flat_rows(logits), labels.reshape(-1).contiguous(), ignore_index)
+    return loss.view(labels.shape)
+
+
+# ----------------------------------------------------------------------------------------- linear_cross_entropy
+
+
+_FP32_OUT_GEMM = {"supported": True}
+
+
+def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` accumulated and returned in fp32 without upcasting bf16/fp16 inputs (vendor GEMM)."""
+    if a.dtype == torch.float32 or not a.is_cuda:
+        return a.float() @ b.float()
+    if _FP32_OUT_GEMM["supported"]:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, NotImplementedError) as error:  # e.g. a ROCm build without the dtype overload
+            _FP32_OUT_GEMM["supported"] = False
+            warnings.warn(f"torch.mm(out_dtype=float32) unavailable ({error}); LM head GEMMs upcast to fp32")
+    return a.float() @ b.float()
+
+
+def _chunks(n: int, size: int) -> list[tuple[int, int]]:
+    """Split range(n) into equal chunks of at most ``size``."""
+    count = triton.cdiv(n, size)
+    step = triton.cdiv(n, count)
+    return [(start, min(start + step, n)) for start in range(0, n, step)]
+
+
+def _tiles(tokens: int, vocab: int, token_chunk: int | None, vocab_chunk: int | None):
+    token_chunk = token_chunk or min(tokens, 8192)
+    vocab_chunk = vocab_chunk or max(256, TILE_ELEMENTS // token_chunk)
+    return _chunks(tokens, token_chunk), _chunks(vocab, vocab_chunk)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, token_chunk, vocab_chunk):
+        token_ranges, vocab_ranges = _tiles(hidden.shape[0], weight.shape[0], token_chunk, vocab_chunk)
+        running_max, running_sum, target = _new_statistics(hidden.shape[0], hidden.device)
+        for v0, v1 in vocab_ranges:
+            for t0, t1 in token_ranges:
+                logits = _matmul_fp32(hidden[t0:t1], weight[v0:v1].t())
+                _accumulate_logsumexp(logits, labels[t0:t1], v0, running_max[t0:t1], running_sum[t0:t1],
+                                      target[t0:t1])  # fmt: skip
+        loss, lse = _loss(running_max, running_sum, target, labels, ignore_index)
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.tiles = token_ranges, vocab_ranges
+        ctx.ignore_index = ignore_index
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        token_ranges, vocab_ranges = ctx.tiles
+        grad_loss = torch.where(labels == ctx.ignore_index, 0.0, grad_loss.float())
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.empty_like(weight)
+        for v0, v1 in vocab_ranges:
+            w = weight[v0:v1]
+            grad_w = None
+            for t0, t1 in token_ranges:
+                h = hidden[t0:t1]
+                grad_logits = torch.empty((t1 - t0, v1 - v0), dtype=hidden.dtype, device=hidden.device)
+                _softmax_grad(_matmul_fp32(h, w.t()), labels[t0:t1], v0, lse[t0:t1], grad_loss[t0:t1], grad_logits)
+                grad_hidden[t0:t1] += _matmul_fp32(grad_logits, w)
+                part = _matmul_fp32(grad_logits.t(), h)
+                grad_w = part if grad_w is None else grad_w.add_(part)
+            grad_weight[v0:v1] = grad_w
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    token_chunk: int | None = None,
+    vocab_chunk: int | None = None,
+) -> torch.Tensor:
+    """Chunked LM head + cross-entropy; same contract as :func:`linear_cross_entropy_reference`.
+
+    ``token_chunk`` x ``vocab_chunk`` is the logits tile (default: up to 8192 tokens, 2^28 elements).
+    """
+    if hidden.shape[:-1] != labels.shape or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"need hidden [..., D], weight [V, D], labels [...]; got hidden {list(hidden.shape)}, "
+            f"weight {list(weight.shape)}, labels {list(labels.shape)}"
+        )
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype for the GEMM")
+    if not triton_runs(_logsumexp_kernel, hidden, weight, labels):
+        return linear_cross_entropy_reference(hidden, weight, labels, ignore_index)
+    loss = _LinearCrossEntropy.apply(
+        flat_rows(hidden), weight.contiguous(), labels.reshape(-1).contiguous(), ignore_index, token_chunk, vocab_chunk
+    )
+    return loss.view(labels.shape)

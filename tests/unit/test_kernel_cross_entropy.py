@@ -1,0 +1,74 @@
+"""Cross-entropy and chunked LM-head cross-entropy Triton kernels (CPU interpreter) against float64 torch."""
+
+import pytest
+import torch
+
+from megatron_zaya.kernels.testing import assert_matches_oracle, load_kernel_module
+
+kernels = load_kernel_module("megatron_zaya.kernels.cross_entropy")
+VOCAB = 300
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(kernels, "BLOCK_V", 64)  # several column blocks per row, a ragged last one
+
+
+def _labels(shape, gen):
+    labels = torch.randint(0, VOCAB, shape, generator=gen)
+    labels.view(-1)[::7] = kernels.IGNORE_INDEX
+    return labels
+
+
+def _loss_and_grads(fn, tensors, labels, grad_loss, dtype=None, **kwargs):
+    leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in tensors]
+    loss = fn(*leaves, labels, **kwargs)
+    return [loss, *torch.autograd.grad(loss, leaves, grad_loss.to(loss.dtype))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_forward_backward(dtype):
+    gen = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(5, 3, VOCAB, generator=gen)).to(dtype)
+    labels = _labels((5, 3), gen)
+    grad_loss = torch.rand(5, 3, generator=gen)
+
+    kernel = _loss_and_grads(kernels.cross_entropy, [logits], labels, grad_loss)
+    reference = _loss_and_grads(kernels.cross_entropy_reference, [logits], labels, grad_loss)
+    oracle = _loss_and_grads(kernels.cross_entropy_reference, [logits], labels, grad_loss, torch.float64)
+    assert kernel[0].dtype == torch.float32 and kernel[1].dtype == dtype
+    assert (kernel[0][labels == kernels.IGNORE_INDEX] == 0).all()
+    for name, k, r, o in zip(["loss", "d_logits"], kernel, reference, oracle):
+        assert_matches_oracle(name, k, o, r)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunks", [(None, None), (8, 128)])  # one tile; 3 x 3 ragged tiles
+def test_linear_cross_entropy_forward_backward(dtype, chunks):
+    gen = torch.Generator().manual_seed(1)
+    tokens, dim = 19, 24
+    hidden = torch.randn(tokens, dim, generator=gen).to(dtype)
+    weight = (0.5 * torch.randn(VOCAB, dim, generator=gen)).to(dtype)
+    labels = _labels((tokens,), gen)
+    grad_loss = torch.rand(tokens, generator=gen)
+    token_chunk, vocab_chunk = chunks
+
+    kernel = _loss_and_grads(kernels.linear_cross_entropy, [hidden, weight], labels, grad_loss,
+                             token_chunk=token_chunk, vocab_chunk=vocab_chunk)  # fmt: skip
+    reference = _loss_and_grads(kernels.linear_cross_entropy_reference, [hidden, weight], labels, grad_loss)
+    oracle = _loss_and_grads(kernels.linear_cross_entropy_reference, [hidden, weight], labels, grad_loss, torch.float64)
+    assert kernel[0].dtype == torch.float32 and kernel[1].dtype == kernel[2].dtype == dtype
+    for name, k, r, o in zip(["loss", "d_hidden", "d_weight"], kernel, reference, oracle):
+        assert_matches_oracle(name, k, o, r)
+
+
+def test_chunks_cover_the_range_evenly():
+    assert kernels._chunks(262272, 29000) == [(i * 26228, min((i + 1) * 26228, 262272)) for i in range(10)]
+    assert kernels._chunks(5, 8) == [(0, 5)]
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match="labels"):
+        kernels.cross_entropy(torch.randn(4, 10), torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="weight"):
+        kernels.linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 9), torch.zeros(4, dtype=torch.long))
