@@ -38,7 +38,8 @@ def _swiglu(k):
 
 
 def _router(k):
-    probs, _, skip_gate, _ = k.route_top1(_meta(TOKENS, EXPERTS + 1, dtype=FP32), _meta(EXPERTS + 1, dtype=FP32), EXPERTS)
+    logits, biases = _meta(TOKENS, EXPERTS + 1, dtype=FP32), _meta(EXPERTS + 1, dtype=FP32).detach()
+    probs, _, skip_gate, _ = k.route_top1(logits, biases, EXPERTS)
     _backward([probs, skip_gate])
 
 
@@ -48,12 +49,23 @@ def _cross_entropy(k):
     _backward([k.linear_cross_entropy(_meta(TOKENS, HIDDEN), _meta(VOCAB, HIDDEN), labels)])
 
 
+def _cca(k):
+    seq, batch, n_q, n_kv, d, rot = TOKENS // 2, 2, 8, 2, 128, 64
+    q_ch, k_ch = n_q * d, n_kv * d
+    q0, k0 = _meta(seq, batch, q_ch), _meta(seq, batch, k_ch)
+    convs = [_meta(q_ch, 2), _meta(q_ch), _meta(k_ch, 2), _meta(k_ch), _meta(q_ch, d, 2), _meta(q_ch),
+             _meta(k_ch, d, 2), _meta(k_ch)]  # fmt: skip
+    cos = _meta(seq, rot, dtype=FP32).detach()
+    _backward(list(k.cca_qk(q0, k0, *convs, _meta(n_kv), cos, cos)))
+
+
 # module: (run forward+backward on meta tensors, the kernels that must have been compiled)
 CASES = {
     "residual_rmsnorm": (_rmsnorm, {"_forward_kernel", "_backward_kernel"}),
     "swiglu": (_swiglu, {"_forward_kernel", "_backward_kernel"}),
     "router": (_router, {"_forward_kernel", "_backward_kernel"}),
     "cross_entropy": (_cross_entropy, {"_logsumexp_kernel", "_grad_kernel"}),
+    "cca": (_cca, {"_forward_kernel", "_backward_kernel"}),
 }
 
 

@@ -1,0 +1,103 @@
+"""CCA q/k epilogue Triton kernels (CPU interpreter) against float64 torch and transformers' ZayaCCAProjection."""
+
+import pytest
+import torch
+
+from megatron_zaya.kernels.testing import assert_matches_oracle, load_kernel_module
+
+kernels = load_kernel_module("megatron_zaya.kernels.cca")
+SEQ, BATCH, N_Q, N_KV, HEAD_DIM, ROT, T0, T1 = 6, 2, 4, 2, 16, 8, 2, 2
+
+
+def _inputs(dtype, rope_per_batch, gen):
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(dtype)
+
+    q_ch, k_ch = N_Q * HEAD_DIM, N_KV * HEAD_DIM
+    tensors = [randn(SEQ, BATCH, q_ch), randn(SEQ, BATCH, k_ch),  # q0, k0
+               randn(q_ch, T0, scale=0.5), randn(q_ch, scale=0.1), randn(k_ch, T0, scale=0.5), randn(k_ch, scale=0.1),
+               randn(q_ch, HEAD_DIM, T1, scale=0.2), randn(q_ch, scale=0.1),
+               randn(k_ch, HEAD_DIM, T1, scale=0.2), randn(k_ch, scale=0.1),
+               (1 + 0.5 * torch.randn(N_KV, generator=gen)).to(dtype)]  # fmt: skip
+    angles = torch.rand(SEQ, BATCH if rope_per_batch else 1, ROT // 2, generator=gen) * 6
+    angles = torch.cat([angles, angles], dim=-1)  # NeoX layout
+    if not rope_per_batch:
+        angles = angles[:, 0]
+    return tensors, angles.cos(), angles.sin()
+
+
+def _run(fn, tensors, cos, sin, grads, dtype=None):
+    leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in tensors]
+    q, k = fn(*leaves, cos.to(dtype or cos.dtype), sin.to(dtype or sin.dtype))
+    return [q, k, *torch.autograd.grad([q, k], leaves, [g.to(q.dtype) for g in grads])]
+
+
+NAMES = ["q", "k", "d_q0", "d_k0", "d_wq1", "d_bq1", "d_wk1", "d_bk1", "d_wq2", "d_bq2", "d_wk2", "d_bk2", "d_temp"]
+
+
+@pytest.mark.parametrize("dtype,rope_per_batch", [(torch.float32, False), (torch.bfloat16, True)])
+def test_cca_qk_forward_backward(dtype, rope_per_batch):
+    gen = torch.Generator().manual_seed(0)
+    tensors, cos, sin = _inputs(dtype, rope_per_batch, gen)
+    grads = [torch.randn(SEQ, BATCH, heads, HEAD_DIM, generator=gen) for heads in (N_Q, N_KV)]
+
+    kernel = _run(kernels.cca_qk, tensors, cos, sin, grads)
+    reference = _run(kernels.cca_qk_reference, tensors, cos, sin, grads)
+    oracle = _run(kernels.cca_qk_reference, tensors, cos, sin, grads, dtype=torch.float64)
+    assert kernel[0].shape == (SEQ, BATCH, N_Q, HEAD_DIM) and kernel[0].dtype == dtype
+    for name, k, r, o in zip(NAMES, kernel, reference, oracle):
+        assert k.dtype == r.dtype, name
+        assert_matches_oracle(name, k, o, r)
+
+
+def test_reference_matches_transformers_cca_projection_and_qk_norm():
+    from transformers.models.zaya.configuration_zaya import ZayaConfig
+    from transformers.models.zaya.modeling_zaya import ZayaCCAProjection, ZayaQKNorm, apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    config = ZayaConfig(hidden_size=32, num_attention_heads=N_Q, num_key_value_heads=N_KV, head_dim=HEAD_DIM,
+                        num_hidden_layers=1, cca_time0=T0, cca_time1=T1)  # fmt: skip
+    projection, qk_norm = ZayaCCAProjection(config, layer_idx=0), ZayaQKNorm(config)
+    torch.nn.init.normal_(qk_norm.temp, 1.0, 0.3)
+    for conv in (projection.conv_qk_depthwise, projection.conv_qk_grouped):
+        torch.nn.init.normal_(conv.bias, 0.0, 0.3)  # nonzero biases: the padded positions matter
+    hidden = torch.randn(BATCH, SEQ, 32)
+    angles = torch.rand(BATCH, SEQ, ROT // 2) * 6
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+
+    q_hf, k_hf, v_hf = projection(hidden, cache=None)
+    q_hf, k_hf = qk_norm(q_hf, k_hf)
+    q_hf, k_hf = apply_rotary_pos_emb(q_hf.transpose(1, 2), k_hf.transpose(1, 2), cos, sin)
+
+    q_ch = N_Q * HEAD_DIM
+    dw, gw = projection.conv_qk_depthwise, projection.conv_qk_grouped
+    sbd = hidden.transpose(0, 1)  # Megatron's [S, B, D]
+    q, k = kernels.cca_qk_reference(
+        projection.q_proj(sbd), projection.k_proj(sbd),
+        dw.weight[:q_ch, 0], dw.bias[:q_ch], dw.weight[q_ch:, 0], dw.bias[q_ch:],
+        gw.weight[:q_ch], gw.bias[:q_ch], gw.weight[q_ch:], gw.bias[q_ch:],
+        qk_norm.temp, cos.transpose(0, 1), sin.transpose(0, 1),
+    )  # fmt: skip
+    torch.testing.assert_close(q, q_hf.permute(2, 0, 1, 3))
+    torch.testing.assert_close(k, k_hf.permute(2, 0, 1, 3))
+
+    v_weight = torch.cat([projection.v_proj_current.weight, projection.v_proj_delayed.weight])
+    v = kernels.value_time_delay(sbd, v_weight)
+    torch.testing.assert_close(v.view(SEQ, BATCH, N_KV, HEAD_DIM), v_hf.transpose(0, 1))
+
+
+def test_value_time_delay_shifts_the_second_half_by_one_token():
+    x, weight = torch.randn(5, 2, 8), torch.randn(6, 8)
+    v, projected = kernels.value_time_delay(x, weight), x @ weight.t()
+    torch.testing.assert_close(v[..., :3], projected[..., :3])
+    torch.testing.assert_close(v[1:, :, 3:], projected[:-1, :, 3:])
+    assert (v[0, :, 3:] == 0).all()
+
+
+def test_bad_shapes_raise_clear_errors():
+    gen = torch.Generator().manual_seed(0)
+    tensors, cos, sin = _inputs(torch.float32, False, gen)
+    with pytest.raises(ValueError, match="k0 width"):
+        kernels.cca_qk(tensors[0], tensors[1][..., :-1], *tensors[2:], cos, sin)
+    with pytest.raises(ValueError, match="even rot"):
+        kernels.cca_qk(*tensors, cos[..., :-1], sin[..., :-1])
