@@ -59,6 +59,11 @@ def _cca(k):
     _backward(list(k.cca_qk(q0, k0, *convs, _meta(n_kv), cos, cos)))
 
 
+def _grouped_gemm(k):
+    counts = torch.full((EXPERTS,), TOKENS // EXPERTS, dtype=torch.int64, device="meta")
+    _backward([k.grouped_gemm(_meta(TOKENS, HIDDEN), _meta(EXPERTS, 2 * FFN, HIDDEN), counts)])
+
+
 # module: (run forward+backward on meta tensors, the kernels that must have been compiled)
 CASES = {
     "residual_rmsnorm": (_rmsnorm, {"_forward_kernel", "_backward_kernel"}),
@@ -66,6 +71,7 @@ CASES = {
     "router": (_router, {"_forward_kernel", "_backward_kernel"}),
     "cross_entropy": (_cross_entropy, {"_logsumexp_kernel", "_grad_kernel"}),
     "cca": (_cca, {"_forward_kernel", "_backward_kernel"}),
+    "grouped_gemm": (_grouped_gemm, {"_grouped_matmul_kernel", "_weight_grad_kernel"}),
 }
 
 

@@ -1,0 +1,58 @@
+"""Grouped expert GEMM Triton kernels (CPU interpreter) against float64 torch.
+
+The interpreter cannot multiply bfloat16 (see megatron_zaya/kernels/testing.py), so fp32 and fp16 here;
+bf16 runs in tests/gpu/test_kernels_gpu.py.
+"""
+
+import pytest
+import torch
+
+from megatron_zaya.kernels.testing import assert_matches_oracle, load_kernel_module
+
+kernels = load_kernel_module("megatron_zaya.kernels.grouped_gemm")
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        monkeypatch.setattr(kernels, name, 16)  # several tiles per expert, ragged edges, several K steps
+
+
+def _run(fn, x, weight, counts, grad, dtype=None):
+    leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in (x, weight)]
+    out = fn(*leaves, counts)
+    return [out, *torch.autograd.grad(out, leaves, grad.to(out.dtype))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_grouped_gemm_forward_backward(dtype):
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.tensor([5, 0, 23, 9])  # an expert with no tokens, one spanning two row tiles
+    rows, k_dim, m_dim = int(counts.sum()), 40, 24
+    x = torch.randn(rows, k_dim, generator=gen).to(dtype)
+    weight = (0.2 * torch.randn(len(counts), m_dim, k_dim, generator=gen)).to(dtype)
+    grad = torch.randn(rows, m_dim, generator=gen)
+
+    kernel = _run(kernels.grouped_gemm, x, weight, counts, grad)
+    reference = _run(kernels.grouped_gemm_reference, x, weight, counts, grad)
+    oracle = _run(kernels.grouped_gemm_reference, x, weight, counts, grad, torch.float64)
+    assert kernel[0].dtype == kernel[1].dtype == kernel[2].dtype == dtype
+    assert (kernel[2][1] == 0).all()  # the idle expert gets a zero gradient
+    for name, k, r, o in zip(["out", "d_x", "d_weight"], kernel, reference, oracle):
+        assert_matches_oracle(name, k, o, r)
+
+
+def test_row_tiles_never_straddle_experts():
+    counts = torch.tensor([5, 0, 23, 9])
+    expert, first_row, row_end, row_start = kernels._row_tiles(counts, int(counts.sum()))
+    used = expert >= 0
+    assert expert[used].tolist() == [0, 2, 2, 3] and first_row[used].tolist() == [0, 5, 21, 28]
+    assert row_end[used].tolist() == [5, 28, 28, 37] and row_start.tolist() == [0, 5, 5, 28]
+
+
+def test_bad_inputs_raise_clear_errors():
+    x, weight = torch.randn(6, 8), torch.randn(2, 4, 8)
+    with pytest.raises(ValueError, match="sums to 5"):
+        kernels.grouped_gemm(x, weight, torch.tensor([2, 3]))
+    with pytest.raises(ValueError, match=r"weight \[E, M, K\]"):
+        kernels.grouped_gemm(x, torch.randn(2, 4, 7), torch.tensor([3, 3]))
