@@ -21,7 +21,7 @@ from collections import defaultdict
 from itertools import chain
 
 import torch
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
 from megatron.core.optimizer import (
     _get_megatron_optimizer_based_on_param_groups,
@@ -175,13 +175,30 @@ class _MomentumCheckpointing:
 
 
 class ZayaMuonFloat16Optimizer(_MomentumCheckpointing, Float16OptimizerWithFloat16Params):
-    """bf16 training: fp32 master weights (Megatron's) + ZayaMuon."""
+    """bf16 training: fp32 master weights (Megatron's) + ZayaMuon.
+
+    Its master weights are saved as ``{group index: [tensors]}`` rather than a list of lists: a group
+    with no Muon parameter (Megatron's no-weight-decay group, say) is an empty list, which
+    ``dist_checkpointing`` drops from a list of lists, shifting the others at load time.
+    """
 
     def _model_params(self):
         return list(chain.from_iterable(self.float16_groups))
 
     def _torch_state_section(self, sharded):
         return sharded["optimizer"]
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
+        sharded = super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata)
+        groups = sharded["fp32_from_fp16_params"]
+        sharded["fp32_from_fp16_params"] = {i: g if g else LocalNonpersistentObject(g) for i, g in enumerate(groups)}
+        return sharded
+
+    def load_state_dict(self, state_dict):
+        groups = state_dict["fp32_from_fp16_params"]
+        if isinstance(groups, dict):
+            state_dict["fp32_from_fp16_params"] = [groups[i] for i in sorted(groups)]
+        super().load_state_dict(state_dict)
 
 
 class ZayaMuonFP32Optimizer(_MomentumCheckpointing, FP32Optimizer):

@@ -181,20 +181,26 @@ class ZayaMuon(torch.optim.Optimizer):
         return results
 
     def _exchange_and_apply(self, updates: list[torch.Tensor]) -> None:
-        """All-gather the owners' updates window by window and add ``-lr·scale·O`` to every parameter."""
+        """All-gather the owners' updates window by window and add ``-lr·scale·O`` to every parameter.
+
+        Rank r's updates form one flat stream (its items in order); window w of every stream is gathered
+        at once, so the receive buffer holds at most ``gather_numel`` elements whatever the model size.
+        """
         if self.dp_size == 1:
             for item, update in zip(self.owned, updates):
                 self._apply(item, update.view(-1), 0, item.numel)
             return
-        device = self._param(self.items[0]).device
-        stream = torch.cat([u.view(-1) for u in updates]) if updates else torch.empty(0, device=device)
-        stream = stream.to(self.config.ns_dtype)
-        window = max(1, self.config.gather_numel // self.dp_size)
-        received = torch.empty(self.dp_size, window, dtype=self.config.ns_dtype, device=device)
+        if self._max_stream_numel == 0:
+            return
+        dtype, device = self.config.ns_dtype, self._param(self.items[0]).device
+        stream = torch.cat([u.view(-1).to(dtype) for u in updates]) if updates else torch.empty(0, dtype=dtype, device=device)
+        window = min(max(1, self.config.gather_numel // self.dp_size), self._max_stream_numel)
+        received = torch.empty(self.dp_size, window, dtype=dtype, device=device)
+        send = torch.zeros(window, dtype=dtype, device=device)
         for start in range(0, self._max_stream_numel, window):
-            send = torch.zeros(window, dtype=self.config.ns_dtype, device=device)
             chunk = stream[start : start + window]
             send[: chunk.numel()] = chunk
+            send[chunk.numel() :] = 0
             dist.all_gather(list(received.unbind(0)), send, group=self.dp_group)
             for rank, entries in enumerate(self._streams):
                 for item, offset in entries:

@@ -216,6 +216,8 @@ def _free_port() -> int:
 def _entry(rank, world, port, out_dir, worker, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    if dist.is_initialized():  # forked from a pytest process that set up its own single-rank group
+        dist.destroy_process_group()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         result = worker(rank, world, *args)
@@ -226,8 +228,9 @@ def _entry(rank, world, port, out_dir, worker, args):
 
 
 def run_ranks(worker, world: int, tmp_path: Path, *args) -> list:
+    """``worker(rank, world, *args)`` on ``world`` forked gloo ranks; returns each rank's result."""
     out_dir = tmp_path / f"{worker.__name__}-{world}"
-    out_dir.mkdir()
+    out_dir.mkdir(parents=True)
     mp.start_processes(_entry, args=(world, _free_port(), str(out_dir), worker, args), nprocs=world,
                        start_method="fork")  # fmt: skip
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]

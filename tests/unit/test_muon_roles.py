@@ -68,21 +68,13 @@ def test_unknown_matrix_and_wrong_rank_are_errors():
 
 def test_roles_cover_the_zaya_model():
     """Every parameter of the real (small) ZAYA1 Megatron model has a role; the counts are per layer."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parents[1]))
-    from zaya_reference import SMALL, hf_config
-
-    from megatron_zaya.config import zaya_config
-    from megatron_zaya.convert.hf import zaya_kwargs_from_hf
+    from megatron_zaya.config import preset, zaya_config
     from megatron_zaya.pretrained import build_single_process_model
 
-    cfg = zaya_config(**zaya_kwargs_from_hf(hf_config().to_dict()), use_cpu_initialization=True,
-                      params_dtype=torch.float32, moe_token_dispatcher_type="allgather")  # fmt: skip
+    cfg = zaya_config("test", use_cpu_initialization=True, moe_token_dispatcher_type="allgather")
     roles = classify_named_parameters(build_single_process_model(cfg).named_parameters())
     kinds = [role.kind for _, role in roles.values()]
-    layers, experts = SMALL["num_hidden_layers"], SMALL["num_experts"]
+    layers, experts = preset("test")["num_layers"], preset("test")["num_moe_experts"]
     for kind, per_layer in [("attn_q", 1), ("attn_k", 1), ("attn_v_current_delayed", 1), ("attn_out", 1),
                             ("router", 4), ("expert_fc1", experts), ("expert_fc2", experts), ("conv", 8)]:
         assert kinds.count(kind) == per_layer * layers, kind
