@@ -120,8 +120,9 @@ class ZayaConfig(TransformerConfig):
                 fail(f"unknown attention types {sorted(unknown)}", f"use {ATTENTION_TYPES}")
             if "sliding" in self.attention_types and not self.sliding_window:
                 fail("sliding layers are configured without sliding_window", "set sliding_window > 0")
-        if self.recompute_granularity is not None and "moe" in (self.recompute_modules or []):
-            fail("recomputing the MoE module is not supported", "the router state crosses it; drop 'moe'")
+        if self.recompute_granularity == "selective":
+            fail("selective recomputation is not supported by the ZAYA1 layer",
+                 "use --recompute-granularity full (every layer is recomputed)")
 
     @property
     def head_dim(self) -> int:

@@ -25,7 +25,7 @@ def build_single_process_model(cfg: ZayaConfig):
     from .runtime import ensure_single_process_parallel_state
 
     ensure_single_process_parallel_state()
-    return build_zaya_model(cfg, parallel_output=False)
+    return build_zaya_model(cfg)  # TP = 1: the logits are whole
 
 
 def load_hf(hf_dir: str | os.PathLike, dtype: torch.dtype | None = None):

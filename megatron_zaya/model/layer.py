@@ -4,12 +4,16 @@
 are ``input_layernorm``, ``self_attention`` = CCA, ``self_attn_bda`` = residual scaling,
 ``pre_mlp_layernorm``, ``mlp`` = ``ZayaMoELayer``, ``mlp_bda`` = residual scaling); only ``forward``
 differs, because ZAYA1 keeps the residual stream in fp32 and threads the router state r from layer to layer.
-``ZayaTransformerBlock`` adds the input affine after the embedding and the per-layer RoPE table.
+``ZayaTransformerBlock`` adds the input affine after the embedding and the per-layer RoPE table, and
+recomputes every layer in the backward pass with ``--recompute-granularity full``.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -35,6 +39,22 @@ class ZayaTransformerLayer(TransformerLayer):
         return self.mlp_bda(mlp_output, residual), router_state
 
 
+def _count_tokens_once(layer, run):
+    """``run`` for activation recomputation: the router counts its tokens in the first forward only, not
+    again when the layer is recomputed during the backward pass."""
+    calls = []
+
+    def forward(hidden_states, router_state):
+        layer.mlp.router.count_tokens = not calls
+        calls.append(True)
+        try:
+            return run(hidden_states, router_state=router_state)
+        finally:
+            layer.mlp.router.count_tokens = True
+
+    return forward
+
+
 class ZayaTransformerBlock(TransformerBlock):
     """The stack of ZAYA1 layers (of this pipeline stage) and the final RMSNorm."""
 
@@ -56,11 +76,16 @@ class ZayaTransformerBlock(TransformerBlock):
         else:
             hidden_states = hidden_states.to(torch.float32 if self.config.fp32_residual_connection else hidden_states.dtype)
         router_state = None
+        recompute = self.training and self.config.recompute_granularity == "full"
         for layer in self.layers:
-            hidden_states, router_state = layer(
-                hidden_states, attention_mask=attention_mask,
-                rotary_pos_emb=rotary_pos_emb[layer.attention_type], router_state=router_state,
-            )
+            run = partial(layer, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb[layer.attention_type])
+            if recompute:
+                hidden_states, router_state = tensor_parallel.checkpoint(
+                    _count_tokens_once(layer, run), self.config.distribute_saved_activations, hidden_states,
+                    router_state,
+                )
+            else:
+                hidden_states, router_state = run(hidden_states, router_state=router_state)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states.to(self.config.params_dtype))
         return hidden_states

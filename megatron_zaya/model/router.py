@@ -79,6 +79,7 @@ class ZayaRouter(MegatronModule):
         self.register_buffer("balancing_step", torch.zeros((), dtype=torch.float32))
         # Tokens per class since the last bias update (all micro-batches of this step, this rank).
         self.register_buffer("tokens_per_class", torch.zeros(classes, dtype=torch.float32), persistent=False)
+        self.count_tokens = True  # off while a layer is recomputed for the backward pass
         self.state_in: torch.Tensor | None = None
         self.state_out: torch.Tensor | None = None
         self.skip_gate: torch.Tensor | None = None
@@ -110,7 +111,7 @@ class ZayaRouter(MegatronModule):
         z = F.gelu(F.linear(z, self.fc2.weight.float(), self.fc2.bias.float()))
         logits = F.linear(z, self.out_proj.weight.float()).reshape(-1, self.out_proj.out_features)
         probs, routing_map, skip_gate, counts = route_top1(logits, self.balancing_biases, self.num_experts)
-        if self.training:
+        if self.training and self.count_tokens:
             self.tokens_per_class += counts.float()
         self.skip_gate = skip_gate
         return probs, routing_map
