@@ -198,7 +198,7 @@ def _launch_forward(hidden, residual, vectors, weight, eps, out_dtype):
 def _launch_backward(grad_out, grad_new_residual, hidden, residual, vectors, weight, rstd):
     rows, n_cols = hidden.shape
     block, num_warps = row_block(n_cols, MAX_HIDDEN, "rms_norm")
-    programs = persistent_programs(hidden.device, rows)
+    programs = persistent_programs(hidden.device, rows, per_multiprocessor=4)  # more rows in flight per SM
     grad_hidden = torch.empty_like(hidden)
     grad_residual = torch.empty_like(residual) if vectors else None
     partials = torch.empty((5 if vectors else 1, programs, n_cols), dtype=torch.float32, device=hidden.device)

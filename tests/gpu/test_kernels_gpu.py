@@ -1,0 +1,137 @@
+"""Every Triton kernel at ZAYA1-8B shapes in bf16 on a GPU (CUDA or ROCm), against float64 torch.
+
+Skipped without a GPU. Each test checks the kernel is at least as close to a float64 evaluation of the
+torch reference as the reference itself run in bf16 (``assert_matches_oracle``), forward and backward.
+Run: ``python -m pytest -q tests/gpu/test_kernels_gpu.py`` (about a minute on an H200; ~60 GB peak).
+"""
+
+import pytest
+import torch
+
+from megatron_zaya.kernels import cca, cross_entropy, grouped_gemm, residual_rmsnorm, router, swiglu
+from megatron_zaya.kernels.testing import assert_matches_oracle
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+
+SEQ, BATCH, HIDDEN, FFN, EXPERTS, VOCAB = 4096, 2, 2048, 2048, 16, 262272
+TOKENS = SEQ * BATCH
+N_Q, N_KV, HEAD_DIM, ROT = 8, 2, 128, 64
+BF16 = torch.bfloat16
+
+
+def _randn(*shape, scale=1.0, dtype=BF16, gen):
+    return (scale * torch.randn(*shape, generator=gen, device="cuda")).to(dtype)
+
+
+def _run(fn, tensors, grads, *args, dtype=None, **kwargs):
+    """outputs and d(inputs) of ``fn(*tensors, *args)``; tensors cast to ``dtype`` (the float64 oracle)."""
+    leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in tensors]
+    outputs = fn(*leaves, *args, **kwargs)
+    outputs = list(outputs) if isinstance(outputs, tuple) else [outputs]
+    differentiable = [o for o in outputs if o.requires_grad]
+    in_grads = torch.autograd.grad(differentiable, leaves, [g.to(o.dtype) for o, g in zip(differentiable, grads)])
+    return [o.detach() for o in outputs] + list(in_grads)
+
+
+def _compare(names, kernel_fn, reference_fn, tensors, grads, *args, **kwargs):
+    kernel = _run(kernel_fn, tensors, grads, *args, **kwargs)
+    reference = _run(reference_fn, tensors, grads, *args, **kwargs)
+    oracle = _run(reference_fn, tensors, grads, *args, dtype=torch.float64, **kwargs)
+    for name, k, r, o in zip(names, kernel, reference, oracle):
+        assert k.dtype == r.dtype, f"{name}: {k.dtype} != {r.dtype}"
+        assert_matches_oracle(name, k, o, r)
+
+
+def test_rms_norm():
+    gen = torch.Generator("cuda").manual_seed(0)
+    x, weight = _randn(TOKENS, HIDDEN, gen=gen), 1 + _randn(HIDDEN, scale=0.2, gen=gen)
+    _compare(["out", "d_x", "d_weight"], residual_rmsnorm.rms_norm, residual_rmsnorm.rms_norm_reference,
+             [x, weight], [_randn(TOKENS, HIDDEN, gen=gen)], 1e-5)  # fmt: skip
+
+
+def test_residual_rms_norm():
+    gen = torch.Generator("cuda").manual_seed(1)
+    tensors = [_randn(SEQ, BATCH, HIDDEN, gen=gen), _randn(SEQ, BATCH, HIDDEN, scale=4, dtype=torch.float32, gen=gen),
+               _randn(HIDDEN, scale=0.1, gen=gen), 1 + _randn(HIDDEN, scale=0.2, gen=gen),
+               _randn(HIDDEN, scale=0.1, gen=gen), 1 + _randn(HIDDEN, scale=0.2, gen=gen),
+               1 + _randn(HIDDEN, scale=0.2, gen=gen)]  # fmt: skip
+    grads = [_randn(SEQ, BATCH, HIDDEN, gen=gen), _randn(SEQ, BATCH, HIDDEN, dtype=torch.float32, gen=gen)]
+    names = ["normed", "new_residual", "d_hidden", "d_residual", "d_hidden_bias", "d_hidden_scale",
+             "d_residual_bias", "d_residual_scale", "d_weight"]  # fmt: skip
+    _compare(names, residual_rmsnorm.residual_rms_norm, residual_rmsnorm.residual_rms_norm_reference,
+             tensors, grads, 1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_swiglu(weighted):
+    gen = torch.Generator("cuda").manual_seed(2)
+    tensors = [_randn(TOKENS, 2 * FFN, scale=2, gen=gen)]
+    if weighted:
+        tensors.append(torch.rand(TOKENS, 1, generator=gen, device="cuda"))
+    _compare(["out", "d_x", "d_weights"], swiglu.swiglu, swiglu.swiglu_reference, tensors,
+             [_randn(TOKENS, FFN, gen=gen)])  # fmt: skip
+
+
+def test_route_top1():
+    gen = torch.Generator("cuda").manual_seed(3)
+    logits = _randn(TOKENS, EXPERTS + 1, scale=2, dtype=torch.float32, gen=gen).requires_grad_()
+    biases = _randn(EXPERTS + 1, scale=0.1, dtype=torch.float32, gen=gen)
+    grad_probs, grad_skip = torch.randn(TOKENS, EXPERTS, device="cuda"), torch.randn(TOKENS, device="cuda")
+    kernel = router.route_top1(logits, biases, EXPERTS)
+    reference = router.route_top1_reference(logits, biases, EXPERTS)
+    same = (kernel[1] == reference[1]).all(dim=1)
+    assert same.float().mean() > 0.999  # choices differ only at float ties
+    assert torch.equal(kernel[3].sum(), torch.tensor(TOKENS, device="cuda"))
+    torch.testing.assert_close(kernel[0][same], reference[0][same])
+    torch.testing.assert_close(kernel[2][same], reference[2][same])
+    grad_kernel, grad_reference = (torch.autograd.grad([out[0], out[2]], logits, [grad_probs, grad_skip])[0]
+                                   for out in (kernel, reference))  # fmt: skip
+    torch.testing.assert_close(grad_kernel[same], grad_reference[same])
+
+
+def test_cross_entropy():
+    gen = torch.Generator("cuda").manual_seed(4)
+    tokens = 2048
+    logits = _randn(tokens, VOCAB, scale=3, gen=gen)
+    labels = torch.randint(0, VOCAB, (tokens,), generator=gen, device="cuda")
+    _compare(["loss", "d_logits"], cross_entropy.cross_entropy, cross_entropy.cross_entropy_reference, [logits],
+             [torch.rand(tokens, generator=gen, device="cuda")], labels)  # fmt: skip
+
+
+def test_linear_cross_entropy():
+    gen = torch.Generator("cuda").manual_seed(5)
+    tokens = 2048
+    hidden, weight = _randn(tokens, HIDDEN, gen=gen), _randn(VOCAB, HIDDEN, scale=0.02, gen=gen)
+    labels = torch.randint(0, VOCAB, (tokens,), generator=gen, device="cuda")
+    _compare(["loss", "d_hidden", "d_weight"], cross_entropy.linear_cross_entropy,
+             cross_entropy.linear_cross_entropy_reference, [hidden, weight],
+             [torch.rand(tokens, generator=gen, device="cuda")], labels)  # fmt: skip
+
+
+def test_cca_qk():
+    gen = torch.Generator("cuda").manual_seed(6)
+    q_ch, k_ch = N_Q * HEAD_DIM, N_KV * HEAD_DIM
+    tensors = [_randn(SEQ, BATCH, q_ch, gen=gen), _randn(SEQ, BATCH, k_ch, gen=gen),
+               _randn(q_ch, 2, scale=0.5, gen=gen), _randn(q_ch, scale=0.1, gen=gen),
+               _randn(k_ch, 2, scale=0.5, gen=gen), _randn(k_ch, scale=0.1, gen=gen),
+               _randn(q_ch, HEAD_DIM, 2, scale=0.05, gen=gen), _randn(q_ch, scale=0.1, gen=gen),
+               _randn(k_ch, HEAD_DIM, 2, scale=0.05, gen=gen), _randn(k_ch, scale=0.1, gen=gen),
+               1 + _randn(N_KV, scale=0.3, gen=gen)]  # fmt: skip
+    angles = torch.outer(torch.arange(SEQ, device="cuda", dtype=torch.float32),
+                         1e4 ** (-torch.arange(0, ROT, 2, device="cuda") / ROT))  # fmt: skip
+    angles = torch.cat([angles, angles], dim=-1)
+    grads = [_randn(SEQ, BATCH, N_Q, HEAD_DIM, gen=gen), _randn(SEQ, BATCH, N_KV, HEAD_DIM, gen=gen)]
+    names = ["q", "k", "d_q0", "d_k0", "d_wq1", "d_bq1", "d_wk1", "d_bk1", "d_wq2", "d_bq2", "d_wk2", "d_bk2",
+             "d_temp"]  # fmt: skip
+    _compare(names, cca.cca_qk, cca.cca_qk_reference, tensors, grads, angles.cos().to(BF16), angles.sin().to(BF16))
+
+
+def test_grouped_gemm():
+    gen = torch.Generator("cuda").manual_seed(7)
+    counts = torch.multinomial(torch.ones(EXPERTS, device="cuda"), TOKENS, replacement=True, generator=gen)
+    counts = torch.bincount(counts, minlength=EXPERTS)
+    counts[1] += counts[0]
+    counts[0] = 0  # an idle expert
+    x, weight = _randn(TOKENS, HIDDEN, gen=gen), _randn(EXPERTS, 2 * FFN, HIDDEN, scale=0.02, gen=gen)
+    _compare(["out", "d_x", "d_weight"], grouped_gemm.grouped_gemm, grouped_gemm.grouped_gemm_reference,
+             [x, weight], [_randn(TOKENS, 2 * FFN, gen=gen)], counts.cpu())  # fmt: skip
