@@ -10,7 +10,8 @@ the fp32 logits of 8192 tokens alone take 8.6 GB, their gradient as much again.
   applied to [token chunk x vocab chunk] tiles of ``hidden @ weight.T``, computed by the vendor GEMM
   (cuBLAS / hipBLASLt) with fp32 output and accumulation from bf16 inputs. The forward merges the
   per-chunk logsumexps; the backward recomputes each tile's logits and accumulates d hidden (fp32) and
-  d weight (fp32 per vocab chunk) from it. Peak extra memory is one tile (fp32 logits + its gradient).
+  d weight (fp32 per vocab chunk when there are several token chunks) from it. Peak extra memory is one
+  tile (fp32 logits + its gradient) and d hidden in fp32.
 
 Labels must lie in [0, V) or equal ``ignore_index`` (loss 0, no gradient). Tensor-parallel vocabularies
 (logits split over ranks) are out of scope here: Megatron's ``vocab_parallel_cross_entropy`` stays in use
@@ -225,17 +226,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_loss = torch.where(labels == ctx.ignore_index, 0.0, grad_loss.float())
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_weight = torch.empty_like(weight)
+        one_token_chunk = len(token_ranges) == 1  # then d weight needs no fp32 accumulator: one GEMM per chunk
         for v0, v1 in vocab_ranges:
             w = weight[v0:v1]
-            grad_w = None
+            grad_w = grad_weight[v0:v1] if one_token_chunk else torch.zeros(w.shape, device=w.device)
             for t0, t1 in token_ranges:
                 h = hidden[t0:t1]
                 grad_logits = torch.empty((t1 - t0, v1 - v0), dtype=hidden.dtype, device=hidden.device)
                 _softmax_grad(_matmul_fp32(h, w.t()), labels[t0:t1], v0, lse[t0:t1], grad_loss[t0:t1], grad_logits)
                 grad_hidden[t0:t1] += _matmul_fp32(grad_logits, w)
-                part = _matmul_fp32(grad_logits.t(), h)
-                grad_w = part if grad_w is None else grad_w.add_(part)
-            grad_weight[v0:v1] = grad_w
+                if one_token_chunk:
+                    torch.mm(grad_logits.t(), h, out=grad_w)
+                else:
+                    grad_w += _matmul_fp32(grad_logits.t(), h)
+            if not one_token_chunk:
+                grad_weight[v0:v1] = grad_w
         return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None
 
 
@@ -250,6 +255,7 @@ def linear_cross_entropy(
     """Chunked LM head + cross-entropy; same contract as :func:`linear_cross_entropy_reference`.
 
     ``token_chunk`` x ``vocab_chunk`` is the logits tile (default: up to 8192 tokens, 2^28 elements).
+    hidden and weight share a dtype (bf16 in training: the GEMMs take bf16 and accumulate and return fp32).
     """
     if hidden.shape[:-1] != labels.shape or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(

@@ -183,6 +183,7 @@ def _backward_kernel(
 
 
 def _launch_forward(hidden, residual, vectors, weight, eps, out_dtype):
+    """``vectors`` = the four residual affines, or None for the plain norm (the kernel then ignores them)."""
     rows, n_cols = hidden.shape
     block, num_warps = row_block(n_cols, MAX_HIDDEN, "rms_norm")
     out = torch.empty((rows, n_cols), dtype=out_dtype, device=hidden.device)
