@@ -1,6 +1,5 @@
 """The ``kernels`` patch group: registration, and that each patch wires its kernel where Megatron looks."""
 
-import pytest
 import torch
 
 from megatron_zaya.patches.registry import REGISTRY, skip_reason
