@@ -1,6 +1,6 @@
 """Benchmark megatron_zaya's Triton kernels against their torch references at ZAYA1-8B shapes.
 
-    python benchmarks/bench_kernels.py                      # all kernels, needs a CUDA or ROCm GPU (~3 min on an H200)
+    python benchmarks/bench_kernels.py                      # all kernels; CUDA or ROCm GPU; minutes (torch.compile)
     python benchmarks/bench_kernels.py --kernels rmsnorm,swiglu --no-compile
     python benchmarks/bench_kernels.py --smoke              # tiny shapes, any device: checks the script runs
 
