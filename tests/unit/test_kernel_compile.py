@@ -100,9 +100,13 @@ SHARED_LIMIT = {"sm_90": 227 * 1024, "gfx942": 64 * 1024}
 @pytest.mark.parametrize("module_name", sorted(CASES))
 def test_kernels_compile_without_spills(module_name, target_name, monkeypatch):
     module = load_kernel_module(f"megatron_zaya.kernels.{module_name}", interpret=False)
+    target = _target(target_name, module.triton)
+    backend = {"cuda": "nvidia", "hip": "amd"}[target.backend]
+    if backend not in module.triton.backends.backends:  # e.g. a ROCm build of triton may ship no nvidia backend
+        pytest.skip(f"this triton has no {backend} backend to compile with")
     monkeypatch.setattr(module, "triton_runs", lambda *tensors: True)  # meta tensors stand in for GPU ones
     run, expected_kernels = CASES[module_name]
-    with compile_only(module, _target(target_name, module.triton)) as compiled:
+    with compile_only(module, target) as compiled:
         run(module)
     assert {kernel.name for kernel in compiled} == expected_kernels
     for kernel in compiled:
