@@ -16,9 +16,10 @@ all-reduce: every rank holds full gradients (see ``megatron.get_zaya_muon_optimi
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -98,6 +99,7 @@ class ZayaMuon(torch.optim.Optimizer):
         for item in self.items:
             self._streams[item.owner].append((item, stream_numel[item.owner]))
             stream_numel[item.owner] += item.numel
+        self._stream_offsets = [[offset for _, offset in entries] for entries in self._streams]
         self._max_stream_numel = max(stream_numel, default=0)
 
     def _param(self, item: WorkItem) -> torch.Tensor:
@@ -125,60 +127,58 @@ class ZayaMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        updates = self._orthogonalise_owned()
-        for group in self.param_groups:
+        for group in self.param_groups:  # decoupled weight decay first; the updates are added to it
             for param in group["params"]:
                 param.mul_(1.0 - group["lr"] * group["weight_decay"])
-        self._exchange_and_apply(updates)
+        if self.dp_size == 1:
+            for item, update in self._orthogonalised_owned():
+                self._apply(item, update.view(-1), 0, item.numel)
+        else:
+            updates = dict(self._orthogonalised_owned())
+            self._exchange_and_apply([updates[item] for item in self.owned])
         return loss
 
-    def _orthogonalise_owned(self) -> list[torch.Tensor]:
-        """Momentum step and Newton–Schulz for this rank's items -> their local updates O (ns dtype)."""
-        mu = self.config.momentum
-        blocks = []
-        for item in self.owned:
-            grad = self._param(item).grad
-            if grad is None:
-                raise RuntimeError(
-                    f"ZayaMuon: a parameter of shape {tuple(self._param(item).shape)} has no gradient; every "
-                    "Muon parameter needs one at each step (leave frozen parameters out of the optimizer)"
-                )
-            grad = self._slice(grad, item).float()
-            momentum = self._momentum(item).mul_(mu).add_(grad)
-            update = grad.add(momentum, alpha=mu) if self.config.nesterov else momentum
-            tp_group = self._tp[item.layout.expert]
-            tp_size, _ = _size_and_rank(tp_group)
-            if item.tp_dim is not None:
-                update = _all_gather_cat(update, item.tp_dim, tp_group, tp_size)
-            blocks.append(_to_blocks(update, item, tp_size))
-        results = self._batched_newton_schulz(blocks)
-        updates = []
-        for item, result in zip(self.owned, results):
-            tp_size, tp_rank = _size_and_rank(self._tp[item.layout.expert])
-            full = _from_blocks(result, item, tp_size)
-            if item.tp_dim is not None:
-                full = full.chunk(tp_size, dim=item.tp_dim)[tp_rank]
-            updates.append(full.contiguous())
-        return updates
+    def _orthogonalised_owned(self) -> Iterator[tuple[WorkItem, torch.Tensor]]:
+        """``(item, O)`` for this rank's items, O its local update in the NS dtype.
 
-    def _batched_newton_schulz(self, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Newton–Schulz on every [k, rows, cols] entry, stacking equal shapes into batches."""
+        Equally shaped matrices are orthogonalised together, in batches of at most ``NS_BATCH_NUMEL``
+        elements, so the fp32 working set stays bounded whatever the number of owned matrices.
+        """
         cfg = self.config
-        by_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
-        for k, b in enumerate(blocks):
-            by_shape[tuple(b.shape[1:])].append(k)
-        results: list[torch.Tensor | None] = [None] * len(blocks)
-        for (rows, cols), indices in by_shape.items():
-            per_batch = max(1, NS_BATCH_NUMEL // (rows * cols))
-            matrices = [(k, j) for k in indices for j in range(blocks[k].shape[0])]
-            outputs = []
-            for start in range(0, len(matrices), per_batch):
-                stack = torch.stack([blocks[k][j] for k, j in matrices[start : start + per_batch]])
-                outputs.extend(newton_schulz(stack, cfg.coefficients, cfg.eps, cfg.ns_dtype, cfg.backend).unbind(0))
-            produced = iter(outputs)
-            for k in indices:
-                results[k] = torch.stack([next(produced) for _ in range(blocks[k].shape[0])])
-        return results
+        by_shape: dict[tuple[int, int], list[WorkItem]] = defaultdict(list)
+        for item in self.owned:
+            by_shape[item.block_shape].append(item)
+        for (rows, cols), items in by_shape.items():
+            for batch in _batches(items, max(1, NS_BATCH_NUMEL // (rows * cols))):
+                blocks = torch.cat([self._update_blocks(item) for item in batch])
+                results = newton_schulz(blocks, cfg.coefficients, cfg.eps, cfg.ns_dtype, cfg.backend)
+                for item, result in zip(batch, results.split([i.layout.row_blocks for i in batch])):
+                    yield item, self._local_update(item, result)
+
+    def _update_blocks(self, item: WorkItem) -> torch.Tensor:
+        """Momentum step of ``item``; its Nesterov update, TP-gathered, as [row_blocks, rows, cols] fp32."""
+        param, mu = self._param(item), self.config.momentum
+        if param.grad is None:
+            raise RuntimeError(
+                f"ZayaMuon: a parameter of shape {tuple(param.shape)} has no gradient; every Muon parameter "
+                "needs one at each step (leave frozen parameters out of the optimizer)"
+            )
+        grad = self._slice(param.grad, item).float()
+        momentum = self._momentum(item).mul_(mu).add_(grad)
+        update = grad.add(momentum, alpha=mu) if self.config.nesterov else momentum
+        tp_group = self._tp[item.layout.expert]
+        tp_size, _ = _size_and_rank(tp_group)
+        if item.tp_dim is not None:
+            update = _all_gather_cat(update, item.tp_dim, tp_group, tp_size)
+        return _to_blocks(update, item, tp_size)
+
+    def _local_update(self, item: WorkItem, blocks: torch.Tensor) -> torch.Tensor:
+        """Orthogonalised [row_blocks, rows, cols] -> this rank's TP shard of the slice, contiguous."""
+        tp_size, tp_rank = _size_and_rank(self._tp[item.layout.expert])
+        full = _from_blocks(blocks, item, tp_size)
+        if item.tp_dim is not None:
+            full = full.chunk(tp_size, dim=item.tp_dim)[tp_rank]
+        return full.contiguous()
 
     def _exchange_and_apply(self, updates: list[torch.Tensor]) -> None:
         """All-gather the owners' updates window by window and add ``-lr·scale·O`` to every parameter.
@@ -203,7 +203,10 @@ class ZayaMuon(torch.optim.Optimizer):
             send[chunk.numel() :] = 0
             dist.all_gather(list(received.unbind(0)), send, group=self.dp_group)
             for rank, entries in enumerate(self._streams):
-                for item, offset in entries:
+                first = max(bisect.bisect_right(self._stream_offsets[rank], start) - 1, 0)
+                for item, offset in entries[first:]:
+                    if offset >= start + window:
+                        break
                     lo, hi = max(start, offset), min(start + window, offset + item.numel)
                     if lo < hi:
                         self._apply(item, received[rank, lo - start : hi - start], lo - offset, hi - offset)
@@ -213,6 +216,19 @@ class ZayaMuon(torch.optim.Optimizer):
         group = self.param_groups[item.group]
         target = self._slice(self._param(item), item).view(-1)[lo:hi]
         target.add_(values.to(target.dtype), alpha=-group["lr"] * item.update_scale(self.config.update_rms))
+
+
+def _batches(items: list[WorkItem], max_matrices: int) -> Iterator[list[WorkItem]]:
+    """Consecutive runs of ``items`` holding at most ``max_matrices`` matrices (at least one item each)."""
+    batch, count = [], 0
+    for item in items:
+        if batch and count + item.layout.row_blocks > max_matrices:
+            yield batch
+            batch, count = [], 0
+        batch.append(item)
+        count += item.layout.row_blocks
+    if batch:
+        yield batch
 
 
 def _size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:

@@ -213,11 +213,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Ranks are forked from a fork server (not from pytest, whose process may hold a process group or thread
+# pools that a plain fork would inherit half-alive); it imports these once, so a launch takes a second.
+FORKSERVER_PRELOAD = ["torch", "megatron_zaya.optim", "megatron.core.dist_checkpointing", "megatron.core.distributed",
+                      "megatron.training.training", "megatron_zaya.model", "megatron_zaya.optim.megatron",
+                      "megatron_zaya.patches.cpu", __name__]  # fmt: skip
+
+
 def _entry(rank, world, port, out_dir, worker, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    if dist.is_initialized():  # forked from a pytest process that set up its own single-rank group
-        dist.destroy_process_group()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         result = worker(rank, world, *args)
@@ -231,8 +236,9 @@ def run_ranks(worker, world: int, tmp_path: Path, *args) -> list:
     """``worker(rank, world, *args)`` on ``world`` forked gloo ranks; returns each rank's result."""
     out_dir = tmp_path / f"{worker.__name__}-{world}"
     out_dir.mkdir(parents=True)
+    mp.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)  # effective until the server starts
     mp.start_processes(_entry, args=(world, _free_port(), str(out_dir), worker, args), nprocs=world,
-                       start_method="fork")  # fmt: skip
+                       start_method="forkserver")  # fmt: skip
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
@@ -304,9 +310,6 @@ def test_tensor_expert_and_data_parallel_equal_single_rank(tmp_path):
 
 
 def test_momentum_checkpoint_reshards_from_dp2_to_dp4(tmp_path):
-    import megatron.core.dist_checkpointing  # noqa: F401  (imported once here, inherited by the forked ranks)
-    import megatron_zaya.optim.megatron  # noqa: F401
-
     reference, reference_momentum = single_rank(DENSE, steps=STEPS + 1)
     _, momentum_at_save = single_rank(DENSE, steps=STEPS)
     ckpt = tmp_path / "ckpt"

@@ -29,14 +29,6 @@ STEPS = 3
 BATCH = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
 
 
-def _import_megatron():
-    import megatron.core.distributed  # noqa: F401  (imported before forking: the ranks inherit it)
-    import megatron.training.training  # noqa: F401
-
-    import megatron_zaya.model  # noqa: F401
-    import megatron_zaya.optim.megatron  # noqa: F401
-
-
 class _ReportCudaTensorTypes(torch.overrides.TorchFunctionMode):
     """``Tensor.type()`` answers 'torch.cuda.*': Float16OptimizerWithFloat16Params.__init__ accepts only
     CUDA tensors by type name, and the ``cpu`` patch group does not cover that check (yet)."""
@@ -62,8 +54,6 @@ def build(bf16: bool):
     from megatron_zaya.patches import apply_patches
 
     apply_patches("cpu,optim")
-    if parallel_state.model_parallel_is_initialized():  # state inherited from the forking pytest process
-        parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(0)
     torch.manual_seed(0)
@@ -213,7 +203,6 @@ def train_worker(rank: int, world: int, bf16: bool, steps: int, save_dir: str | 
 
 
 def test_one_rank_equals_plain_muon_and_adamw(tmp_path):
-    _import_megatron()
     (result,) = run_ranks(reference_worker, 1, tmp_path)
     assert result["kinds"] == ["ZayaMuonFP32Optimizer", "FP32Optimizer"]  # dense Muon, dense AdamW (EP = 1)
     assert result["muon_count"] == result["matrix_count"] > 0  # every 2-D weight but the embedding
@@ -223,7 +212,6 @@ def test_one_rank_equals_plain_muon_and_adamw(tmp_path):
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_data_parallel_equals_one_rank(bf16, tmp_path):
-    _import_megatron()
     (single,) = run_ranks(train_worker, 1, tmp_path / "dp1", bf16, STEPS, None, None)
     for result in run_ranks(train_worker, 2, tmp_path / "dp2", bf16, STEPS, None, None):
         for name, value in single.items():
@@ -231,7 +219,6 @@ def test_data_parallel_equals_one_rank(bf16, tmp_path):
 
 
 def test_checkpoint_saved_at_dp2_resumes_at_dp1(tmp_path):
-    _import_megatron()
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (uninterrupted,) = run_ranks(train_worker, 1, tmp_path / "full", True, STEPS, None, None)

@@ -1,0 +1,162 @@
+"""Benchmark Muon's Newton–Schulz on the matrices of one ZAYA1-8B layer: torch vs our Triton kernels.
+
+    python benchmarks/bench_newton_schulz.py            # needs a CUDA or ROCm GPU (about a minute on an H200)
+    python benchmarks/bench_newton_schulz.py --smoke    # tiny shapes, any device: checks the script runs
+
+Matrices (as in docs/megatron-core-0.19-notes.md §11): q 1024×2048, k 256×2048, o 2048×1024, 16 expert
+fc1 4096×2048 and 16 expert fc2 2048×2048, plus ZAYA1's two value halves (128×2048 each) and the four
+router matrices. 5 quintic steps in bf16. For each shape it prints the median time of
+
+* ``torch loop``: one plain-torch Newton–Schulz per matrix (what Megatron's Muon does per expert),
+* ``torch batched``: our torch reference on the stacked matrices,
+* ``triton``: our symmetric kernels (X·Xᵀ and b·A + c·A·A on one triangle) on the stacked matrices,
+
+the ratios, the TFLOP/s of the Triton path (counting the full 4m²n + 2m³ FLOPs per step), and the
+relative error of each path against float64. Then the layer totals, and the Newton–Schulz time per rank
+of a whole 40-layer ZAYA1-8B step when ZayaMuon spreads the matrices over DP ranks (FLOP-balanced owners;
+Megatron's non-layer-wise Muon runs all of them on every rank). Reference point (notes §11, H200, torch
+2.11): plain torch 26.0 ms per layer; emerging_optimizers 22.1 ms; its Triton SYRK path 41.6 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from megatron_zaya.kernels.newton_schulz import (
+    QUINTIC_COEFFICIENTS,
+    newton_schulz_reference,
+    newton_schulz_triton,
+    triton_usable,
+)
+from megatron_zaya.optim.plan import WorkItem, assign_owners
+from megatron_zaya.optim.roles import MatrixLayout
+
+COEFFICIENTS = (QUINTIC_COEFFICIENTS,) * 5
+LAYER = [  # (name, count, rows, cols) of one ZAYA1-8B layer
+    ("q", 1, 1024, 2048),
+    ("k", 1, 256, 2048),
+    ("v halves", 2, 128, 2048),
+    ("o", 1, 2048, 1024),
+    ("router down", 1, 256, 2048),
+    ("router fc1/fc2", 2, 256, 256),
+    ("router out", 1, 17, 256),
+    ("experts fc1", 16, 4096, 2048),
+    ("experts fc2", 16, 2048, 2048),
+]
+NOTES_SET = {"q", "k", "o", "experts fc1", "experts fc2"}  # the matrices timed in the notes
+SMOKE_LAYER = [("q", 1, 64, 96), ("experts fc1", 4, 96, 48), ("experts fc2", 4, 48, 48)]
+
+
+def timed(fn, device: str, repeats: int) -> float:
+    """Median milliseconds of ``fn()`` (after two warm-up calls)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            import time
+
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def relative_error(result: torch.Tensor, oracle: torch.Tensor) -> float:
+    return ((result.double() - oracle).norm() / oracle.norm()).item()
+
+
+def flops(count: int, rows: int, cols: int) -> float:
+    m, n = sorted((rows, cols))
+    return count * len(COEFFICIENTS) * (4.0 * m * m * n + 2.0 * m**3)
+
+
+def bench_shape(name, count, rows, cols, device, repeats, use_triton) -> dict:
+    G = torch.randn(count, rows, cols, device=device)
+    oracle = newton_schulz_reference(G[:1].double(), COEFFICIENTS, dtype=torch.float64)
+    row = {"name": name, "count": count, "shape": f"{rows}x{cols}", "flops": flops(count, rows, cols)}
+    row["loop"] = timed(lambda: [newton_schulz_reference(g, COEFFICIENTS, dtype=torch.bfloat16) for g in G],
+                        device, repeats)  # fmt: skip
+    row["batched"] = timed(lambda: newton_schulz_reference(G, COEFFICIENTS, dtype=torch.bfloat16), device, repeats)
+    row["err_torch"] = relative_error(newton_schulz_reference(G[:1], COEFFICIENTS, dtype=torch.bfloat16), oracle)
+    if use_triton:
+        row["triton"] = timed(lambda: newton_schulz_triton(G, COEFFICIENTS, dtype=torch.bfloat16), device, repeats)
+        row["err_triton"] = relative_error(newton_schulz_triton(G[:1], COEFFICIENTS, dtype=torch.bfloat16), oracle)
+    return row
+
+
+def per_rank_model_time(rows: list[dict], layers: int, dp: int, best: str) -> float:
+    """Newton–Schulz ms on the busiest rank for a ``layers``-layer model, ZayaMuon's owners at size ``dp``."""
+    items, ms_per_matrix = [], []
+    for layer in range(layers):
+        for row in rows:
+            r, c = map(int, row["shape"].split("x"))
+            for _ in range(row["count"]):
+                items.append(WorkItem(layer, len(items), 0, MatrixLayout(), (r, c), (r, c), None))
+                ms_per_matrix.append(row[best] / row["count"])
+    owned = assign_owners(items, dp, len(COEFFICIENTS))
+    load = [0.0] * dp
+    for item, ms in zip(owned, ms_per_matrix):
+        load[item.owner] += ms
+    return max(load)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--layers", type=int, default=40, help="layers of the model for the per-rank estimate")
+    args = parser.parse_args()
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not args.smoke and device != "cuda":
+        raise SystemExit("bench_newton_schulz needs a CUDA or ROCm GPU; use --smoke to check the script on CPU")
+    torch.manual_seed(0)
+    use_triton = triton_usable(torch.empty(0, device=device))
+    layer = SMOKE_LAYER if args.smoke else LAYER
+    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; torch {torch.__version__}; "
+          f"5 quintic steps, bf16; Triton {'on' if use_triton else 'off (torch only)'}")  # fmt: skip
+    header = f"{'matrices':16s} {'n':>3s} {'shape':>10s} {'torch loop':>11s} {'batched':>9s}"
+    header += f" {'triton':>8s} {'loop/triton':>12s} {'batch/triton':>13s} {'TFLOP/s':>8s}" if use_triton else ""
+    print(header + f" {'err torch':>10s}" + (f" {'err triton':>11s}" if use_triton else ""))
+    rows = []
+    for name, count, r, c in layer:
+        row = bench_shape(name, count, r, c, device, args.repeats, use_triton)
+        rows.append(row)
+        line = f"{name:16s} {count:3d} {row['shape']:>10s} {row['loop']:9.2f}ms {row['batched']:7.2f}ms"
+        if use_triton:
+            line += (f" {row['triton']:6.2f}ms {row['loop'] / row['triton']:11.2f}x "
+                     f"{row['batched'] / row['triton']:12.2f}x {row['flops'] / row['triton'] / 1e9:8.1f}")  # fmt: skip
+        line += f" {row['err_torch']:10.2e}" + (f" {row['err_triton']:11.2e}" if use_triton else "")
+        print(line)
+
+    paths = ["loop", "batched"] + (["triton"] if use_triton else [])
+    for label, subset in (("notes §11 set", [r for r in rows if r["name"] in NOTES_SET]), ("whole layer", rows)):
+        totals = {p: sum(r[p] for r in subset) for p in paths}
+        text = ", ".join(f"{p} {t:.2f} ms" for p, t in totals.items())
+        if use_triton:
+            text += f"; loop/triton {totals['loop'] / totals['triton']:.2f}x, batched/triton " \
+                    f"{totals['batched'] / totals['triton']:.2f}x"
+        print(f"per layer ({label}): {text}")
+
+    best = min(paths, key=lambda p: sum(r[p] for r in rows))
+    redundant = args.layers * sum(r["loop"] for r in rows)
+    print(f"whole {args.layers}-layer model, Newton–Schulz per optimizer step on the busiest rank "
+          f"(ZayaMuon, {best} path; every rank redundantly with a per-matrix torch loop: {redundant:.0f} ms):")
+    for dp in (1, 2, 4, 8, 16, 64):
+        ms = per_rank_model_time(rows, args.layers, dp, best)
+        print(f"  DP={dp:3d}: {ms:9.1f} ms   ({redundant / ms:6.1f}x less than the redundant loop)")
+
+
+if __name__ == "__main__":
+    main()
