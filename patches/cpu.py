@@ -10,11 +10,14 @@ Megatron reaches the GPU in three ways; each gets the narrowest replacement that
    state, ``device_count``) of a fixed list of Megatron modules: the module-global name ``torch`` of each
    is swapped for :data:`CPU_TORCH`, a view of torch in which the CUDA device is the CPU. Code outside
    those modules, torch included, keeps the real ``torch``. One patch per module says which sites it covers.
-3. Call sites neither reaches (RNG tracker internals, ``Tensor.type()`` asserts, alltoall split sizes,
-   ``initialize_megatron``'s CUDA assert): one replacement each.
+3. Call sites neither reaches (``initialize_megatron``'s CUDA assert, RNG tracker internals, a
+   ``Tensor.type()`` assert, alltoall split sizes): one replacement each. The only TorchFunctionMode is
+   the one ``cpu.clip_grads`` holds for the duration of one function, to answer ``Tensor.type()``.
 
-With every patch of the group, RNG state is the CPU generator's: Megatron's "CUDA" RNG tracker states
-are CPU generator states, so save/restore and forks stay exact (resume is bit-exact).
+Determinism: the "CUDA" generator is the CPU default generator (dropout on CPU tensors draws from it), so
+RNG tracker states are CPU generator states and checkpoints save and restore them exactly.
+``cpu.jit_warmup_rng`` and ``cpu.dataloader_rng`` keep draws that a GPU run makes from other generators
+off that stream, so TP1 and TP2 start from the same weights and a resumed run replays dropout exactly.
 Turn a patch off by leaving its id out of ``--zaya-patches`` / ``ZAYA_PATCHES`` (``none`` for all).
 """
 
@@ -297,7 +300,11 @@ def patch_model_wrapping() -> None:
     _see_cpu_torch("megatron.training.models.dist_utils")
 
 
-@register("cpu.dataloader_rng", target="megatron.training.datasets.data_samplers.build_pretraining_data_loader", platforms=("cpu",))
+@register(
+    "cpu.dataloader_rng",
+    target="megatron.training.datasets.data_samplers.build_pretraining_data_loader",
+    platforms=("cpu",),
+)
 def patch_dataloader_rng() -> None:
     """Give Megatron's training DataLoaders their own generator, so a resumed run replays dropout exactly.
 
@@ -335,7 +342,11 @@ def patch_checkpointing() -> None:
     _see_cpu_torch("megatron.training.checkpointing")
 
 
-@register("cpu.dist_checkpointing", target="megatron.core.dist_checkpointing.strategies.filesystem_async.torch", platforms=("cpu",))
+@register(
+    "cpu.dist_checkpointing",
+    target="megatron.core.dist_checkpointing.strategies.filesystem_async.torch",
+    platforms=("cpu",),
+)
 def patch_dist_checkpointing() -> None:
     """Give the ``torch_dist`` checkpoint strategies the CPU view of torch: ``torch.cuda.synchronize``
     before writing (filesystem_async.py:248, fully_parallel.py:287-296) and the ``device='cuda'``
@@ -427,7 +438,9 @@ class _ReportCudaTensorTypes(torch.overrides.TorchFunctionMode):
         return result
 
 
-@register("cpu.clip_grads", target="megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32", platforms=("cpu",))
+@register(
+    "cpu.clip_grads", target="megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32", platforms=("cpu",)
+)
 def patch_clip_grads() -> None:
     """Let gradient clipping run on CPU gradients.
 
@@ -458,7 +471,9 @@ def _split_sizes_to_numpy(tensor, as_numpy=False, record_stream=False):
     return tensor
 
 
-@register("cpu.moe_alltoall", target="megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu", platforms=("cpu",))
+@register(
+    "cpu.moe_alltoall", target="megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu", platforms=("cpu",)
+)
 def patch_moe_alltoall() -> None:
     """Let the alltoall MoE dispatcher run on gloo.
 

@@ -1,0 +1,165 @@
+"""The patch-hook registry (selection, idempotence, kernel-patch errors), the ``zaya-patches`` CLI and the
+``startup.compile_helpers`` patch.
+
+The registry tests use throwaway patches of a ``zztest`` group that count their calls; they are removed
+from the registry afterwards.
+"""
+
+import importlib
+
+import pytest
+
+from megatron_zaya.patches import registry
+from megatron_zaya.patches.cli import main as zaya_patches
+from megatron_zaya.patches.registry import PatchError, apply_patches, register, resolve
+
+CALLS: list[str] = []
+
+
+@pytest.fixture
+def throwaway_patches():
+    """``zztest.counted`` (applies everywhere) and ``zztest.kernel`` (a kernel patch that never applies)."""
+    registry._load_patch_modules()  # so the real patches are registered before ours, as in a run
+
+    @register("zztest.counted", target="zztest.module.symbol")
+    def counted():
+        """Count one call (a test patch). Off: leave zztest out of the selection."""
+        CALLS.append("zztest.counted")
+
+    @register("zztest.kernel", target="zztest.module.kernel", kernel=True, requires=lambda: "no such kernel here")
+    def kernel():
+        """A kernel patch whose requirement never holds (a test patch)."""
+        CALLS.append("zztest.kernel")
+
+    CALLS.clear()
+    yield
+    for patch_id in ("zztest.counted", "zztest.kernel"):
+        registry.REGISTRY.pop(patch_id, None)
+        registry._APPLIED.discard(patch_id)
+
+
+def ids(patches):
+    return {patch.id for patch in patches}
+
+
+def test_selection_by_id_group_all_and_none(throwaway_patches):
+    assert ids(resolve("zztest.counted")[0]) == {"zztest.counted"}
+    chosen, explicit = resolve("zztest")
+    assert ids(chosen) == explicit == {"zztest.counted", "zztest.kernel"}
+    assert ids(resolve("all")[0]) == set(registry.REGISTRY) and resolve("all")[1] == set()
+    assert resolve("none") == ([], set())
+    assert ids(resolve(" zztest.kernel , zztest.counted ")[0]) == {"zztest.counted", "zztest.kernel"}
+
+
+def test_environment_variable_selects_when_no_selection_is_given(throwaway_patches, monkeypatch):
+    monkeypatch.setenv("ZAYA_PATCHES", "zztest.counted")
+    assert ids(resolve(None)[0]) == {"zztest.counted"}
+    monkeypatch.delenv("ZAYA_PATCHES")
+    assert ids(resolve(None)[0]) == set(registry.REGISTRY)  # default: all
+
+
+def test_unknown_id_names_the_token_and_the_known_ones(throwaway_patches):
+    with pytest.raises(PatchError, match=r"unknown patch or group 'zztest\.nope'.*known: all, none, .*zztest\.counted"):
+        resolve("zztest.counted,zztest.nope")
+
+
+def test_applying_twice_runs_the_patch_once(throwaway_patches):
+    lines = []
+    assert apply_patches("zztest.counted", log=lines.append) == {"zztest.counted": "applied"}
+    assert apply_patches("zztest.counted", log=lines.append) == {"zztest.counted": "already applied"}
+    assert CALLS == ["zztest.counted"]
+    assert "zztest.counted" in registry.applied()
+    assert lines == ["[zaya-patches] zztest.counted                   applied  (zztest.module.symbol)"]
+
+
+def test_kernel_patch_asked_for_by_name_but_not_applicable_raises(throwaway_patches):
+    with pytest.raises(PatchError, match="kernel patch zztest.kernel was asked for but cannot apply: no such kernel"):
+        apply_patches("zztest.kernel", log=lambda line: None)
+    with pytest.raises(PatchError, match="zztest.kernel"):
+        apply_patches("zztest", log=lambda line: None)  # named through its group: explicit too
+    assert "zztest.kernel" not in CALLS
+
+
+def test_kernel_patch_reached_through_all_is_skipped_with_its_reason(throwaway_patches, monkeypatch):
+    monkeypatch.setattr(registry, "REGISTRY", {k: v for k, v in registry.REGISTRY.items() if k.startswith("zztest")})
+    report = apply_patches("all", log=lambda line: None)
+    assert report == {"zztest.counted": "applied", "zztest.kernel": "skipped: no such kernel here"}
+
+
+def test_a_patch_without_docstring_is_refused():
+    with pytest.raises(PatchError, match="zztest.undocumented needs a docstring"):
+        register("zztest.undocumented", target="x.y")(lambda: None)
+    assert "zztest.undocumented" not in registry.REGISTRY
+
+
+def test_replace_attr_fails_loudly_when_the_target_moved():
+    class Owner:
+        present = 1
+
+    assert registry.replace_attr(Owner, "present", 2) == 1 and Owner.present == 2
+    with pytest.raises(PatchError, match=r"\.gone no longer exists: megatron-core changed under this patch"):
+        registry.replace_attr(Owner, "gone", 3)
+
+
+def test_every_real_patch_is_documented_and_well_formed():
+    registry._load_patch_modules()
+    for patch in registry.REGISTRY.values():
+        assert patch.id.startswith(patch.group + "."), patch.id
+        assert len(patch.doc.splitlines()) >= 2 and patch.summary, patch.id
+    assert {"startup.compile_helpers", "cpu.rng", "cpu.current_device"} <= set(registry.REGISTRY)
+    assert all(registry.REGISTRY[i].platforms == ("cpu",) for i in registry.REGISTRY if i.startswith("cpu."))
+
+
+# --- zaya-patches CLI ----------------------------------------------------------------------------
+
+
+def test_cli_list_prints_one_row_per_patch_with_whether_it_applies(throwaway_patches, capsys):
+    zaya_patches(["list"])
+    out = capsys.readouterr().out
+    header, *rows = out.splitlines()[1:]
+    assert header.split() == ["id", "group", "target", "platforms", "megatron", "kernel", "applies", "here", "summary"]
+    assert len(rows) == len(registry.REGISTRY)
+    kernel_row = next(row for row in rows if row.startswith("zztest.kernel "))
+    assert "zztest.module.kernel" in kernel_row and "no: no such kernel here" in kernel_row
+    assert "yes" in kernel_row.split("no:")[0]  # the kernel column
+    counted_row = next(row for row in rows if row.startswith("zztest.counted "))
+    assert counted_row.rstrip().endswith("Count one call (a test patch). Off: leave zztest out of the selection.")
+
+
+def test_cli_show_prints_the_docstring(throwaway_patches, capsys):
+    zaya_patches(["show", "zztest.kernel"])
+    out = capsys.readouterr().out
+    assert "replaces   zztest.module.kernel" in out and "skipped: no such kernel here" in out
+    assert out.rstrip().endswith("A kernel patch whose requirement never holds (a test patch).")
+
+
+def test_cli_show_unknown_id_is_a_one_line_error():
+    with pytest.raises(SystemExit, match=r"unknown patch id 'cpu\.nope'; run `zaya-patches list`"):
+        zaya_patches(["show", "cpu.nope"])
+
+
+# --- startup.compile_helpers ---------------------------------------------------------------------
+
+
+def test_compile_helpers_is_replaced_by_an_import_check(monkeypatch):
+    from megatron.core.datasets import utils
+
+    from megatron_zaya.patches import startup
+
+    apply_patches("startup.compile_helpers", log=lambda line: None)
+    assert utils.compile_helpers is startup.check_prebuilt_helpers
+    utils.compile_helpers()  # the wheel's helpers_cpp imports: no make, no exit
+
+    monkeypatch.setattr(startup, "HELPERS_MODULE", "megatron.core.datasets.no_such_helpers")
+    with pytest.raises(RuntimeError, match=r"dataset helpers .* do not import: .*pip install --force-reinstall"):
+        utils.compile_helpers()
+
+
+def test_compile_helpers_patch_steps_aside_for_a_source_install(tmp_path, monkeypatch):
+    from megatron_zaya.patches import startup
+
+    monkeypatch.setattr(startup, "_datasets_dir", lambda: tmp_path)
+    assert startup._makefile_present() is None
+    (tmp_path / "Makefile").write_text("all:\n")
+    assert "Makefile" in startup._makefile_present()
+    assert importlib.import_module("megatron.core.datasets.helpers_cpp")  # what the check imports
