@@ -1,11 +1,12 @@
-"""Megatron's stock ``pretrain()`` trains a tiny GPT on CPU with gloo, behind the ``startup`` and ``cpu`` patches.
+"""Megatron's stock ``pretrain()`` trains a tiny GPT-MoE on CPU with gloo, behind the ``startup`` and ``cpu`` patches.
 
-Each run launches ``tests/gpt_cpu_entry.py`` (a cut-down ``pretrain_gpt.py``) under torchrun, with
-``--mock-data`` and the NullTokenizer; the entry records every micro-batch loss exactly
-(``GPT_CPU_ENTRY_LOSSES``). Checked against independent references:
+The model has 2 layers (RMSNorm, RoPE, SwiGLU, dropout 0.1), the second one MoE. Each run launches
+``tests/gpt_cpu_entry.py`` (a cut-down ``pretrain_gpt.py``) under torchrun with ``--mock-data`` and the
+NullTokenizer; the entry records every micro-batch loss exactly (``GPT_CPU_ENTRY_LOSSES``). Checked
+against independent references:
 
 * one rank, 10 iterations: the first loss is ln(vocab) (an untrained model), and the loss falls;
-* two gloo ranks (DP2) see the same micro-batches as the one-rank run and give the same losses, bit for bit;
+* two gloo ranks (DP2, dropout 0) see the same micro-batches as one rank and give the same losses, bit for bit;
 * a run resumed from the iteration-5 ``torch_dist`` checkpoint gives the uninterrupted run's losses for
   iterations 6-10, bit for bit (with dropout on: the RNG state round-trips through the checkpoint).
 """
@@ -27,7 +28,10 @@ MODEL = (
     "--seq-length 32 --max-position-embeddings 32 --normalization RMSNorm --swiglu --position-embedding-type rope "
     "--disable-bias-linear --untie-embeddings-and-output-weights --attention-dropout 0.1 --hidden-dropout 0.1 "
     "--use-cpu-initialization --no-gradient-accumulation-fusion --no-rope-fusion --no-persist-layer-norm "
-    "--no-masked-softmax-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion"
+    "--no-masked-softmax-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion "
+    # the second layer is MoE: 4 SequentialMLP experts, top-2, alltoall dispatcher, aux loss
+    "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-token-dispatcher-type alltoall "
+    "--moe-aux-loss-coeff 1e-2 --moe-layer-freq ([0]+[1])"
 )
 TRAINING = (
     f"--distributed-backend gloo --mock-data --tokenizer-type NullTokenizer --vocab-size {VOCAB} --split 100,0,0 "
