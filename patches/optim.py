@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from .registry import register, replace_attr
 
 
@@ -24,3 +26,27 @@ def zaya_muon_optimizer() -> None:
     from megatron_zaya.optim.megatron import wrap_get_megatron_optimizer
 
     replace_attr(training, "get_megatron_optimizer", wrap_get_megatron_optimizer(training.get_megatron_optimizer))
+
+
+@register("optim.optimizer_choice", target="megatron.training.arguments._add_training_args")
+def zaya_muon_choice() -> None:
+    """Make ``zaya_muon`` a valid ``--optimizer`` choice of every parser Megatron builds.
+
+    Megatron fixes the ``--optimizer`` choices in ``_add_training_args``, and ``pretrain()`` re-parses the
+    command line with its own parser (``ft_integration.setup``: unknown flags are ignored there, an
+    unknown choice is an error), so allowing the choice in the ``extra_args_provider`` alone fails at
+    start-up. The wrapper adds ``zaya_muon`` to the choices after the original has built them.
+
+    Off: ``--zaya-patches``/``ZAYA_PATCHES`` without ``optim``.
+    """
+    import megatron.training.arguments as arguments
+
+    from megatron_zaya.optim.args import allow_zaya_muon
+
+    original = arguments._add_training_args
+
+    @functools.wraps(original)
+    def _add_training_args(parser):
+        return allow_zaya_muon(original(parser))
+
+    replace_attr(arguments, "_add_training_args", _add_training_args)

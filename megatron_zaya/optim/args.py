@@ -14,11 +14,17 @@ OPTIMIZER_NAME = "zaya_muon"
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``--zaya-muon-*`` flags; if the parser has Megatron's ``--optimizer``, allow ``zaya_muon``."""
+def allow_zaya_muon(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``zaya_muon`` to the choices of the parser's ``--optimizer`` (Megatron's), if it has one."""
     for action in parser._actions:
         if action.dest == "optimizer" and action.choices is not None and OPTIMIZER_NAME not in action.choices:
             action.choices = [*action.choices, OPTIMIZER_NAME]
+    return parser
+
+
+def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--zaya-muon-*`` flags; if the parser has Megatron's ``--optimizer``, allow ``zaya_muon``."""
+    allow_zaya_muon(parser)
     group = parser.add_argument_group("ZAYA1 Muon (--optimizer zaya_muon)")
     group.add_argument("--zaya-muon-momentum", type=float, default=0.95, help="Muon momentum μ (default 0.95).")
     group.add_argument("--zaya-muon-nesterov", action=argparse.BooleanOptionalAction, default=True,

@@ -139,3 +139,20 @@ def test_flags_give_the_config():
         muon_config_from_args(parser.parse_args(["--zaya-muon-ns-coefficients", "1,2,3;4,5,6"]))
     with pytest.raises(ValueError, match="call megatron_zaya.optim.add_muon_args"):
         muon_config_from_args(argparse.Namespace())
+
+
+def test_megatron_accepts_optimizer_zaya_muon(monkeypatch):
+    """With the ``optim`` patches, Megatron's own parser (re-run inside ``pretrain()``) takes the choice,
+    and its optimizer factory hands ``zaya_muon`` to ours."""
+    from megatron.training import arguments, training
+
+    from megatron_zaya.patches import apply_patches
+
+    apply_patches("optim")
+    monkeypatch.setattr("sys.argv", ["prog", "--optimizer", "zaya_muon", "--zaya-muon-momentum", "0.9"])
+    assert arguments.parse_args(ignore_unknown_args=True).optimizer == "zaya_muon"
+    calls = []
+    monkeypatch.setattr("megatron_zaya.optim.megatron.get_zaya_muon_optimizer", lambda *a, **k: calls.append(a))
+    config = argparse.Namespace(optimizer="zaya_muon")
+    training.get_megatron_optimizer(config, ["chunk"])
+    assert calls == [(config, ["chunk"])]
