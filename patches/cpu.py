@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import logging
 import time
 import types
@@ -167,10 +168,21 @@ def _see_cpu_torch(*module_names: str) -> None:
         replace_attr(module, "torch", CPU_TORCH)
 
 
+def _cpu_patch(patch_id: str, target: str):
+    """Register a ``cpu``-platform patch; its docstring gains the line saying how to turn it off."""
+
+    def decorate(fn):
+        off = f"Off: leave ``{patch_id}`` out of ``--zaya-patches`` / ``ZAYA_PATCHES``."
+        fn.__doc__ = f"{inspect.cleandoc(fn.__doc__)}\n\n{off}"
+        return register(patch_id, target=target, platforms=("cpu",))(fn)
+
+    return decorate
+
+
 # --- 1. process-wide: calls that can only raise on a machine without CUDA -------------------------
 
 
-@register("cpu.current_device", target="torch.cuda.current_device", platforms=("cpu",))
+@_cpu_patch("cpu.current_device", "torch.cuda.current_device")
 def patch_current_device() -> None:
     """Make ``torch.cuda.current_device()`` return ``torch.device('cpu')``, process-wide.
 
@@ -188,7 +200,7 @@ def _tensor_to_cpu(tensor, device=None, non_blocking=False, memory_format=torch.
     return tensor.to(CPU, non_blocking=non_blocking, memory_format=memory_format)
 
 
-@register("cpu.tensor_cuda", target="torch.Tensor.cuda", platforms=("cpu",))
+@_cpu_patch("cpu.tensor_cuda", "torch.Tensor.cuda")
 def patch_tensor_cuda() -> None:
     """Make ``Tensor.cuda()`` (and so ``nn.Module.cuda()``) move to the CPU, process-wide.
 
@@ -200,10 +212,10 @@ def patch_tensor_cuda() -> None:
     replace_attr(torch.Tensor, "cuda", _tensor_to_cpu)
 
 
-# --- 2. the module-global ``torch`` of single Megatron modules ----------------------------------
+# --- 2. initialisation and RNG -------------------------------------------------------------------
 
 
-@register("cpu.initialize", target="megatron.training.initialize.initialize_megatron", platforms=("cpu",))
+@_cpu_patch("cpu.initialize", "megatron.training.initialize.initialize_megatron")
 def patch_initialize() -> None:
     """Let ``initialize_megatron`` run without CUDA: ``allow_no_cuda=True`` and a one-CPU-device view.
 
@@ -211,7 +223,7 @@ def patch_initialize() -> None:
     asserts ``torch.cuda.is_available()`` (initialize.py:66); the wrapper forces ``allow_no_cuda=True``
     (patched on ``megatron.training``, ``.initialize`` and ``.training``, which import the name).
     ``initialize.py`` also sees :data:`CPU_TORCH`: ``device_count()`` is 1, else it skips model-parallel
-    init and RNG seeding (l.270, 408, 447), and ``set_device`` is a no-op (l.282).
+    init and RNG seeding (l.270, 358, 447), and ``set_device`` is a no-op (l.282).
     """
     import megatron.training
     from megatron.training import initialize, training
@@ -227,7 +239,7 @@ def patch_initialize() -> None:
     _see_cpu_torch("megatron.training.initialize")
 
 
-@register("cpu.jit_warmup_rng", target="megatron.training.initialize._warmup_jit_function", platforms=("cpu",))
+@_cpu_patch("cpu.jit_warmup_rng", "megatron.training.initialize._warmup_jit_function")
 def patch_jit_warmup_rng() -> None:
     """Keep the CPU RNG stream where it was across the JIT warm-up, so weights do not depend on TP size.
 
@@ -250,7 +262,7 @@ def patch_jit_warmup_rng() -> None:
     replace_attr(initialize, "_warmup_jit_function", warmup_jit_function)
 
 
-@register("cpu.rng", target="megatron.core.tensor_parallel.random._get_cuda_rng_state", platforms=("cpu",))
+@_cpu_patch("cpu.rng", "megatron.core.tensor_parallel.random._get_cuda_rng_state")
 def patch_rng() -> None:
     """Make Megatron's "CUDA" RNG the CPU default generator, so the RNG tracker works on CPU.
 
@@ -261,7 +273,7 @@ def patch_rng() -> None:
     random.py sees :data:`CPU_TORCH` (``torch.cuda.get_rng_state`` / ``manual_seed`` in ``add()`` and
     ``model_parallel_cuda_manual_seed``, l.303-306, 490). Consequence: ``model_parallel_cuda_manual_seed``
     reseeds the CPU generator with its data-parallel seed, as ``_set_random_seed`` already did, and
-    ``fork()``'s warning that the CPU RNG changed inside a GPU RNG fork (l.331) is filtered out.
+    ``fork()``'s warning that the CPU RNG changed inside a GPU RNG fork (l.332-333) is filtered out.
     """
     from megatron.core.tensor_parallel import random
 
@@ -282,29 +294,7 @@ def _drop_cpu_rng_changed_warning(record: logging.LogRecord) -> bool:
     return record.getMessage() != "CPU RNG state changed within GPU RNG context"
 
 
-@register("cpu.training_loop", target="megatron.training.training.torch", platforms=("cpu",))
-def patch_training_loop() -> None:
-    """Give ``megatron.training.training`` the CPU view of torch.
-
-    Covers its ``device='cuda'`` tensors (start-time and exit-duration all-reduces l.1131-1137, 3297,
-    loss dicts l.2613-2884, 4270, train/valid/test flags l.4588-4653), ``torch.cuda.empty_cache``,
-    ``synchronize`` and memory stats.
-    """
-    _see_cpu_torch("megatron.training.training")
-
-
-@register("cpu.model_wrapping", target="megatron.training.models.dist_utils.torch", platforms=("cpu",))
-def patch_model_wrapping() -> None:
-    """Give ``megatron.training.models.dist_utils`` (``build_distributed_models``, the 0.19 model path of
-    ``pretrain``) the CPU view of torch: the side stream it wraps DDP on (l.303) is a no-op."""
-    _see_cpu_torch("megatron.training.models.dist_utils")
-
-
-@register(
-    "cpu.dataloader_rng",
-    target="megatron.training.datasets.data_samplers.build_pretraining_data_loader",
-    platforms=("cpu",),
-)
+@_cpu_patch("cpu.dataloader_rng", "megatron.training.datasets.data_samplers.build_pretraining_data_loader")
 def patch_dataloader_rng() -> None:
     """Give Megatron's training DataLoaders their own generator, so a resumed run replays dropout exactly.
 
@@ -332,7 +322,28 @@ def patch_dataloader_rng() -> None:
         replace_attr(module, "build_pretraining_data_loader", build_pretraining_data_loader)
 
 
-@register("cpu.checkpointing", target="megatron.training.checkpointing.torch", platforms=("cpu",))
+# --- 3. Megatron modules that only need the CPU view of torch -------------------------------------
+
+
+@_cpu_patch("cpu.training_loop", "megatron.training.training.torch")
+def patch_training_loop() -> None:
+    """Give ``megatron.training.training`` the CPU view of torch.
+
+    Covers its ``device='cuda'`` tensors (start-time and exit-duration all-reduces l.1131-1137, 3297,
+    loss dicts l.2613-2884, 4270, train/valid/test flags l.4588-4653), ``torch.cuda.empty_cache``,
+    ``synchronize`` and memory stats.
+    """
+    _see_cpu_torch("megatron.training.training")
+
+
+@_cpu_patch("cpu.model_wrapping", "megatron.training.models.dist_utils.torch")
+def patch_model_wrapping() -> None:
+    """Give ``megatron.training.models.dist_utils`` (``build_distributed_models``, the 0.19 model path of
+    ``pretrain``) the CPU view of torch: the side stream it wraps DDP on (l.303) is a no-op."""
+    _see_cpu_torch("megatron.training.models.dist_utils")
+
+
+@_cpu_patch("cpu.checkpointing", "megatron.training.checkpointing.torch")
 def patch_checkpointing() -> None:
     """Give ``megatron.training.checkpointing`` the CPU view of torch.
 
@@ -342,11 +353,7 @@ def patch_checkpointing() -> None:
     _see_cpu_torch("megatron.training.checkpointing")
 
 
-@register(
-    "cpu.dist_checkpointing",
-    target="megatron.core.dist_checkpointing.strategies.filesystem_async.torch",
-    platforms=("cpu",),
-)
+@_cpu_patch("cpu.dist_checkpointing", "megatron.core.dist_checkpointing.strategies.filesystem_async.torch")
 def patch_dist_checkpointing() -> None:
     """Give the ``torch_dist`` checkpoint strategies the CPU view of torch: ``torch.cuda.synchronize``
     before writing (filesystem_async.py:248, fully_parallel.py:287-296) and the ``device='cuda'``
@@ -358,7 +365,7 @@ def patch_dist_checkpointing() -> None:
     )
 
 
-@register("cpu.training_utils", target="megatron.training.utils.common_utils.torch", platforms=("cpu",))
+@_cpu_patch("cpu.training_utils", "megatron.training.utils.common_utils.torch")
 def patch_training_utils() -> None:
     """Give ``megatron.training.utils.common_utils`` the CPU view of torch.
 
@@ -370,7 +377,7 @@ def patch_training_utils() -> None:
     _see_cpu_torch("megatron.training.utils.common_utils")
 
 
-@register("cpu.core_utils", target="megatron.core.utils.torch", platforms=("cpu",))
+@_cpu_patch("cpu.core_utils", "megatron.core.utils.torch")
 def patch_core_utils() -> None:
     """Give ``megatron.core.utils`` the CPU view of torch: the torch fallback of the apex/TE multi-tensor
     L2 norm used for the grad norm returns its result on ``device='cuda'`` (l.1332), and
@@ -378,35 +385,35 @@ def patch_core_utils() -> None:
     _see_cpu_torch("megatron.core.utils")
 
 
-@register("cpu.attention_masks", target="megatron.core.transformer.utils.torch", platforms=("cpu",))
+@_cpu_patch("cpu.attention_masks", "megatron.core.transformer.utils.torch")
 def patch_attention_masks() -> None:
     """Give ``megatron.core.transformer.utils`` the CPU view of torch: the default causal and sliding-window
     masks DotProductAttention builds when the batch carries no mask are ``device="cuda"`` (l.39, 44)."""
     _see_cpu_torch("megatron.core.transformer.utils")
 
 
-@register("cpu.timers", target="megatron.core.timers.torch", platforms=("cpu",))
+@_cpu_patch("cpu.timers", "megatron.core.timers.torch")
 def patch_timers() -> None:
     """Give ``megatron.core.timers`` the CPU view of torch: ``torch.cuda.synchronize`` in ``Timer.start``
     / ``stop`` (l.152, 165) is a no-op, and the all-gathered timings live on the CPU (l.303)."""
     _see_cpu_torch("megatron.core.timers")
 
 
-@register("cpu.rerun_state_machine", target="megatron.core.rerun_state_machine.torch", platforms=("cpu",))
+@_cpu_patch("cpu.rerun_state_machine", "megatron.core.rerun_state_machine.torch")
 def patch_rerun_state_machine() -> None:
     """Give ``megatron.core.rerun_state_machine`` the CPU view of torch: its ``device='cuda'`` flags
     (l.264-268) and its saved ``cuda_rng_state`` (l.979-992), the CPU generator state as in ``cpu.rng``."""
     _see_cpu_torch("megatron.core.rerun_state_machine")
 
 
-@register("cpu.schedules", target="megatron.core.pipeline_parallel.schedules.torch", platforms=("cpu",))
+@_cpu_patch("cpu.schedules", "megatron.core.pipeline_parallel.schedules.torch")
 def patch_schedules() -> None:
     """Give ``megatron.core.pipeline_parallel.schedules`` the CPU view of torch: the token counters of the
     forward-backward schedules are ``torch.zeros([], device='cuda')`` (l.749, 1121, 2292)."""
     _see_cpu_torch("megatron.core.pipeline_parallel.schedules")
 
 
-@register("cpu.ddp", target="megatron.core.distributed.param_and_grad_buffer.torch", platforms=("cpu",))
+@_cpu_patch("cpu.ddp", "megatron.core.distributed.param_and_grad_buffer.torch")
 def patch_ddp() -> None:
     """Give Megatron's DDP (``param_and_grad_buffer``, ``distributed_data_parallel``) the CPU view of torch:
     the communication stream and its waits (param_and_grad_buffer.py:632-814, distributed_data_parallel.py:297)
@@ -417,7 +424,7 @@ def patch_ddp() -> None:
     )
 
 
-@register("cpu.optimizer", target="megatron.core.optimizer.optimizer.torch", platforms=("cpu",))
+@_cpu_patch("cpu.optimizer", "megatron.core.optimizer.optimizer.torch")
 def patch_optimizer() -> None:
     """Give ``megatron.core.optimizer.optimizer`` the CPU view of torch: ``FP32Optimizer``'s ``_scale``
     (l.1249), the mixed-precision optimizers' ``found_inf`` / ``_scale_one`` (l.690-702) and the
@@ -425,7 +432,7 @@ def patch_optimizer() -> None:
     _see_cpu_torch("megatron.core.optimizer.optimizer")
 
 
-# --- 3. single call sites ------------------------------------------------------------------------
+# --- 4. single call sites ------------------------------------------------------------------------
 
 
 class _ReportCudaTensorTypes(torch.overrides.TorchFunctionMode):
@@ -438,9 +445,7 @@ class _ReportCudaTensorTypes(torch.overrides.TorchFunctionMode):
         return result
 
 
-@register(
-    "cpu.clip_grads", target="megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32", platforms=("cpu",)
-)
+@_cpu_patch("cpu.clip_grads", "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32")
 def patch_clip_grads() -> None:
     """Let gradient clipping run on CPU gradients.
 
@@ -471,9 +476,7 @@ def _split_sizes_to_numpy(tensor, as_numpy=False, record_stream=False):
     return tensor
 
 
-@register(
-    "cpu.moe_alltoall", target="megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu", platforms=("cpu",)
-)
+@_cpu_patch("cpu.moe_alltoall", "megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu")
 def patch_moe_alltoall() -> None:
     """Let the alltoall MoE dispatcher run on gloo.
 

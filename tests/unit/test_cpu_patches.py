@@ -229,6 +229,14 @@ def test_clip_grads_scales_cpu_gradients(single_rank):
     assert torch.zeros(1).type() == "torch.FloatTensor"  # the type-name hook ended with the call
 
 
+def test_module_view_refuses_a_module_without_torch():
+    from megatron_zaya.patches import PatchError
+    from megatron_zaya.patches.cpu import _see_cpu_torch
+
+    with pytest.raises(PatchError, match="json has no module-global `torch`"):
+        _see_cpu_torch("json")
+
+
 # --- two gloo processes ------------------------------------------------------------------------
 
 
