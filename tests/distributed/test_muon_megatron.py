@@ -8,12 +8,14 @@ clipping, and is checked against:
   the rest, with Megatron's clipping rule and the scheduler's lr / wd (fp32, one rank);
 * itself on one rank, from DP2 (fp32 and bf16 with fp32 master weights);
 * an uninterrupted run, after a ``torch_dist`` save at DP2 and a load at DP1 (bf16: master weights,
-  momentum and Adam moments all come back).
+  momentum and Adam moments all come back);
+* the saved state itself, after a save at EP2 × DP2 and a load at EP2 × DP4.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -40,7 +42,7 @@ class _ReportCudaTensorTypes(torch.overrides.TorchFunctionMode):
         return result
 
 
-def build(bf16: bool):
+def build(bf16: bool, ep: int = 1):
     """A DDP-wrapped ZAYA1 ``test`` model, its ChainedOptimizer (via the patched factory) and LR scheduler."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -54,12 +56,12 @@ def build(bf16: bool):
     from megatron_zaya.patches import apply_patches
 
     apply_patches("cpu,optim")
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(0)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if bf16 else torch.float32
     cfg = zaya_config("test", use_cpu_initialization=True, params_dtype=dtype, bf16=bf16,
-                      moe_token_dispatcher_type="allgather")  # fmt: skip
+                      moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep)  # fmt: skip
     model = build_zaya_model(cfg)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     config = OptimizerConfig(optimizer="zaya_muon", lr=LR, min_lr=MIN_LR, weight_decay=WD, clip_grad=CLIP,
@@ -91,6 +93,27 @@ def train_step(ddp, optimizer, scheduler) -> None:
 def master_params(ddp) -> dict[str, torch.Tensor]:
     """fp32 values: the master copy where there is one (bf16), else the parameter."""
     return {n: getattr(p, "main_param", p).detach().float().clone() for n, p in ddp.module.named_parameters()}
+
+
+def global_name(name: str, ep_rank: int, local_experts: int) -> str:
+    """``local_experts.i`` of EP rank r is global expert r·local_experts + i."""
+    match = re.search(r"local_experts\.(\d+)\.", name)
+    if match is None:
+        return name
+    return name.replace(match.group(0), f"local_experts.{ep_rank * local_experts + int(match.group(1))}.")
+
+
+def momentum_by_name(ddp, optimizer, ep_rank: int = 0) -> dict[tuple[str, int], torch.Tensor]:
+    """ZayaMuon's momentum on this rank, by (global parameter name, slice)."""
+    local_experts = ddp.module.config.num_moe_experts // (ddp.module.config.expert_model_parallel_size or 1)
+    muons = [o.optimizer for o in optimizer.chained_optimizers if type(o).__name__.startswith("ZayaMuon")]
+    found = {}
+    for name, param in ddp.module.named_parameters():
+        master = getattr(param, "main_param", param)
+        for muon in muons:
+            for s, value in muon.state.get(master, {}).get("momentum", {}).items():
+                found[(global_name(name, ep_rank, local_experts), s)] = value.clone()
+    return found
 
 
 def checkpoint_metadata():
@@ -170,12 +193,15 @@ def reference_worker(rank: int, world: int) -> dict:
             "matrix_count": sum(Reference.is_matrix(n, p) for n, p in ddp.module.named_parameters())}  # fmt: skip
 
 
-def train_worker(rank: int, world: int, bf16: bool, steps: int, save_dir: str | None, load_dir: str | None) -> dict:
+def train_worker(rank: int, world: int, bf16: bool, steps: int, save_dir: str | None, load_dir: str | None,
+                 ep: int = 1) -> dict:
+    """``steps`` training steps (after loading ``load_dir``, before saving to ``save_dir``); returns the master
+    parameters (local names) and the momentum this rank holds (global names)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
 
     get_write_results_queue("fork")  # the checkpoint writer's result queue, forked rather than spawned
-    ddp, optimizer, scheduler = build(bf16)
+    ddp, optimizer, scheduler = build(bf16, ep)
     if load_dir is not None:
         metadata = checkpoint_metadata()
         model_sd = ddp.module.sharded_state_dict(metadata=metadata)
@@ -195,7 +221,7 @@ def train_worker(rank: int, world: int, bf16: bool, steps: int, save_dir: str | 
                                  "optimizer": optimizer.sharded_state_dict(model_sd, metadata=metadata)},
                                 save_dir)  # fmt: skip
     dist.barrier()
-    return master_params(ddp)
+    return {"params": master_params(ddp), "momentum": momentum_by_name(ddp, optimizer, rank % ep)}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -214,8 +240,8 @@ def test_one_rank_equals_plain_muon_and_adamw(tmp_path):
 def test_data_parallel_equals_one_rank(bf16, tmp_path):
     (single,) = run_ranks(train_worker, 1, tmp_path / "dp1", bf16, STEPS, None, None)
     for result in run_ranks(train_worker, 2, tmp_path / "dp2", bf16, STEPS, None, None):
-        for name, value in single.items():
-            assert (result[name] - value).abs().max() <= 1e-6, name
+        for name, value in single["params"].items():
+            assert (result["params"][name] - value).abs().max() <= 1e-6, name
 
 
 def test_checkpoint_saved_at_dp2_resumes_at_dp1(tmp_path):
@@ -224,5 +250,31 @@ def test_checkpoint_saved_at_dp2_resumes_at_dp1(tmp_path):
     (uninterrupted,) = run_ranks(train_worker, 1, tmp_path / "full", True, STEPS, None, None)
     run_ranks(train_worker, 2, tmp_path / "save", True, STEPS - 1, str(ckpt), None)
     (resumed,) = run_ranks(train_worker, 1, tmp_path / "load", True, 1, None, str(ckpt))
-    for name, value in uninterrupted.items():
-        assert (resumed[name] - value).abs().max() <= 1e-6, name
+    for name, value in uninterrupted["params"].items():
+        assert (resumed["params"][name] - value).abs().max() <= 1e-6, name
+
+
+def test_checkpoint_reshards_across_data_parallel_with_experts(tmp_path):
+    """Saved at EP2 × DP2 (world 2), loaded at EP2 × DP4 (world 4): the dense matrices' momentum moves from
+    two owners to four, the experts' from one owner per expert to two; every master weight and momentum
+    tensor comes back where it belongs, held by exactly one rank."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    saved = run_ranks(train_worker, 2, tmp_path / "save", True, STEPS - 1, str(ckpt), None, 2)
+    loaded = run_ranks(train_worker, 4, tmp_path / "load", True, 0, None, str(ckpt), 2)
+
+    def merged(results):
+        momentum, params = {}, {}
+        for rank, result in enumerate(results):
+            assert not set(momentum) & set(result["momentum"])  # each matrix's momentum on one rank only
+            momentum.update(result["momentum"])
+            params.update({global_name(n, rank % 2, 2): v for n, v in result["params"].items()})
+        return momentum, params
+
+    (saved_momentum, saved_params), (momentum, params) = merged(saved), merged(loaded)
+    assert set(momentum) == set(saved_momentum) and set(params) == set(saved_params)
+    assert any("local_experts.3." in name for name, _ in momentum)
+    for key, value in momentum.items():
+        assert torch.equal(value, saved_momentum[key]), key
+    for name, value in params.items():
+        assert torch.equal(value, saved_params[name]), name
