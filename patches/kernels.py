@@ -170,3 +170,78 @@ def use_triton_cross_entropy() -> None:
     replace_attr(tensor_parallel, "vocab_parallel_cross_entropy", plain)
     fused = _triton_fused_vocab_parallel_cross_entropy(language_module.fused_vocab_parallel_cross_entropy)
     replace_attr(language_module, "fused_vocab_parallel_cross_entropy", fused)
+
+
+# ---------------------------------------------------------------------------------- ZAYA1's own modules
+@register("kernels.zaya_router", target="megatron_zaya.model.router.route_top1", platforms=GPU, kernel=True)
+def use_triton_router() -> None:
+    """Route ZAYA1 tokens with the fused Triton top-1 kernel (softmax, biased argmax, gate, counts in one pass).
+
+    ``ZayaRouter.forward`` calls ``megatron_zaya.model.router.route_top1`` (plain torch: a softmax, an
+    argmax, a gather, a one-hot and a reduction over [tokens, 17], each its own launch). The kernel
+    (``megatron_zaya.kernels.router.route_top1``) returns the same four tensors; routers without the skip
+    class keep the torch path. Off: leave ``kernels.zaya_router`` out of ``--zaya-patches``.
+    """
+    from megatron_zaya.kernels.router import route_top1
+    from megatron_zaya.model import router
+
+    reference = router.route_top1
+
+    def fused_route_top1(logits, biases, num_experts):
+        if logits.shape[-1] != num_experts + 1:
+            return reference(logits, biases, num_experts)
+        return route_top1(logits, biases, num_experts)
+
+    replace_attr(router, "route_top1", fused_route_top1)
+
+
+@register("kernels.zaya_cca", target="megatron_zaya.model.cca.cca_qk", platforms=GPU, kernel=True)
+def use_triton_cca() -> None:
+    """Fuse CCA's q/k epilogue (mean skip terms, L2 norm, key temperature, partial RoPE) into one Triton pass.
+
+    ``CompressedConvAttention.forward`` calls ``megatron_zaya.model.cca.cca_qk``, whose torch version makes a
+    dozen elementwise passes over q and k in fp32 after the two convolutions. The replacement keeps the
+    convolutions in torch and runs ``megatron_zaya.kernels.cca.cca_qk`` for the rest, reading the RoPE
+    angles of this rank's positions from Megatron's rotary table. Off: leave ``kernels.zaya_cca`` out of
+    ``--zaya-patches``.
+    """
+    from megatron_zaya.kernels.cca import cca_qk
+    from megatron_zaya.model import cca
+
+    def fused_cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, time0, time1, head_dim, config, cp_group):
+        angles = rotary_pos_emb[:, 0, 0, :].float()  # [s, rot]: Megatron's table, already this CP rank's
+        q, k = cca_qk(q0, k0, conv.q_depthwise_weight, conv.q_depthwise_bias, conv.k_depthwise_weight,
+                      conv.k_depthwise_bias, conv.q_grouped_weight, conv.q_grouped_bias, conv.k_grouped_weight,
+                      conv.k_grouped_bias, key_temperature, angles.cos(), angles.sin())
+        return q, k
+
+    replace_attr(cca, "cca_qk", fused_cca_qk)
+
+
+@register("kernels.zaya_lm_head", target="megatron_zaya.model.model.ZayaModel.lm_head_loss", platforms=GPU,
+          kernel=True)
+def use_fused_lm_head() -> None:
+    """Fuse ZAYA1's LM head with the cross-entropy, chunked so that [tokens, 262k] logits never exist.
+
+    ``ZayaModel.lm_head_loss`` computes fp32 logits (an fp32 matmul, ZAYA1's high-precision head) and then
+    Megatron's cross-entropy: at ZAYA1-8B's vocabulary that is 4.3 GB of logits per 4096 tokens and an fp32
+    GEMM. ``megatron_zaya.kernels.cross_entropy.linear_cross_entropy`` multiplies the bf16 hidden states and
+    weights with fp32 accumulation and output (the same products as an fp32 matmul of bf16 values) chunk by
+    chunk, keeping only a per-token logsumexp. With a vocabulary split across TP ranks the torch path stays.
+    Off: leave ``kernels.zaya_lm_head`` out of ``--zaya-patches``.
+    """
+    from megatron_zaya.kernels.cross_entropy import linear_cross_entropy
+    from megatron_zaya.model.model import ZayaModel
+
+    reference = ZayaModel.lm_head_loss
+
+    def fused_lm_head_loss(self, hidden, weight, labels):
+        if self.pg_collection.tp.size() > 1:
+            return reference(self, hidden, weight, labels)
+        weight = weight if weight is not None else self.output_layer.weight
+        seq, batch, width = hidden.shape
+        loss = linear_cross_entropy(hidden.reshape(seq * batch, width), weight.to(hidden.dtype),
+                                    labels.transpose(0, 1).reshape(-1))
+        return loss.view(seq, batch).transpose(0, 1).contiguous()
+
+    replace_attr(ZayaModel, "lm_head_loss", fused_lm_head_loss)

@@ -77,10 +77,18 @@ class ZayaModel(LanguageModule):
             return hidden
 
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        if labels is not None:
+            return self.lm_head_loss(hidden, weight, labels)
+        return self.lm_logits(hidden, weight).transpose(0, 1).contiguous()
+
+    def lm_logits(self, hidden: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """Logits ``[s, b, V / tp]`` of the final hidden states ``[s, b, D]`` (fp32 with ``lm_head_fp32``)."""
         if self.config.lm_head_fp32:
             weight = (weight if weight is not None else self.output_layer.weight).float()
             hidden = hidden.float()
-        logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, V / tp]
-        if labels is None:
-            return logits.transpose(0, 1).contiguous()
-        return self.compute_language_model_loss(labels, logits)
+        logits, _ = self.output_layer(hidden, weight=weight)
+        return logits
+
+    def lm_head_loss(self, hidden: torch.Tensor, weight: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token cross-entropy ``[b, s]``; the ``kernels.zaya_lm_head`` patch fuses it with the matmul."""
+        return self.compute_language_model_loss(labels, self.lm_logits(hidden, weight))
