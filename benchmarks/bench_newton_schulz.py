@@ -81,7 +81,7 @@ def flops(count: int, rows: int, cols: int) -> float:
     return count * len(COEFFICIENTS) * (4.0 * m * m * n + 2.0 * m**3)
 
 
-def bench_shape(name, count, rows, cols, device, repeats, use_triton) -> dict:
+def bench_shape(name, count, rows, cols, device, repeats, use_triton, tiles=()) -> dict:
     G = torch.randn(count, rows, cols, device=device)
     oracle = newton_schulz_reference(G[:1].double(), COEFFICIENTS, dtype=torch.float64)
     row = {"name": name, "count": count, "shape": f"{rows}x{cols}", "flops": flops(count, rows, cols)}
@@ -92,6 +92,11 @@ def bench_shape(name, count, rows, cols, device, repeats, use_triton) -> dict:
     if use_triton:
         row["triton"] = timed(lambda: newton_schulz_triton(G, COEFFICIENTS, dtype=torch.bfloat16), device, repeats)
         row["err_triton"] = relative_error(newton_schulz_triton(G[:1], COEFFICIENTS, dtype=torch.bfloat16), oracle)
+        row["tiles"] = {  # explicit BLOCK_M x BLOCK_K choices, to tune kernels.newton_schulz._tile_sizes
+            (bm, bk): timed(lambda: newton_schulz_triton(G, COEFFICIENTS, dtype=torch.bfloat16, block_m=bm,
+                                                         block_k=bk), device, repeats)
+            for bm, bk in tiles
+        }  # fmt: skip
     return row
 
 
@@ -116,7 +121,10 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--layers", type=int, default=40, help="layers of the model for the per-rank estimate")
+    parser.add_argument("--tiles", default="", help="also time these Triton tiles, e.g. 64x64,128x64,128x32 "
+                                                     "(BLOCK_M x BLOCK_K; the default is the built-in heuristic)")
     args = parser.parse_args()
+    tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",") if t]
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if not args.smoke and device != "cuda":
@@ -131,13 +139,15 @@ def main() -> None:
     print(header + f" {'err torch':>10s}" + (f" {'err triton':>11s}" if use_triton else ""))
     rows = []
     for name, count, r, c in layer:
-        row = bench_shape(name, count, r, c, device, args.repeats, use_triton)
+        row = bench_shape(name, count, r, c, device, args.repeats, use_triton, tiles)
         rows.append(row)
         line = f"{name:16s} {count:3d} {row['shape']:>10s} {row['loop']:9.2f}ms {row['batched']:7.2f}ms"
         if use_triton:
             line += (f" {row['triton']:6.2f}ms {row['loop'] / row['triton']:11.2f}x "
                      f"{row['batched'] / row['triton']:12.2f}x {row['flops'] / row['triton'] / 1e9:8.1f}")  # fmt: skip
         line += f" {row['err_torch']:10.2e}" + (f" {row['err_triton']:11.2e}" if use_triton else "")
+        if row.get("tiles"):
+            line += "  tiles: " + ", ".join(f"{bm}x{bk} {ms:.2f}ms" for (bm, bk), ms in row["tiles"].items())
         print(line)
 
     paths = ["loop", "batched"] + (["triton"] if use_triton else [])

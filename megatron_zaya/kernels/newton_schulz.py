@@ -136,10 +136,17 @@ if HAVE_TRITON:
             )
 
 
+#: Below this many 128×128 lower-triangle tiles (over the whole batch) 64×64 tiles are used, so that a
+#: single 1024-row matrix still spreads over more than 100 SMs / CUs. A heuristic, not a measurement:
+#: ``benchmarks/bench_newton_schulz.py --block-m`` compares the choices on a GPU.
+MIN_LARGE_TILE_PROGRAMS = 256
+
+
 def _tile_sizes(Y: torch.Tensor, block_m: int | None, block_k: int | None) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_K, num_warps): large tiles for large matrices, fp32 halves BLOCK_K (shared memory)."""
+    """(BLOCK_M, BLOCK_K, num_warps) for Y [B, M, K]; fp32 halves BLOCK_K (shared memory)."""
     if block_m is None:
-        block_m = 128 if Y.shape[-2] >= 512 else 64
+        tiles = -(-Y.shape[-2] // 128)
+        block_m = 128 if Y.shape[0] * tiles * (tiles + 1) // 2 >= MIN_LARGE_TILE_PROGRAMS else 64
     if block_k is None:
         block_k = 32 if Y.element_size() >= 4 else 64
     return block_m, block_k, 8 if block_m >= 128 else 4
@@ -160,7 +167,7 @@ def gram(
     Only the lower triangle of tiles is computed; the upper one is its mirror image.
     """
     if not HAVE_TRITON:
-        raise RuntimeError("megatron_zaya.kernels.newton_schulz.gram needs Triton; install triton or use backend='torch'")
+        raise RuntimeError("newton_schulz.gram needs Triton; install triton or use backend='torch'")
     if Y.dim() != 3:
         raise ValueError(f"gram expects Y of shape [batch, M, K], got {tuple(Y.shape)}")
     batch, M, K = Y.shape
@@ -216,13 +223,16 @@ def newton_schulz(
 ) -> torch.Tensor:
     """Orthogonalise ``G`` [..., m, n] with ``len(coefficients)`` quintic steps; returns ``dtype``.
 
-    ``backend``: ``torch`` (reference), ``triton`` (symmetric kernels; an error if unusable), or ``auto``:
-    Triton for GPU tensors with min(m, n) >= ``min_triton_dim`` (below that cuBLAS wins), else torch.
+    ``backend``: ``torch`` (reference), ``triton`` (symmetric kernels, [m, n] or [B, m, n]; an error if
+    unusable), or ``auto``: Triton for GPU tensors with min(m, n) >= ``min_triton_dim``, else torch (for
+    small matrices cuBLAS is expected to win; check with ``benchmarks/bench_newton_schulz.py``).
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown Newton–Schulz backend {backend!r}; use auto, torch or triton")
     if backend == "triton" and not triton_usable(G):
         raise RuntimeError("Newton–Schulz backend 'triton' needs Triton and a GPU tensor (or TRITON_INTERPRET=1)")
+    if backend == "triton" and G.dim() > 3:
+        raise ValueError(f"Newton–Schulz backend 'triton' takes [m, n] or [batch, m, n], got {tuple(G.shape)}")
     use_triton = backend == "triton" or (
         backend == "auto" and HAVE_TRITON and G.is_cuda and min(G.shape[-2:]) >= min_triton_dim and G.dim() <= 3
     )

@@ -39,7 +39,7 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--zaya-muon-ns-dtype", choices=sorted(_DTYPES), default="bf16",
                        help="Newton–Schulz compute and communication dtype (default bf16; momentum stays fp32).")
     group.add_argument("--zaya-muon-update-rms", type=float, default=0.2,
-                       help="Update RMS to match AdamW: the update is scaled by this·√max(rows, cols) (default 0.2).")
+                       help="Update RMS to match AdamW: updates are scaled by this·√max(rows, cols) (default 0.2).")
     group.add_argument("--zaya-muon-kernel", choices=["auto", "torch", "triton"], default="auto",
                        help="Newton–Schulz kernels: Triton symmetric kernels, torch, or auto (Triton on GPU for "
                             "matrices of at least 512 rows and columns).")

@@ -99,9 +99,9 @@ def _check_supported(config, model_chunks) -> None:
     ddp_config = getattr(model_chunks[0], "ddp_config", None)
     if config.fp16:
         raise ValueError("--optimizer zaya_muon supports bf16 or fp32 training, not --fp16")
-    if config.optimizer_cpu_offload or config.use_precision_aware_optimizer:
-        raise ValueError("--optimizer zaya_muon does not support --optimizer-cpu-offload or "
-                         "--use-precision-aware-optimizer; drop them")
+    if config.optimizer_cpu_offload or config.use_precision_aware_optimizer or config.optimizer_cuda_graph:
+        raise ValueError("--optimizer zaya_muon does not support --optimizer-cpu-offload, "
+                         "--use-precision-aware-optimizer or --optimizer-cuda-graph; drop them")
     if ddp_config is not None and (ddp_config.use_distributed_optimizer or ddp_config.use_megatron_fsdp):
         raise ValueError(
             "--optimizer zaya_muon needs DDP's gradient all-reduce, but the model was wrapped for a sharded "

@@ -186,14 +186,10 @@ class ZayaMuon(torch.optim.Optimizer):
         Rank r's updates form one flat stream (its items in order); window w of every stream is gathered
         at once, so the receive buffer holds at most ``gather_numel`` elements whatever the model size.
         """
-        if self.dp_size == 1:
-            for item, update in zip(self.owned, updates):
-                self._apply(item, update.view(-1), 0, item.numel)
-            return
         if self._max_stream_numel == 0:
             return
         dtype, device = self.config.ns_dtype, self._param(self.items[0]).device
-        stream = torch.cat([u.view(-1).to(dtype) for u in updates]) if updates else torch.empty(0, dtype=dtype, device=device)
+        stream = torch.cat([u.view(-1).to(dtype) for u in updates] or [torch.empty(0, dtype=dtype, device=device)])
         window = min(max(1, self.config.gather_numel // self.dp_size), self._max_stream_numel)
         received = torch.empty(self.dp_size, window, dtype=dtype, device=device)
         send = torch.zeros(window, dtype=dtype, device=device)

@@ -59,7 +59,7 @@ def test_split_gate_up_doubles_expert_fc1_matrices():
 
 
 def test_unknown_matrix_and_wrong_rank_are_errors():
-    with pytest.raises(ValueError, match=r"no optimizer role for parameter 'decoder.layers.0.mystery.weight'.*roles.py"):
+    with pytest.raises(ValueError, match=r"no optimizer role for parameter 'decoder.layers.0.mystery.weight'.*roles"):
         classify("decoder.layers.0.mystery.weight", torch.empty(4, 4))
     with pytest.raises(ValueError, match="should be a 2-D matrix"):
         classify("self_attention.linear_q.weight", torch.empty(4, 4, 2))
