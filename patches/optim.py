@@ -50,3 +50,35 @@ def zaya_muon_choice() -> None:
         return allow_zaya_muon(original(parser))
 
     replace_attr(arguments, "_add_training_args", _add_training_args)
+
+
+@register("optim.zaya_muon_sharding", target="megatron.training.arguments.validate_args")
+def zaya_muon_sharding() -> None:
+    """``--use-distributed-optimizer --optimizer zaya_muon``: ZayaMuon's own data-parallel sharding.
+
+    For any optimizer but Adam/SGD, Megatron's ``validate_args`` turns ``--use-distributed-optimizer``
+    into its layer-wise distributed optimizer, whose DDP layout reduce-scatters each matrix's gradient to
+    an owner Megatron picks. ZayaMuon picks owners by Newton–Schulz FLOPs and needs every gradient on
+    every rank (DDP's all-reduce), so after the original runs the wrapper switches the layer-wise
+    optimizer off again (``optim.args.use_own_data_parallel_sharding``). ZayaMuon then shards Newton–Schulz
+    and its momentum; fp32 master weights and AdamW's state stay replicated. Without this patch
+    ``--optimizer zaya_muon`` is refused together with ``--use-distributed-optimizer``.
+
+    Off: ``--zaya-patches``/``ZAYA_PATCHES`` without ``optim``.
+    """
+    import megatron.training.arguments as arguments
+
+    from megatron_zaya.optim.args import use_own_data_parallel_sharding
+
+    original = arguments.validate_args
+
+    @functools.wraps(original)
+    def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature
+        result = original(args, defaults)
+        if use_own_data_parallel_sharding(args) and args.rank == 0:
+            print("ZayaMuon: --use-distributed-optimizer shards Newton-Schulz and Muon momentum over data-parallel "
+                  "ranks (DDP keeps its gradient all-reduce; master weights and AdamW state are replicated)",
+                  flush=True)  # fmt: skip
+        return result
+
+    replace_attr(arguments, "validate_args", validate_args)

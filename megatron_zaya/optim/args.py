@@ -89,3 +89,13 @@ def muon_config_from_args(args: argparse.Namespace) -> MuonConfig:
         split_gate_up=args.zaya_muon_split_gate_up,
         gather_numel=args.zaya_muon_gather_numel,
     )
+
+
+def use_own_data_parallel_sharding(args: argparse.Namespace) -> bool:
+    """After Megatron's ``validate_args``: ``--use-distributed-optimizer`` with ``--optimizer zaya_muon``
+    means ZayaMuon's own sharding. Turns Megatron's layer-wise optimizer off (its DDP layout would
+    reduce-scatter gradients to owners of its choosing) and returns whether it was on."""
+    if args.optimizer != OPTIMIZER_NAME or not getattr(args, "use_layer_wise_distributed_optimizer", False):
+        return False
+    args.use_layer_wise_distributed_optimizer = False
+    return True

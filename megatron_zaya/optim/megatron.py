@@ -105,8 +105,8 @@ def _check_supported(config, model_chunks) -> None:
     if ddp_config is not None and (ddp_config.use_distributed_optimizer or ddp_config.use_megatron_fsdp):
         raise ValueError(
             "--optimizer zaya_muon needs DDP's gradient all-reduce, but the model was wrapped for a sharded "
-            "optimizer; drop --use-distributed-optimizer / --use-megatron-fsdp (ZayaMuon shards Newton–Schulz and "
-            "its momentum over data-parallel ranks itself)"
+            "optimizer; drop --use-megatron-fsdp, and apply the optim patches (they make --use-distributed-optimizer "
+            "mean ZayaMuon's own data-parallel sharding)"
         )
 
 
