@@ -210,9 +210,10 @@ def use_triton_cca() -> None:
 
     def fused_cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, time0, time1, head_dim, config, cp_group):
         angles = rotary_pos_emb[:, 0, 0, :].float()  # [s, rot]: Megatron's table, already this CP rank's
-        q, k = cca_qk(q0, k0, conv.q_depthwise_weight, conv.q_depthwise_bias, conv.k_depthwise_weight,
-                      conv.k_depthwise_bias, conv.q_grouped_weight, conv.q_grouped_bias, conv.k_grouped_weight,
-                      conv.k_grouped_bias, key_temperature, angles.cos(), angles.sin())
+        q, k = cca_qk(q0, k0, conv.q_depthwise_weight.squeeze(1), conv.q_depthwise_bias,
+                      conv.k_depthwise_weight.squeeze(1), conv.k_depthwise_bias, conv.q_grouped_weight,
+                      conv.q_grouped_bias, conv.k_grouped_weight, conv.k_grouped_bias, key_temperature,
+                      angles.cos(), angles.sin())  # the kernel takes depthwise weights as [C, taps]
         return q, k
 
     replace_attr(cca, "cca_qk", fused_cca_qk)
