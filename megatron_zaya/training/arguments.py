@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from ..config import ATTENTION_TYPES, PRESETS, SKIP_MODES, ZayaConfig, ZayaConfigError, preset
+from ..optim import add_muon_args
 
 
 class UsageError(ValueError):
@@ -81,7 +82,7 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="fp32: logits from an fp32 matmul (ZAYA1's high-precision head)")
     g.add_argument("--zaya-core-attention", choices=("sdpa", "te"), default="sdpa")
     g.add_argument("--zaya-loss-plot", default=None, help="write the training-loss curve here (PNG)")
-    return parser
+    return add_muon_args(parser)  # --zaya-muon-* and the --optimizer zaya_muon choice
 
 
 def expand_attention_types(spec: str | None, num_layers: int) -> list[str] | None:
