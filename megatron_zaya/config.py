@@ -138,25 +138,19 @@ class ZayaConfig(TransformerConfig):
 
 
 # Named presets: ZayaConfig keyword arguments. The CLI turns them into Megatron flags, explicit flags win.
+# The ZAYA1 width (§1): 2048 hidden, CCA with 8 query / 2 KV heads of 128, 16 experts of 2048, router 256.
+_ZAYA1_WIDTH = dict(
+    hidden_size=2048, num_attention_heads=8, num_query_groups=2, kv_channels=128, ffn_hidden_size=2048,
+    num_moe_experts=16, router_hidden_size=256, vocab_size=262_272,
+)
 PRESETS: dict[str, dict] = {
-    # The released ZAYA1-8B shape (8.3B total / 760M active; §1), 131k context, θ 5e6.
-    "zaya1-8b": dict(
-        num_layers=40, hidden_size=2048, num_attention_heads=8, num_query_groups=2, kv_channels=128,
-        ffn_hidden_size=2048, num_moe_experts=16, router_hidden_size=256, vocab_size=262_272,
-        max_position_embeddings=131_072, rotary_base=5_000_000.0,
-    ),
+    # The released ZAYA1-8B shape (8.3B total / 760M active), 131k context, θ 5e6.
+    "zaya1-8b": dict(_ZAYA1_WIDTH, num_layers=40, max_position_embeddings=131_072, rotary_base=5_000_000.0),
     # ZAYA1-base as released after 32k midtraining: θ 1e6, 32k positions, skipped tokens pass as p·x.
-    "zaya1-base": dict(
-        num_layers=40, hidden_size=2048, num_attention_heads=8, num_query_groups=2, kv_channels=128,
-        ffn_hidden_size=2048, num_moe_experts=16, router_hidden_size=256, vocab_size=262_272,
-        max_position_embeddings=32_768, rotary_base=1_000_000.0, skip_mode="identity",
-    ),
+    "zaya1-base": dict(_ZAYA1_WIDTH, num_layers=40, max_position_embeddings=32_768, rotary_base=1_000_000.0,
+                       skip_mode="identity"),
     # ZAYA1-8B width at 8 layers: the single-GPU benchmark and example model.
-    "zaya1-8b-shallow": dict(
-        num_layers=8, hidden_size=2048, num_attention_heads=8, num_query_groups=2, kv_channels=128,
-        ffn_hidden_size=2048, num_moe_experts=16, router_hidden_size=256, vocab_size=262_272,
-        max_position_embeddings=4096, rotary_base=10_000.0,
-    ),
+    "zaya1-8b-shallow": dict(_ZAYA1_WIDTH, num_layers=8, max_position_embeddings=4096, rotary_base=10_000.0),
     # CPU demo: trains on the embedded corpus in minutes on two cores.
     "tiny": dict(
         num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2, kv_channels=32,
