@@ -10,6 +10,7 @@ import torch
 from .checkpoint import TRACKER
 from .config import ZayaConfig, ZayaConfigError, zaya_config
 from .convert.hf import ConversionError, hf_to_megatron, zaya_kwargs_from_hf
+from .convert.hf_base import base_weights_to_hf, is_base_layout
 from .convert.hf_io import read_hf_config, read_hf_weights
 
 # Single-process use: nothing to dispatch across ranks, so the simplest dispatcher serves.
@@ -33,6 +34,8 @@ def load_hf(hf_dir: str | os.PathLike, dtype: torch.dtype | None = None):
     hf_config = read_hf_config(hf_dir)
     kwargs = zaya_kwargs_from_hf(hf_config)
     weights = read_hf_weights(hf_dir)
+    if is_base_layout(hf_config):
+        weights = base_weights_to_hf(weights, hf_config)
     dtype = dtype or _floating_dtype(weights)
     try:
         cfg = zaya_config(**kwargs, **_RUNTIME, params_dtype=dtype, bf16=dtype == torch.bfloat16)

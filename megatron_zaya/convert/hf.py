@@ -29,6 +29,10 @@ def zaya_kwargs_from_hf(hf: dict) -> dict:
     """ZayaConfig keyword arguments from a ``transformers`` ZAYA ``config.json`` dict."""
     if hf.get("model_type") != "zaya":
         raise ConversionError(f"config.json has model_type={hf.get('model_type')!r}, not 'zaya'")
+    from .hf_base import base_kwargs_from_hf, is_base_layout  # hf_base imports this module
+
+    if is_base_layout(hf):
+        return base_kwargs_from_hf(hf)
     for flag in ("attention_bias", "lm_head_bias"):
         if hf.get(flag):
             raise ConversionError(f"config.json sets {flag}=true, which ZAYA1 checkpoints never use")
