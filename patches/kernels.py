@@ -246,3 +246,35 @@ def use_fused_lm_head() -> None:
         return loss.view(seq, batch).transpose(0, 1).contiguous()
 
     replace_attr(ZayaModel, "lm_head_loss", fused_lm_head_loss)
+
+
+@register("kernels.zaya_experts", target="megatron_zaya.model.experts.ZayaExperts.forward", platforms=GPU,
+          kernel=True)
+def use_grouped_experts() -> None:
+    """Run ZAYA1's top-1 SwiGLU experts as two Triton grouped GEMMs instead of a Python loop over experts.
+
+    ``ZayaExperts`` is Megatron's ``SequentialMLP``: one fc1 GEMM, activation and fc2 GEMM per local expert,
+    32 small launches per MoE layer and a host sync on the token counts. The replacement stacks the experts'
+    weights ([E, 2F, D] and [E, D, F], same parameters and checkpoint layout) and runs
+    ``megatron_zaya.kernels.grouped_gemm.grouped_gemm`` twice around the probability-weighted SwiGLU kernel.
+    Expert tensor parallelism, fp8/fp4 and probabilities applied on the input keep Megatron's loop.
+    Off: leave ``kernels.zaya_experts`` out of ``--zaya-patches``.
+    """
+    import torch
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_zaya.kernels.grouped_gemm import grouped_gemm
+    from megatron_zaya.kernels.swiglu import swiglu
+    from megatron_zaya.model.experts import ZayaExperts
+
+    def grouped_forward(self, hidden, tokens_per_expert, probs):
+        cfg = self.config
+        if cfg.fp8 or cfg.fp4 or cfg.moe_apply_probs_on_input or self.tp_group.size() > 1 or cfg.add_bias_linear:
+            return SequentialMLP.forward(self, hidden, tokens_per_expert, probs)
+        counts = tokens_per_expert.to(device=hidden.device, dtype=torch.int64)
+        fc1 = torch.stack([expert.linear_fc1.weight for expert in self.local_experts])  # [E, 2F, D]
+        fc2 = torch.stack([expert.linear_fc2.weight for expert in self.local_experts])  # [E, D, F]
+        intermediate = swiglu(grouped_gemm(hidden, fc1, counts), weights=probs.unsqueeze(-1))
+        return grouped_gemm(intermediate.to(hidden.dtype), fc2, counts), None
+
+    replace_attr(ZayaExperts, "forward", grouped_forward)

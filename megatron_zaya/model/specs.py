@@ -6,7 +6,7 @@ The layer is a ``TransformerLayer``-shaped spec whose slots hold ZAYA1's modules
     self_attention     CompressedConvAttention  (linear_q/k/v, core_attention, linear_proj slots)
     self_attn_bda      ResidualScaling          (merges the sublayer output into the fp32 residual)
     pre_mlp_layernorm  RMSNorm
-    mlp                ZayaMoELayer(router=ZayaRouter, experts=SequentialMLP of SwiGLU MLPs)
+    mlp                ZayaMoELayer(router=ZayaRouter, experts=ZayaExperts: Megatron's SequentialMLP of SwiGLU MLPs)
     mlp_bda            ResidualScaling
 
 Kernel choices are spec arguments: ``core_attention="sdpa"`` (torch, default) or ``"te"`` (Transformer
@@ -27,6 +27,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayerSubmodul
 from ..config import ZayaConfig
 from .cca import CCASubmodules, CompressedConvAttention
 from .core_attention import SDPAttention
+from .experts import ZayaExperts
 from .layer import ZayaTransformerLayer
 from .model import ZayaModel
 from .moe import ZayaMoELayer
@@ -51,7 +52,7 @@ def get_zaya1_layer_spec(config: ZayaConfig, core_attention: str = "sdpa") -> Mo
     if core_attention == "te" and "sliding" in config.attention_types:
         raise ValueError("core_attention='te' does not handle ZAYA1's sliding layers here; use 'sdpa'")
     merge = ModuleSpec(module=ResidualScaling if config.residual_scaling else ResidualAdd, params={"config": config})
-    experts = LocalSpecProvider().grouped_mlp_modules(False)  # SequentialMLP of SwiGLU MLPs, no TE needed
+    experts = partial(ZayaExperts, submodules=LocalSpecProvider().grouped_mlp_modules(False).keywords["submodules"])
     return ModuleSpec(
         module=ZayaTransformerLayer,
         submodules=TransformerLayerSubmodules(

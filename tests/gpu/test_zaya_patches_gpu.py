@@ -7,7 +7,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 
-ZAYA_KERNELS = "kernels.zaya_router,kernels.zaya_cca,kernels.zaya_lm_head"
+ZAYA_KERNELS = "kernels.zaya_router,kernels.zaya_cca,kernels.zaya_lm_head,kernels.zaya_experts"
 
 
 def _loss_and_grads(model, ids):
