@@ -16,6 +16,7 @@ from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_
 from megatron.training import get_args, get_tokenizer, print_rank_0
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
+from ..config import architecture
 from ..model import build_zaya_model
 from .arguments import zaya_config_from_args
 from .balancing import finalize_model_grads_with_balancing
@@ -29,6 +30,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     args = get_args()
     print_rank_0("building ZAYA1 model ...")
     zaya = zaya_config_from_args(args)
+    args.zaya_architecture = architecture(zaya)  # saved with the checkpoint's args; export-hf reads it
     zaya.finalize_model_grads_func = finalize_model_grads_with_balancing
     return build_zaya_model(zaya, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
                             pg_collection=pg_collection, core_attention=args.zaya_core_attention)
