@@ -2,17 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import socket
-
 import torch
 import torch.distributed as dist
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def ensure_single_process_parallel_state() -> None:
@@ -27,9 +18,9 @@ def ensure_single_process_parallel_state() -> None:
 
     apply_patches()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, rank=0, world_size=1)
+        # An in-memory store: no port, and no MASTER_ADDR/PORT left in os.environ for child processes (a
+        # zaya-pretrain started from this process would inherit the port and fail to bind it).
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
