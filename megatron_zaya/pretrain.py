@@ -22,8 +22,10 @@ from .training.arguments import UsageError
 EMBEDDED_RUN_DIR = "runs/zaya-tiny"
 
 # Training flags of the embedded main job (prepended: any explicit flag wins).
+# The balancing-bias lr is 10x the pretraining default so that 300 steps show the experts evening out.
 MAIN_JOB_FLAGS = [
-    "--seq-length", "128", "--micro-batch-size", "8", "--global-batch-size", "16", "--train-iters", "300",
+    "--seq-length", "128", "--micro-batch-size", "8", "--global-batch-size", "8", "--train-iters", "300",
+    "--zaya-balancing-lr", "1e-2",
     "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "20",
     "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "10", "--eval-interval", "100",
     "--eval-iters", "2", "--split", "98,2,0", "--seed", "1234", "--save-interval", "300",
