@@ -14,14 +14,11 @@ them) and keeps its own shard.
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo import run_ranks
 
 import megatron_zaya.optim.muon as muon_module
 from megatron_zaya.optim import MatrixLayout, MuonConfig, ZayaMuon
@@ -204,42 +201,7 @@ def checkpoint_worker(rank: int, world: int, ckpt_dir: str, mode: str, start_par
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Launching
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-# Ranks are forked from a fork server (not from pytest, whose process may hold a process group or thread
-# pools that a plain fork would inherit half-alive); it imports these once, so a launch takes a second.
-FORKSERVER_PRELOAD = ["torch", "megatron_zaya.optim", "megatron.core.dist_checkpointing", "megatron.core.distributed",
-                      "megatron.training.training", "megatron_zaya.model", "megatron_zaya.optim.megatron",
-                      "megatron_zaya.patches.cpu", __name__]  # fmt: skip
-
-
-def _entry(rank, world, port, out_dir, worker, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = worker(rank, world, *args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-
-
-def run_ranks(worker, world: int, tmp_path: Path, *args) -> list:
-    """``worker(rank, world, *args)`` on ``world`` forked gloo ranks; returns each rank's result."""
-    out_dir = tmp_path / f"{worker.__name__}-{world}"
-    out_dir.mkdir(parents=True)
-    mp.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)  # effective until the server starts
-    mp.start_processes(_entry, args=(world, _free_port(), str(out_dir), worker, args), nprocs=world,
-                       start_method="forkserver")  # fmt: skip
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+# The single-rank reference
 
 
 def single_rank(spec, weight_seed=0, steps=STEPS, record=None):

@@ -20,7 +20,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from test_muon_distributed import run_ranks
+from gloo import run_ranks
 
 from megatron_zaya.kernels.newton_schulz import QUINTIC_COEFFICIENTS
 from megatron_zaya.optim import MuonConfig
