@@ -3,16 +3,49 @@
 Megatron's ``MoELayer.forward(hidden, padding_mask=)`` has no room for the router state that ZAYA1 carries
 from one MoE layer to the next (EDA, spec §4.2), so ``ZayaMoELayer.forward`` takes it as an argument and
 returns the next one, handing it to the router around the unchanged Megatron forward.
+
+A token that chooses the skip class goes to no expert, which Megatron's dropless alltoall dispatcher does not
+expect (it sizes its permuted-token buffer as tokens × top-k); ``SkipAwareAlltoAllTokenDispatcher`` sizes it
+by the routing map instead.
 """
 
 from __future__ import annotations
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+
+class SkipAwareAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
+    """Megatron's alltoall dispatcher for routing maps with empty rows (tokens routed to the skip class).
+
+    Dropless, Megatron permutes the first ``T·topk`` (expert, token) pairs of the map (token_dispatcher.py:550,
+    moe_utils.py ``permute``), which for ``n`` skipped tokens adds ``n`` unrouted pairs to the buffer and breaks
+    the split sizes. Here the buffer holds ``routing_map.sum()`` rows: the dynamic size Megatron itself uses
+    with a capacity factor, copied to the host before the first permutation.
+    """
+
+    def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
+        tokens_per_expert = super().preprocess(routing_map)
+        if not self.drop_and_pad:
+            self.num_out_tokens = routing_map.sum()
+            self._maybe_update_cuda_sync_point("before_permutation_1")
+        return tokens_per_expert
 
 
 class ZayaMoELayer(MoELayer):
     """``forward(x [s, b, D], router_state [s, b, R] | None) -> (out [s, b, D], next router_state)``."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, is_mtp_layer=False, name=None):
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
+        super().__init__(config, submodules, layer_number=layer_number, pg_collection=pg_collection,
+                         is_mtp_layer=is_mtp_layer, name=name)
+        if config.skip_class and type(self.token_dispatcher) is MoEAlltoAllTokenDispatcher:
+            self.token_dispatcher = SkipAwareAlltoAllTokenDispatcher(
+                self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pg_collection
+            )
 
     def forward(self, hidden_states: torch.Tensor, router_state: torch.Tensor | None = None):
         self.router.state_in = router_state
