@@ -1,6 +1,7 @@
 """``zaya-convert``: ZAYA1 checkpoints between Hugging Face and Megatron ``torch_dist``.
 
     zaya-convert import-hf HF_DIR OUT_DIR        # -> Megatron checkpoint (loads with zaya-pretrain --load)
+                                                 #    HF_DIR: ZAYA1-8B (transformers) or ZAYA1-base (Zyphra fork) layout
     zaya-convert export-hf CKPT_DIR OUT_HF_DIR   # -> transformers.AutoModelForCausalLM.from_pretrained(OUT_HF_DIR)
 
 Bad input stops with a one-line error and exit code 2 before anything is written; the output is built in a
