@@ -16,8 +16,19 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import ModelType
 from torch import nn
 
-from ..config import ZayaConfig
+from ..config import ZayaConfig, ZayaConfigError
 from .layer import ZayaTransformerBlock
+
+
+def _refuse_unimplemented_parallelism(pg_collection: ProcessGroupCollection) -> None:
+    """CP and PP would run but compute something else (or crash deep inside): refuse them up front."""
+    cp, pp = getattr(pg_collection, "cp", None), getattr(pg_collection, "pp", None)
+    if cp is not None and cp.size() > 1:
+        raise ZayaConfigError("ZAYA1 does not implement context parallelism yet (the CCA convs and value shift "
+                              "need a halo from the previous chunk); use --context-parallel-size 1")
+    if pp is not None and pp.size() > 1:
+        raise ZayaConfigError("ZAYA1 does not implement pipeline parallelism yet (the router state must cross "
+                              "stages); use --pipeline-model-parallel-size 1")
 
 
 class ZayaModel(LanguageModule):
@@ -27,6 +38,7 @@ class ZayaModel(LanguageModule):
                  parallel_output: bool = True, pg_collection: ProcessGroupCollection | None = None,
                  vp_stage: int | None = None):
         super().__init__(config=config, pg_collection=pg_collection)
+        _refuse_unimplemented_parallelism(self.pg_collection)
         self.pre_process, self.post_process = pre_process, post_process
         self.parallel_output = parallel_output
         self.share_embeddings_and_output_weights = config.tie_embeddings
