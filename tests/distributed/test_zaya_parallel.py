@@ -11,6 +11,8 @@ the one-rank biases, bit for bit on every rank.
 The reference is one rank with the allgather dispatcher (the layouts use alltoall unless named otherwise). It
 builds the ``test`` model (float32) with its skip class live (skipped tokens pass through as p·x) and Adam
 moments in the balancing state, and every layout loads that full state dict.
+
+Context and pipeline parallelism are not implemented; building the model with either is refused.
 """
 
 from __future__ import annotations
