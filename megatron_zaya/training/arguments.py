@@ -150,6 +150,9 @@ def check_args(args, world_size: int) -> None:
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     ep = args.expert_model_parallel_size
     etp = args.expert_tensor_parallel_size or tp
+    if cp > 1 or pp > 1:
+        raise UsageError("ZAYA1 does not implement context or pipeline parallelism yet; use "
+                         "--context-parallel-size 1 --pipeline-model-parallel-size 1 (TP, EP and DP work)")
     if world_size % (tp * pp * cp):
         raise UsageError(f"world size {world_size} is not divisible by TP*PP*CP = {tp}*{pp}*{cp}; "
                          "change the parallel sizes or the number of processes")

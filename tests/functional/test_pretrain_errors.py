@@ -12,6 +12,7 @@ CASES = {
     "sequence too long": (["--seq-length", "4096"], ["--seq-length 4096", "--max-position-embeddings 1024"]),
     "parallel sizes": (["--tensor-model-parallel-size", "3"], ["not divisible", "TP*PP*CP"]),
     "tokenizer too large": (["--zaya-vocab-size", "1024"], ["4096 tokens", "1024"]),
+    "pipeline parallel": (["--pipeline-model-parallel-size", "2"], ["pipeline parallelism", "--pipeline-model-parallel-size 1"]),
 }
 
 
