@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from .norm import InputScaling
+from .norm import InputScaling, residual_dtype
 
 
 class ZayaTransformerLayer(TransformerLayer):
@@ -74,7 +73,7 @@ class ZayaTransformerBlock(TransformerBlock):
         elif self.config.residual_scaling:
             hidden_states = self.input_residual_scaling(hidden_states)
         else:
-            hidden_states = hidden_states.to(torch.float32 if self.config.fp32_residual_connection else hidden_states.dtype)
+            hidden_states = hidden_states.to(residual_dtype(self.config))
         router_state = None
         recompute = self.training and self.config.recompute_granularity == "full"
         for layer in self.layers:
