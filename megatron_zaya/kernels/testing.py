@@ -27,7 +27,10 @@ import contextlib
 import importlib
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -174,3 +177,25 @@ def compile_only(module: ModuleType, target) -> Iterator[list]:
     finally:
         triton.knobs.runtime.jit_cache_hook = None
         driver._active = previous_driver
+
+
+# Shared memory a kernel may use per block on each compile target (H100/H200, MI300X).
+SHARED_LIMIT = {"sm_90": 227 * 1024, "gfx942": 64 * 1024}
+
+
+def gpu_target(name: str, triton):
+    """The ``GPUTarget`` of ``"sm_90"`` or ``"gfx942"`` in the (private) ``triton`` a kernel module was loaded with."""
+    GPUTarget = triton.backends.compiler.GPUTarget
+    return {"sm_90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}[name]
+
+
+def register_spills(kernel, target_name: str, triton) -> int:
+    """Registers a compiled kernel spills to local memory (cuobjdump's LOCAL on sm_90, spill counts on gfx942)."""
+    if target_name == "sm_90":
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(kernel.asm["cubin"])
+            cubin.flush()
+            usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", cubin.name],
+                                   capture_output=True, text=True, check=True).stdout  # fmt: skip
+        return sum(int(n) for n in re.findall(r"LOCAL:(\d+)", usage))
+    return sum(int(n) for n in re.findall(r"\.[sv]gpr_spill_count:\s+(\d+)", kernel.asm["amdgcn"]))

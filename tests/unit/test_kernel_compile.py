@@ -4,14 +4,11 @@ No GPU needed: triton compiles for a named target on CPU (``compile_only``). Che
 register spills, shared memory within the chip's per-block limit.
 """
 
-import re
-import subprocess
-import tempfile
 
 import pytest
 import torch
 
-from megatron_zaya.kernels.testing import compile_only, load_kernel_module
+from megatron_zaya.kernels.testing import SHARED_LIMIT, compile_only, gpu_target, load_kernel_module, register_spills
 
 TOKENS, HIDDEN, FFN, EXPERTS, VOCAB = 8192, 2048, 2048, 16, 262272
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -75,32 +72,13 @@ CASES = {
 }
 
 
-def _target(name, triton):
-    GPUTarget = triton.backends.compiler.GPUTarget  # the private triton copy's class
-    return {"sm_90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}[name]
-
-
-def _spills_and_shared(kernel, target_name, triton):
-    if target_name == "sm_90":
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-            cubin.write(kernel.asm["cubin"])
-            cubin.flush()
-            usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", cubin.name],
-                                   capture_output=True, text=True, check=True).stdout  # fmt: skip
-        spills = sum(int(n) for n in re.findall(r"LOCAL:(\d+)", usage))
-    else:
-        spills = sum(int(n) for n in re.findall(r"\.[sv]gpr_spill_count:\s+(\d+)", kernel.asm["amdgcn"]))
-    return spills, kernel.metadata.shared
-
-
-SHARED_LIMIT = {"sm_90": 227 * 1024, "gfx942": 64 * 1024}
 
 
 @pytest.mark.parametrize("target_name", ["sm_90", "gfx942"])
 @pytest.mark.parametrize("module_name", sorted(CASES))
 def test_kernels_compile_without_spills(module_name, target_name, monkeypatch):
     module = load_kernel_module(f"megatron_zaya.kernels.{module_name}", interpret=False)
-    target = _target(target_name, module.triton)
+    target = gpu_target(target_name, module.triton)
     backend = {"cuda": "nvidia", "hip": "amd"}[target.backend]
     if backend not in module.triton.backends.backends:  # e.g. a ROCm build of triton may ship no nvidia backend
         pytest.skip(f"this triton has no {backend} backend to compile with")
@@ -110,6 +88,6 @@ def test_kernels_compile_without_spills(module_name, target_name, monkeypatch):
         run(module)
     assert {kernel.name for kernel in compiled} == expected_kernels
     for kernel in compiled:
-        spills, shared = _spills_and_shared(kernel, target_name, module.triton)
+        spills, shared = register_spills(kernel, target_name, module.triton), kernel.metadata.shared
         assert spills == 0, f"{kernel.name} spills {spills} registers on {target_name}"
         assert shared <= SHARED_LIMIT[target_name], f"{kernel.name} needs {shared} B shared memory on {target_name}"

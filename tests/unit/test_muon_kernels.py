@@ -10,17 +10,14 @@
 from __future__ import annotations
 
 import importlib.util
-import re
-import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
 import torch
 
 import megatron_zaya.kernels.newton_schulz as ns_module
-from megatron_zaya.kernels.testing import compile_only, load_kernel_module
+from megatron_zaya.kernels.testing import SHARED_LIMIT, compile_only, gpu_target, load_kernel_module, register_spills
 
 pytest.importorskip("triton")
 
@@ -103,25 +100,12 @@ def test_torch_fallback_without_triton(monkeypatch):
 
 # ZAYA1-8B Newton–Schulz operands (m <= n after the transpose): experts fc1 (16 at once), q, k.
 ZAYA_SHAPES = [(16, 2048, 4096), (1, 1024, 2048), (1, 256, 2048)]
-SHARED_LIMIT = {"sm_90": 227 * 1024, "gfx942": 64 * 1024}
-
-
-def _spills(kernel, target_name, triton) -> int:
-    if target_name == "sm_90":
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-            cubin.write(kernel.asm["cubin"])
-            cubin.flush()
-            usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", cubin.name],
-                                   capture_output=True, text=True, check=True).stdout  # fmt: skip
-        return sum(int(n) for n in re.findall(r"LOCAL:(\d+)", usage))
-    return sum(int(n) for n in re.findall(r"\.[sv]gpr_spill_count:\s+(\d+)", kernel.asm["amdgcn"]))
 
 
 @pytest.mark.parametrize("target_name", ["sm_90", "gfx942"])
 def test_kernels_compile_for_gpus_at_zaya_shapes(target_name):
     module = load_kernel_module("megatron_zaya.kernels.newton_schulz", interpret=False)
-    GPUTarget = module.triton.backends.compiler.GPUTarget
-    target = {"sm_90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}[target_name]
+    target = gpu_target(target_name, module.triton)
     with compile_only(module, target) as compiled:
         for batch, m, n in ZAYA_SHAPES:
             X = torch.empty(batch, m, n, dtype=torch.bfloat16, device="meta")
@@ -130,5 +114,5 @@ def test_kernels_compile_for_gpus_at_zaya_shapes(target_name):
             module.gram(A, alpha=2.0, aux=A, beta=-4.0)
     assert len(compiled) >= 2  # X·Xᵀ and the fused step (equal specialisations are compiled once)
     for kernel in compiled:
-        assert _spills(kernel, target_name, module.triton) == 0, f"{kernel.name} spills on {target_name}"
+        assert register_spills(kernel, target_name, module.triton) == 0, f"{kernel.name} spills on {target_name}"
         assert kernel.metadata.shared <= SHARED_LIMIT[target_name], f"{kernel.name} shared memory on {target_name}"
