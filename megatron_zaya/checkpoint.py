@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ZayaConfig, ZayaConfigError, architecture, zaya_config
+from .config import ARCHITECTURE_FIELDS, ZayaConfig, ZayaConfigError, architecture, zaya_config
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -56,6 +56,22 @@ def read_config(ckpt_dir: str | os.PathLike, **runtime) -> ZayaConfig:
         return zaya_config(**arch, **runtime)
     except ZayaConfigError as error:
         raise CheckpointError(f"{path} stores an invalid ZAYA1 config: {error}") from error
+
+
+def architecture_differences(ckpt_dir: str | os.PathLike, cfg: ZayaConfig) -> list[str]:
+    """``field: checkpoint value != this model's`` for every architecture field that differs (empty if the
+    checkpoint matches or does not record its architecture)."""
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(step_dir(ckpt_dir)))
+    saved = getattr(common.get("args"), "zaya_architecture", None) or {}
+    ours = architecture(cfg)
+    return [f"{name}: {saved[name]!r} in the checkpoint, {ours[name]!r} here"
+            for name in ARCHITECTURE_FIELDS if name in saved and _normalised(saved[name]) != _normalised(ours[name])]
+
+
+def _normalised(value):
+    return list(value) if isinstance(value, tuple) else value
 
 
 def checkpoint_args(cfg: ZayaConfig) -> argparse.Namespace:

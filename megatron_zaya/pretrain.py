@@ -106,6 +106,19 @@ def _parse(argv: list[str]):
     return args
 
 
+def _check_checkpoint_matches(args) -> None:
+    """Refuse, in one line, to resume (or fine-tune) from a checkpoint of another architecture."""
+    from . import checkpoint
+    from .training.arguments import zaya_config_from_args
+
+    if not args.load or not (Path(args.load) / checkpoint.TRACKER).is_file():
+        return
+    differences = checkpoint.architecture_differences(args.load, zaya_config_from_args(args))
+    if differences:
+        raise UsageError(f"--load {args.load} holds a different model ({'; '.join(differences)}); give the flags "
+                         "it was trained with, or another --load")
+
+
 def run(argv: list[str]) -> None:
     import torch
 
@@ -125,6 +138,7 @@ def run(argv: list[str]) -> None:
     from .training.steps import forward_step, model_provider, train_valid_test_datasets_provider
 
     args = _parse(argv)
+    _check_checkpoint_matches(args)
     plot = args.zaya_loss_plot or (str(Path(args.save) / "loss.png") if args.save else None)
     LOSS_CURVE.enabled = plot is not None
     pretrain(pretrain_cfg_container_from_args(args, None), train_valid_test_datasets_provider,

@@ -147,6 +147,10 @@ def check_args(args, world_size: int) -> None:
             and args.seq_length > args.max_position_embeddings:
         raise UsageError(f"--seq-length {args.seq_length} exceeds the model's positions "
                          f"(--max-position-embeddings {args.max_position_embeddings}); shorten it or raise the limit")
+    decay_iters = args.lr_decay_iters or args.train_iters
+    if decay_iters is not None and args.lr_warmup_iters and args.lr_warmup_iters >= decay_iters:
+        raise UsageError(f"--lr-warmup-iters {args.lr_warmup_iters} must be below the decay length {decay_iters} "
+                         "(--lr-decay-iters, else --train-iters); shorten the warmup")
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     ep = args.expert_model_parallel_size
     etp = args.expert_tensor_parallel_size or tp

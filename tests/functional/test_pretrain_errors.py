@@ -12,6 +12,7 @@ CASES = {
     "sequence too long": (["--seq-length", "4096"], ["--seq-length 4096", "--max-position-embeddings 1024"]),
     "parallel sizes": (["--tensor-model-parallel-size", "3"], ["not divisible", "TP*PP*CP"]),
     "tokenizer too large": (["--zaya-vocab-size", "1024"], ["4096 tokens", "1024"]),
+    "warmup too long": (["--lr-warmup-iters", "5"], ["--lr-warmup-iters 5", "decay length 5"]),
     "pipeline parallel": (["--pipeline-model-parallel-size", "2"], ["pipeline parallelism", "--pipeline-model-parallel-size 1"]),
 }
 
@@ -36,4 +37,19 @@ def test_good_checkpoint_is_never_touched(tmp_path):
     run = pretrain(QUICK + ["--train-iters", "5", "--save", str(save), "--load", str(save), "--seq-length", "9999"],
                    cwd=tmp_path)
     assert run.returncode == 2
+    assert {p: p.read_bytes() for p in save.rglob("*") if p.is_file()} == before
+
+
+def test_checkpoint_of_another_architecture_is_refused(tmp_path):
+    """Resuming with different model flags names the differing fields instead of failing on shapes."""
+    save = tmp_path / "ckpt"
+    first = pretrain(QUICK + ["--train-iters", "3", "--save", str(save), "--load", str(save)], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = {p: p.read_bytes() for p in save.rglob("*") if p.is_file()}
+    run = pretrain(QUICK + ["--train-iters", "4", "--save", str(save), "--load", str(save), "--zaya-preset", "tiny", "--num-layers", "2",
+                            "--zaya-cca-time0", "3"], cwd=tmp_path)
+    assert run.returncode == 2
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("zaya-pretrain: error:") and "num_layers: 4 in the checkpoint, 2 here" in last, last
+    assert "cca_time0" in last
     assert {p: p.read_bytes() for p in save.rglob("*") if p.is_file()} == before
