@@ -27,6 +27,7 @@ ZAYA_FLAGS = [
     "--moe-aux-loss-coeff", "0", "--moe-token-dispatcher-type", "alltoall",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--transformer-impl", "local",
     "--ckpt-format", "torch_dist", "--no-gradient-accumulation-fusion",
+    "--eval-interval", "1000",  # Megatron leaves it unset and then fails on the first step; any flag overrides it
 ]
 
 # ZayaConfig preset field -> the flag that sets it.
