@@ -108,6 +108,20 @@ def _pre_norm_segment(q_conv_ptr, k_conv_ptr, q0_ptr, k0_ptr, q_offsets, k_offse
 
 
 @triton.jit
+def _pre_norm(q_conv_ptr, k_conv_ptr, q0_ptr, k0_ptr, q_base, k_base, q_rope, k_rope, q_pass, k_pass,
+              HALF: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+    """Step 2 on a token's three column segments (rotated halves a, b and the pass-through p) and the q/k
+    norms before step 3; the forward and the backward (which recomputes it) share it."""
+    segment = (q_conv_ptr, k_conv_ptr, q0_ptr, k0_ptr)
+    q_a, k_a = _pre_norm_segment(*segment, q_base, k_base, q_rope, k_rope, GROUP)
+    q_b, k_b = _pre_norm_segment(*segment, q_base + HALF, k_base + HALF, q_rope, k_rope, GROUP)
+    q_p, k_p = _pre_norm_segment(*segment, q_base + 2 * HALF, k_base + 2 * HALF, q_pass, k_pass, GROUP)
+    q_norm = tl.sqrt(tl.sum(q_a * q_a, axis=2) + tl.sum(q_b * q_b, axis=2) + tl.sum(q_p * q_p, axis=2))
+    k_norm = tl.sqrt(tl.sum(k_a * k_a, axis=2) + tl.sum(k_b * k_b, axis=2) + tl.sum(k_p * k_p, axis=2))
+    return q_a, k_a, q_b, k_b, q_p, k_p, q_norm, k_norm
+
+
+@triton.jit
 def _layout(token, batch, cos_stride_s, cos_stride_b, N_KV: tl.constexpr, GROUP: tl.constexpr,
             HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_G: tl.constexpr,
             BLOCK_W: tl.constexpr):  # fmt: skip
@@ -138,14 +152,9 @@ def _forward_kernel(
     token = tl.cast(tl.program_id(0), tl.int64)
     q_base, k_base, q_rope, k_rope, q_pass, k_pass, rope_base, rope_mask = _layout(
         token, batch, cos_stride_s, cos_stride_b, N_KV, GROUP, HEAD_DIM, HALF, BLOCK_KV, BLOCK_G, BLOCK_W)
-    segment = (q_conv_ptr, k_conv_ptr, q0_ptr, k0_ptr)
-    q_a, k_a = _pre_norm_segment(*segment, q_base, k_base, q_rope, k_rope, GROUP)
-    q_b, k_b = _pre_norm_segment(*segment, q_base + HALF, k_base + HALF, q_rope, k_rope, GROUP)
-    q_p, k_p = _pre_norm_segment(*segment, q_base + 2 * HALF, k_base + 2 * HALF, q_pass, k_pass, GROUP)
-
+    q_a, k_a, q_b, k_b, q_p, k_p, q_norm, k_norm = _pre_norm(
+        q_conv_ptr, k_conv_ptr, q0_ptr, k0_ptr, q_base, k_base, q_rope, k_rope, q_pass, k_pass, HALF, GROUP)
     root_d = tl.sqrt(float(HEAD_DIM))
-    q_norm = tl.sqrt(tl.sum(q_a * q_a, axis=2) + tl.sum(q_b * q_b, axis=2) + tl.sum(q_p * q_p, axis=2))
-    k_norm = tl.sqrt(tl.sum(k_a * k_a, axis=2) + tl.sum(k_b * k_b, axis=2) + tl.sum(k_p * k_p, axis=2))
     temp = tl.load(temp_ptr + tl.arange(0, BLOCK_KV), mask=tl.arange(0, BLOCK_KV) < N_KV, other=0.0)
     q_scale = (root_d / tl.maximum(q_norm, eps))[:, :, None]
     k_scale = (root_d / tl.maximum(k_norm, eps) * temp.to(tl.float32)[:, None])[:, :, None]
@@ -197,13 +206,9 @@ def _backward_kernel(
     token = tl.cast(tl.program_id(0), tl.int64)
     q_base, k_base, q_rope, k_rope, q_pass, k_pass, rope_base, rope_mask = _layout(
         token, batch, cos_stride_s, cos_stride_b, N_KV, GROUP, HEAD_DIM, HALF, BLOCK_KV, BLOCK_G, BLOCK_W)
-    segment = (q_conv_ptr, k_conv_ptr, q0_ptr, k0_ptr)
-    q_a, k_a = _pre_norm_segment(*segment, q_base, k_base, q_rope, k_rope, GROUP)
-    q_b, k_b = _pre_norm_segment(*segment, q_base + HALF, k_base + HALF, q_rope, k_rope, GROUP)
-    q_p, k_p = _pre_norm_segment(*segment, q_base + 2 * HALF, k_base + 2 * HALF, q_pass, k_pass, GROUP)
+    q_a, k_a, q_b, k_b, q_p, k_p, q_norm, k_norm = _pre_norm(
+        q_conv_ptr, k_conv_ptr, q0_ptr, k0_ptr, q_base, k_base, q_rope, k_rope, q_pass, k_pass, HALF, GROUP)
     root_d = tl.sqrt(float(HEAD_DIM))
-    q_norm = tl.sqrt(tl.sum(q_a * q_a, axis=2) + tl.sum(q_b * q_b, axis=2) + tl.sum(q_p * q_p, axis=2))
-    k_norm = tl.sqrt(tl.sum(k_a * k_a, axis=2) + tl.sum(k_b * k_b, axis=2) + tl.sum(k_p * k_p, axis=2))
     q_scale = (root_d / tl.maximum(q_norm, eps))[:, :, None]
     k_head_scale = root_d / tl.maximum(k_norm, eps)  # [KV, 1]
     k_scale = k_head_scale[:, :, None]

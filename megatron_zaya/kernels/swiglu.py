@@ -31,6 +31,18 @@ def swiglu_reference(
 
 
 @triton.jit
+def _load_gate_up(x_ptr, bias_ptr, row, cols, mask, n_cols):
+    """Row ``row`` of the packed [gate ‖ up] input at ``cols``, plus the bias if any, in fp32."""
+    x_row = x_ptr + row * 2 * n_cols
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    if bias_ptr is not None:
+        gate += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        up += tl.load(bias_ptr + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    return gate, up
+
+
+@triton.jit
 def _forward_kernel(
     x_ptr,  # [T, 2F]
     bias_ptr,  # [2F] or None
@@ -42,12 +54,7 @@ def _forward_kernel(
     row = tl.cast(tl.program_id(0), tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x_row = x_ptr + row * 2 * n_cols
-    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_row + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    if bias_ptr is not None:
-        gate += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        up += tl.load(bias_ptr + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    gate, up = _load_gate_up(x_ptr, bias_ptr, row, cols, mask, n_cols)
     out = gate * tl.sigmoid(gate) * up
     if weights_ptr is not None:
         out *= tl.load(weights_ptr + row).to(tl.float32)
@@ -69,12 +76,7 @@ def _backward_kernel(
     col_block = tl.program_id(1)
     cols = col_block * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x_row = x_ptr + row * 2 * n_cols
-    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_row + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    if bias_ptr is not None:
-        gate += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        up += tl.load(bias_ptr + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    gate, up = _load_gate_up(x_ptr, bias_ptr, row, cols, mask, n_cols)
     grad_out = tl.load(grad_out_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
     silu = gate * sig
