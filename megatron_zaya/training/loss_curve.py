@@ -13,7 +13,8 @@ class LossCurve:
 
     def __init__(self):
         self.enabled = False
-        self._sums: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        # Device tensors, read back only when the curve is written: no host sync per micro-batch.
+        self._sums: dict[int, list] = defaultdict(lambda: [0.0, 0.0])
 
     def add(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> None:
         if not self.enabled or not torch.is_grad_enabled():  # evaluation runs under no_grad
@@ -21,11 +22,11 @@ class LossCurve:
         from megatron.training import get_args
 
         entry = self._sums[get_args().curr_iteration + 1]
-        entry[0] += float(loss_sum)
-        entry[1] += float(num_tokens)
+        entry[0] = entry[0] + loss_sum.detach().double()
+        entry[1] = entry[1] + num_tokens.detach().double()
 
     def points(self) -> list[tuple[int, float]]:
-        return [(it, s / max(n, 1.0)) for it, (s, n) in sorted(self._sums.items())]
+        return [(it, float(s) / max(float(n), 1.0)) for it, (s, n) in sorted(self._sums.items())]
 
     def write(self, png_path: str | Path) -> Path:
         """Write ``png_path`` and a ``.csv`` beside it; returns the PNG path."""
