@@ -51,8 +51,8 @@ def _cpu_device(device):
 
 def _on_cpu(factory):
     @functools.wraps(factory)
-    def build(*args, device=None, **kwargs):
-        return factory(*args, device=_cpu_device(device), **kwargs)
+    def build(*args, device=None, pin_memory=False, **kwargs):
+        return factory(*args, device=_cpu_device(device), **kwargs)  # pinning needs CUDA; nothing to pin for
 
     return build
 
@@ -390,6 +390,14 @@ def patch_attention_masks() -> None:
     """Give ``megatron.core.transformer.utils`` the CPU view of torch: the default causal and sliding-window
     masks DotProductAttention builds when the batch carries no mask are ``device="cuda"`` (l.39, 44)."""
     _see_cpu_torch("megatron.core.transformer.utils")
+
+
+@_cpu_patch("cpu.rope_utils", "megatron.core.models.common.embeddings.rope_utils.torch")
+def patch_rope_utils() -> None:
+    """Give ``megatron.core.models.common.embeddings.rope_utils`` the CPU view of torch: under context
+    parallelism ``get_pos_emb_on_this_cp_rank`` indexes this rank's RoPE positions with a ``device="cuda"``
+    tensor (l.62)."""
+    _see_cpu_torch("megatron.core.models.common.embeddings.rope_utils")
 
 
 @_cpu_patch("cpu.timers", "megatron.core.timers.torch")

@@ -208,12 +208,13 @@ def use_triton_cca() -> None:
     from megatron_zaya.kernels.cca import cca_qk
     from megatron_zaya.model import cca
 
-    def fused_cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, time0, time1, head_dim, config, cp_group):
+    def fused_cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, time0, time1, head_dim, config, cp_group,
+                     qk_history=None):
         angles = rotary_pos_emb[:, 0, 0, :].float()  # [s, rot]: Megatron's table, already this CP rank's
         q, k = cca_qk(q0, k0, conv.q_depthwise_weight.squeeze(1), conv.q_depthwise_bias,
                       conv.k_depthwise_weight.squeeze(1), conv.k_depthwise_bias, conv.q_grouped_weight,
                       conv.q_grouped_bias, conv.k_grouped_weight, conv.k_grouped_bias, key_temperature,
-                      angles.cos(), angles.sin())  # the kernel takes depthwise weights as [C, taps]
+                      angles.cos(), angles.sin(), qk_history)  # the kernel takes depthwise weights as [C, taps]
         return q, k
 
     replace_attr(cca, "cca_qk", fused_cca_qk)

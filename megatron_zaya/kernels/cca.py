@@ -34,13 +34,24 @@ from .utils import triton_runs
 # ----------------------------------------------------------------------------------------- references
 
 
-def causal_qk_convs(x: torch.Tensor, depthwise_w, depthwise_b, grouped_w, grouped_b, heads: int) -> torch.Tensor:
-    """The CCA convolutions: x [S, B, C] -> [S, B, C]; depthwise_w [C, t0], grouped_w [C, C // heads, t1]."""
+def causal_qk_convs(x: torch.Tensor, depthwise_w, depthwise_b, grouped_w, grouped_b, heads: int,
+                    history: torch.Tensor | None = None) -> torch.Tensor:
+    """The CCA convolutions: x [S, B, C] -> [S, B, C]; depthwise_w [C, t0], grouped_w [C, C // heads, t1].
+
+    ``history [n, (t0 - 1) + (t1 - 1), B, C]`` (context parallelism): x is n chunks, each preceded by its
+    history instead of zeros.
+    """
     pad = (depthwise_w.shape[-1] - 1) + (grouped_w.shape[-1] - 1)
-    y = F.pad(x.permute(1, 2, 0), (pad, 0))  # [B, C, S + pad]: left zeros, causal
-    y = F.conv1d(y, depthwise_w.unsqueeze(1), depthwise_b, groups=x.shape[-1])
+    seq, batch, channels = x.shape
+    if history is None:
+        chunks, y = 1, F.pad(x.permute(1, 2, 0), (pad, 0))  # [B, C, S + pad]: left zeros, causal
+    else:
+        chunks = history.shape[0]
+        y = torch.cat([history.to(x.dtype), x.view(chunks, seq // chunks, batch, channels)], dim=1)
+        y = y.permute(0, 2, 3, 1).reshape(chunks * batch, channels, -1)  # [n·B, C, pad + S/n]
+    y = F.conv1d(y, depthwise_w.unsqueeze(1), depthwise_b, groups=channels)
     y = F.conv1d(y, grouped_w, grouped_b, groups=heads)
-    return y.permute(2, 0, 1)
+    return y.view(chunks, batch, channels, -1).permute(0, 3, 1, 2).reshape(seq, batch, channels)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -62,17 +73,24 @@ def _rope_and_norm_reference(q, k, temp, cos, sin):
     return rope(q), rope(k)
 
 
-def cca_qk_reference(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin):
+def _split_history(history, q_width: int):
+    return (None, None) if history is None else (history[..., :q_width], history[..., q_width:])
+
+
+def cca_qk_reference(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin, history=None):
     """CCA q/k: q0 [S, B, nq*d], k0 [S, B, nkv*d] -> q [S, B, nq, d], k [S, B, nkv, d] in q0's dtype.
 
     Depthwise conv weights wq1 [nq*d, t0], wk1 [nkv*d, t0]; grouped wq2 [nq*d, d, t1], wk2 [nkv*d, d, t1];
-    biases [channels]; temp [nkv]; cos, sin [S, rot] or [S, B, rot] (NeoX layout: both halves equal).
+    biases [channels]; temp [nkv]; cos, sin [S, rot] or [S, B, rot] (NeoX layout: both halves equal);
+    ``history [n, t0 + t1 - 2, B, nq*d + nkv*d]``: the pre-conv q0‖k0 before each of n chunks (see
+    :func:`causal_qk_convs`).
     """
     seq, batch = q0.shape[:2]
     n_kv, head_dim = temp.numel(), wq2.shape[1]
     n_q = q0.shape[-1] // head_dim
-    q_conv = causal_qk_convs(q0, wq1, bq1, wq2, bq2, n_q).reshape(seq, batch, n_q, head_dim)
-    k_conv = causal_qk_convs(k0, wk1, bk1, wk2, bk2, n_kv).reshape(seq, batch, n_kv, head_dim)
+    q_history, k_history = _split_history(history, q0.shape[-1])
+    q_conv = causal_qk_convs(q0, wq1, bq1, wq2, bq2, n_q, q_history).reshape(seq, batch, n_q, head_dim)
+    k_conv = causal_qk_convs(k0, wk1, bk1, wk2, bk2, n_kv, k_history).reshape(seq, batch, n_kv, head_dim)
     q_res = (q0.view(seq, batch, n_q, head_dim) + k0.view(seq, batch, n_kv, head_dim).repeat_interleave(
         n_q // n_kv, dim=2)) * 0.5  # fmt: skip
     k_res = q_res.view(seq, batch, n_kv, n_q // n_kv, head_dim).mean(dim=3)
@@ -307,15 +325,16 @@ def _check_shapes(q0, k0, wq2, temp, cos, sin) -> None:
         raise ValueError("cca_qk: " + "; ".join(problems))
 
 
-def cca_qk(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin):
+def cca_qk(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin, history=None):
     """CCA q/k with the Triton epilogue (steps 2-4); same contract as :func:`cca_qk_reference`."""
     _check_shapes(q0, k0, wq2, temp, cos, sin)
     if not triton_runs(_forward_kernel, q0, k0, temp, cos):
-        return cca_qk_reference(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin)
+        return cca_qk_reference(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin, history)
     seq, batch = q0.shape[:2]
     head_dim, n_kv = wq2.shape[1], temp.numel()
     n_q = q0.shape[-1] // head_dim
-    q_conv = causal_qk_convs(q0, wq1, bq1, wq2, bq2, n_q)
-    k_conv = causal_qk_convs(k0, wk1, bk1, wk2, bk2, n_kv)
+    q_history, k_history = _split_history(history, q0.shape[-1])
+    q_conv = causal_qk_convs(q0, wq1, bq1, wq2, bq2, n_q, q_history)
+    k_conv = causal_qk_convs(k0, wk1, bk1, wk2, bk2, n_kv, k_history)
     q, k = _QKEpilogue.apply(q_conv, k_conv, q0, k0, temp, cos, sin, head_dim)
     return q.view(seq, batch, n_q, head_dim), k.view(seq, batch, n_kv, head_dim)

@@ -16,7 +16,9 @@ Per token x ∈ R^D (shapes for ZAYA1-8B: D=2048, n_q=8 query heads, n_kv=2 KV h
 Tensor parallelism splits by heads: each rank holds n_q/tp query heads with their n_kv/tp KV heads, the
 conv channels of those heads, and their value channels. The conv and temperature parameters are raw
 ``nn.Parameter``s sharded on dim 0, stored separately for the q and k parts so that each TP shard is a
-contiguous slice (the checkpoint layout is the same for every TP size).
+contiguous slice (the checkpoint layout is the same for every TP size). Context parallelism feeds the
+convolutions and the value delay the positions just before each of a rank's chunks, and attention the keys
+and values of the whole sequence (``context_parallel.py``).
 """
 
 from __future__ import annotations
@@ -37,32 +39,48 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
 from torch import nn
 
+from .context_parallel import preceding_rows
 from .core_attention import SDPAttention
 
 
-def causal_qk_conv(q0, k0, conv: "HeadShardedParameters", time0: int, time1: int, head_dim: int):
-    """Steps 3 of the module docstring: ``[s, b, Cq], [s, b, Ck] -> [s, b, Cq], [s, b, Ck]`` (no skip terms)."""
-    packed = torch.cat([q0, k0], dim=-1).permute(1, 2, 0)  # [b, C, s]
-    channels = packed.shape[1]
-    packed = F.pad(packed, ((time0 - 1) + (time1 - 1), 0))  # causal: left zero-padding only
+def causal_qk_conv(q0, k0, conv: "HeadShardedParameters", time0: int, time1: int, head_dim: int,
+                   history: torch.Tensor | None = None):
+    """Step 3 of the module docstring: ``[s, b, Cq], [s, b, Ck] -> [s, b, Cq], [s, b, Ck]`` (no skip terms).
+
+    ``history [n, time0 + time1 - 2, b, Cq + Ck]`` (context parallelism): the sequence is ``n`` independent
+    chunks, each preceded by its history instead of zeros.
+    """
+    packed = torch.cat([q0, k0], dim=-1)  # [s, b, C]
+    s, b, channels = packed.shape
+    pad = (time0 - 1) + (time1 - 1)
+    if history is None:
+        chunks = 1
+        packed = F.pad(packed.permute(1, 2, 0), (pad, 0))  # [b, C, pad + s]: causal, left zeros only
+    else:
+        chunks = history.shape[0]
+        packed = torch.cat([history.to(packed.dtype), packed.view(chunks, s // chunks, b, channels)], dim=1)
+        packed = packed.permute(0, 2, 3, 1).reshape(chunks * b, channels, -1)  # [n·b, C, pad + s/n]
     w1 = torch.cat([conv.q_depthwise_weight, conv.k_depthwise_weight]).to(packed.dtype)
     b1 = torch.cat([conv.q_depthwise_bias, conv.k_depthwise_bias]).to(packed.dtype)
     w2 = torch.cat([conv.q_grouped_weight, conv.k_grouped_weight]).to(packed.dtype)
     b2 = torch.cat([conv.q_grouped_bias, conv.k_grouped_bias]).to(packed.dtype)
     mixed = F.conv1d(packed, w1, b1, groups=channels)
     mixed = F.conv1d(mixed, w2, b2, groups=channels // head_dim)
-    mixed = mixed.permute(2, 0, 1)  # [s, b, C]
+    mixed = mixed.view(chunks, b, channels, -1).permute(0, 3, 1, 2).reshape(s, b, channels)
     return mixed[..., : q0.shape[-1]], mixed[..., q0.shape[-1]:]
 
 
-def cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, time0, time1, head_dim, config, cp_group):
+def cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, time0, time1, head_dim, config, cp_group,
+           qk_history=None):
     """Steps 2-5: pre-conv projections ``q0 [s,b,nq·d], k0 [s,b,nkv·d]`` -> q ``[s,b,nq,d]``, k ``[s,b,nkv,d]``.
 
-    Computed in fp32 (the reference's high-precision QK path) and returned in fp32.
+    Computed in fp32 (the reference's high-precision QK path) and returned in fp32. ``qk_history``: see
+    :func:`causal_qk_conv`.
     """
     s, b = q0.shape[:2]
     q_heads, kv_heads = q0.shape[-1] // head_dim, k0.shape[-1] // head_dim
-    q_conv, k_conv = causal_qk_conv(q0.float(), k0.float(), conv, time0, time1, head_dim)
+    history = None if qk_history is None else qk_history.float()
+    q_conv, k_conv = causal_qk_conv(q0.float(), k0.float(), conv, time0, time1, head_dim, history)
 
     q0h = q0.float().view(s, b, q_heads, head_dim)
     k0h = k0.float().view(s, b, kv_heads, head_dim)
@@ -82,12 +100,20 @@ def cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, time0, time1, head_
     return q, k
 
 
-def delay_channels(v: torch.Tensor, first_delayed: int) -> torch.Tensor:
-    """Shift channels ``[first_delayed:]`` of ``v [s, b, C]`` one token later (zeros at t=0)."""
+def delay_channels(v: torch.Tensor, first_delayed: int, previous: torch.Tensor | None = None) -> torch.Tensor:
+    """Shift channels ``[first_delayed:]`` of ``v [s, b, C]`` one token later (zeros at t=0).
+
+    ``previous [n, 1, b, C - first_delayed]`` (context parallelism): ``v`` is ``n`` chunks, each shifted in
+    from its own preceding token.
+    """
     if first_delayed >= v.shape[-1]:
         return v
     current, delayed = v[..., :first_delayed], v[..., first_delayed:]
-    delayed = F.pad(delayed[:-1], (0, 0, 0, 0, 1, 0))
+    if previous is None:
+        delayed = F.pad(delayed[:-1], (0, 0, 0, 0, 1, 0))
+    else:
+        chunks = delayed.view(previous.shape[0], -1, *delayed.shape[1:])
+        delayed = torch.cat([previous, chunks[:, :-1]], dim=1).flatten(0, 1)
     return torch.cat([current, delayed], dim=-1)
 
 
@@ -183,16 +209,29 @@ class CompressedConvAttention(MegatronModule):
             skip_bias_add=True, is_expert=False, tp_comm_buffer_name="proj", tp_group=self.tp_group,
         )
 
+    def _context_parallel_halos(self, q0, k0, v):
+        """Under context parallelism: the pre-conv q‖k positions and the delayed value channels of the token(s)
+        before each of this rank's two chunks (``qk_history``, ``v_previous``); ``(None, None)`` without CP."""
+        cp_group = self.pg_collection.cp
+        if cp_group is None or cp_group.size() == 1:
+            return None, None
+        halo = (self.config.cca_time0 - 1) + (self.config.cca_time1 - 1)
+        qk_history, v_previous = preceding_rows(
+            [(torch.cat([q0, k0], dim=-1), halo), (v[..., self.first_delayed_channel:], 1)], cp_group
+        )
+        return (qk_history if halo else None), v_previous
+
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **unused):
         """``hidden_states [s(/tp), b, D]`` -> ``(out [s(/tp), b, D], None)``."""
         q0, _ = self.linear_q(hidden_states)  # [s, b, nq·d / tp]; the sequence is gathered under SP
         k0, _ = self.linear_k(hidden_states)
         v, _ = self.linear_v(hidden_states)
         s, b = q0.shape[:2]
+        qk_history, v_previous = self._context_parallel_halos(q0, k0, v)
         q, k = cca_qk(q0, k0, self.conv, self.qk_norm.key_temperature, rotary_pos_emb,
                       time0=self.config.cca_time0, time1=self.config.cca_time1, head_dim=self.head_dim,
-                      config=self.config, cp_group=self.pg_collection.cp)
-        v = delay_channels(v, self.first_delayed_channel).view(s, b, self.kv_heads, self.head_dim)
+                      config=self.config, cp_group=self.pg_collection.cp, qk_history=qk_history)
+        v = delay_channels(v, self.first_delayed_channel, v_previous).view(s, b, self.kv_heads, self.head_dim)
         dtype = v.dtype
         context = self.core_attention(q.to(dtype), k.to(dtype), v, attention_mask,
                                       attn_mask_type=self.attn_mask_type)

@@ -5,6 +5,9 @@ spec §3.7). These classes fill ``CCASubmodules.core_attention`` and follow Mega
 ``CoreAttentionBuilder`` protocol: ``cls(config=, layer_number=, attn_mask_type=, attention_type=, ...)``,
 ``forward(q, k, v, attention_mask, attn_mask_type=None, ...)`` with q ``[s, b, heads, d]`` and k, v
 ``[s, b, kv_heads, d]``, returning ``[s, b, heads * d]``.
+
+Under context parallelism the keys and values of the whole sequence are all-gathered, and each of the rank's
+two chunks attends to the keys up to its own end (``context_parallel.py``).
 """
 
 from __future__ import annotations
@@ -12,10 +15,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
+from torch.nn.attention.bias import causal_lower_right
+
+from .context_parallel import gather_sequence, local_chunk_ids
 
 
 def sliding_window_mask(q_len: int, kv_len: int, window: int, device: torch.device) -> torch.Tensor:
-    """Boolean [q_len, kv_len] mask, True where query i may see key j: ``0 <= i - j < window``."""
+    """Boolean [q_len, kv_len] mask, True where query i may see key j: ``0 <= i - j < window``
+    (the queries are the last ``q_len`` positions of the keys')."""
     offset = kv_len - q_len
     i = torch.arange(q_len, device=device)[:, None] + offset
     j = torch.arange(kv_len, device=device)[None, :]
@@ -36,16 +43,33 @@ class SDPAttention(MegatronModule):
             config.sliding_window if config.attention_types[layer_number - 1] == "sliding" else None
         )
         self.softmax_scale = softmax_scale
+        cp_group = getattr(pg_collection, "cp", None)
+        self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
+
+    def attend(self, q, k, v):
+        """q ``[b, heads, Lq, d]`` at the last Lq positions of k, v ``[b, kv_heads, Lk, d]``."""
+        q_len, kv_len = q.shape[2], k.shape[2]
+        if self.window is not None:
+            mask = sliding_window_mask(q_len, kv_len, self.window, q.device)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale,
+                                                  enable_gqa=k.shape[1] != q.shape[1])
+        if q_len == kv_len:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                                  enable_gqa=k.shape[1] != q.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, kv_len),
+                                              scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         s, b, heads, d = query.shape
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        if self.window is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                                 enable_gqa=k.shape[1] != heads)
-        else:
-            mask = sliding_window_mask(s, k.shape[2], self.window, q.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale,
-                                                 enable_gqa=k.shape[1] != heads)
-        return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+        if self.cp_group is None:
+            out = self.attend(*(t.permute(1, 2, 0, 3) for t in (query, key, value)))  # [b, heads, s, d]
+            return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+        key, value = (gather_sequence(t, self.cp_group).permute(1, 2, 0, 3) for t in (key, value))
+        chunk = s // 2
+        outs = []
+        for q, chunk_id in zip(query.split(chunk), local_chunk_ids(self.cp_group), strict=True):
+            end = (chunk_id + 1) * chunk  # the chunk's queries are the last positions of keys[:end]
+            start = 0 if self.window is None else max(0, end - chunk - self.window + 1)
+            outs.append(self.attend(q.permute(1, 2, 0, 3), key[:, :, start:end], value[:, :, start:end]))
+        return torch.cat(outs, dim=2).permute(2, 0, 1, 3).reshape(s, b, heads * d)

@@ -21,11 +21,8 @@ from .layer import ZayaTransformerBlock
 
 
 def _refuse_unimplemented_parallelism(pg_collection: ProcessGroupCollection) -> None:
-    """CP and PP would run but compute something else (or crash deep inside): refuse them up front."""
-    cp, pp = getattr(pg_collection, "cp", None), getattr(pg_collection, "pp", None)
-    if cp is not None and cp.size() > 1:
-        raise ZayaConfigError("ZAYA1 does not implement context parallelism yet (the CCA convs and value shift "
-                              "need a halo from the previous chunk); use --context-parallel-size 1")
+    """PP would run but compute something else (or crash deep inside): refuse it up front."""
+    pp = getattr(pg_collection, "pp", None)
     if pp is not None and pp.size() > 1:
         raise ZayaConfigError("ZAYA1 does not implement pipeline parallelism yet (the router state must cross "
                               "stages); use --pipeline-model-parallel-size 1")
@@ -82,7 +79,7 @@ class ZayaModel(LanguageModule):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None, **unused):
         embeddings = self.embedding(input_ids=input_ids, position_ids=position_ids) if self.pre_process else None
-        seq_len = input_ids.shape[1]
+        seq_len = input_ids.shape[1] * self.pg_collection.cp.size()  # RoPE slices the CP rank's positions
         rotary = {kind: rope(seq_len) for kind, rope in self.rotary_pos_emb.items()}
         hidden = self.decoder(embeddings, attention_mask=attention_mask, rotary_pos_emb=rotary)
         if not self.post_process:

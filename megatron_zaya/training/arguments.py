@@ -155,9 +155,19 @@ def check_args(args, world_size: int) -> None:
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     ep = args.expert_model_parallel_size
     etp = args.expert_tensor_parallel_size or tp
-    if cp > 1 or pp > 1:
-        raise UsageError("ZAYA1 does not implement context or pipeline parallelism yet; use "
-                         "--context-parallel-size 1 --pipeline-model-parallel-size 1 (TP, EP and DP work)")
+    if pp > 1:
+        raise UsageError("ZAYA1 does not implement pipeline parallelism yet; use --pipeline-model-parallel-size 1 "
+                         "(TP, CP, EP and DP work)")
+    if cp > 1 and args.seq_length is not None:
+        # Megatron's load-balanced split cuts each sequence into 2*CP equal chunks, each at least as long as the
+        # halo of the CCA convolutions (which reaches into the preceding chunk only).
+        halo = (args.zaya_cca_time0 - 1) + (args.zaya_cca_time1 - 1)
+        if args.seq_length % (2 * cp):
+            raise UsageError(f"--seq-length {args.seq_length} is not divisible by 2*CP = {2 * cp} (context "
+                             "parallelism splits sequences into 2*CP chunks); change the sequence length or CP size")
+        if args.seq_length // (2 * cp) < halo:
+            raise UsageError(f"--seq-length {args.seq_length} gives chunks of {args.seq_length // (2 * cp)} tokens, "
+                             f"shorter than the CCA convolution halo ({halo}); use a longer sequence or smaller CP")
     if world_size % (tp * pp * cp):
         raise UsageError(f"world size {world_size} is not divisible by TP*PP*CP = {tp}*{pp}*{cp}; "
                          "change the parallel sizes or the number of processes")

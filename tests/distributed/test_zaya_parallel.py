@@ -12,7 +12,9 @@ The reference is one rank with the allgather dispatcher (the layouts use alltoal
 builds the ``test`` model (float32) with its skip class live (skipped tokens pass through as p·x) and Adam
 moments in the balancing state, and every layout loads that full state dict.
 
-Context and pipeline parallelism are not implemented; building the model with either is refused.
+Context parallelism (CP2, CP2 x DP2, CP2 x TP2 + SP, on a model whose convolution halo fills a whole chunk and
+with a sliding-window layer) has its own reference of that model; each rank holds Megatron's load-balanced
+chunks r and 2·cp-1-r of every sequence and compares against the same positions of the one-rank losses.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class Layout:
     ep: int = 1
     etp: int | None = None  # expert tensor parallelism; Megatron's default is tp
     dispatcher: str = "alltoall"
+    cp: int = 1
+    model: tuple = ()  # overrides of the ``test`` preset, as (field, value) pairs
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,13 @@ def global_name(name: str, ep_rank: int, local_experts: int) -> str:
     if match is None:
         return name
     return name.replace(match.group(0), f"local_experts.{ep_rank * local_experts + int(match.group(1))}.")
+
+
+def context_parallel_part(sequences: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
+    """CP rank ``rank``'s positions of ``[b, s]``: chunks r and 2·cp-1-r of 2·cp (Megatron's load-balanced
+    split, written out here rather than taken from Megatron)."""
+    chunks = sequences.chunk(2 * cp, dim=1)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=1)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -128,13 +139,14 @@ def train_step_worker(rank: int, world: int, layout: Layout, full_state: dict | 
 
     apply_patches("cpu")
     ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, expert_model_parallel_size=layout.ep,
-                                 expert_tensor_parallel_size=layout.etp)  # fmt: skip
+                                 expert_tensor_parallel_size=layout.etp, context_parallel_size=layout.cp)  # fmt: skip
     model_parallel_cuda_manual_seed(0)
     torch.manual_seed(0)
     cfg = zaya_config("test", use_cpu_initialization=True, params_dtype=torch.float32, skip_mode="identity",
                       tensor_model_parallel_size=layout.tp, sequence_parallel=layout.tp > 1,
                       expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp or layout.tp,
-                      moe_token_dispatcher_type=layout.dispatcher)  # fmt: skip
+                      moe_token_dispatcher_type=layout.dispatcher, context_parallel_size=layout.cp,
+                      **{k: list(v) if isinstance(v, tuple) else v for k, v in layout.model})  # fmt: skip
     model = build_zaya_model(cfg)
     local_experts = cfg.num_moe_experts // layout.ep
     ep_rank = ps.get_expert_model_parallel_rank()
@@ -155,7 +167,9 @@ def train_step_worker(rank: int, world: int, layout: Layout, full_state: dict | 
     ddp.train()
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     tokens = TOKENS.chunk(dp_size)[dp_rank]
-    losses = ddp(tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous())  # [b / dp, s]
+    cp_rank = ps.get_context_parallel_rank()
+    inputs, labels = (context_parallel_part(t, cp_rank, layout.cp).contiguous() for t in (tokens[:, :-1], tokens[:, 1:]))
+    losses = ddp(inputs, labels=labels)  # [b / dp, s / cp]
     losses.mean().backward()
     finalize_model_grads([ddp])
 
@@ -169,6 +183,7 @@ def train_step_worker(rank: int, world: int, layout: Layout, full_state: dict | 
 
     return {
         "dp": (dp_rank, dp_size),
+        "cp": (cp_rank, layout.cp),
         "losses": losses.detach(),
         "grads": {names[n]: p.main_grad.clone() for n, p in model.named_parameters()},  # reduced by DDP
         "shards": {names[n]: shards[n] for n in params},
@@ -210,14 +225,13 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor, scale: torch.Te
     return ((actual - expected).abs().max() / scale.abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
-def test_two_ranks_equal_one_rank(layout, reference, tmp_path):
-    results = run_ranks(train_step_worker, 2, tmp_path, layout, reference["state"])
-
+def assert_equal_to_reference(results: list[dict], reference: dict) -> None:
+    """Every rank's losses and gradients equal its part of the one-rank run; the balancing step is the same."""
     wrong, covered = [], set()
     for rank, result in enumerate(results):
-        dp_rank, dp_size = result["dp"]
-        error = relative_error(result["losses"], reference["losses"].chunk(dp_size)[dp_rank])
+        (dp_rank, dp_size), (cp_rank, cp) = result["dp"], result["cp"]
+        expected = context_parallel_part(reference["losses"].chunk(dp_size)[dp_rank], cp_rank, cp)
+        error = relative_error(result["losses"], expected)
         if not error <= RTOL:
             wrong.append(f"rank {rank} per-token losses: relative error {error:.2e}")
         for name, grad in result["grads"].items():
@@ -229,15 +243,43 @@ def test_two_ranks_equal_one_rank(layout, reference, tmp_path):
     assert not wrong, "\n".join(wrong)
     assert covered == set(reference["grads"])  # every global parameter (every expert) checked somewhere
 
-    # Balancing: the counts step_balancing sums equal the one-rank counts (the ranks routed disjoint tokens
-    # that make up the global batch), and every rank takes the one-rank bias step, bit for bit.
+    # Balancing: the counts step_balancing sums equal the one-rank counts (every rank routed its own tokens:
+    # DP, CP and sequence-parallel TP split them, and together they make up the global batch), and every rank
+    # takes the one-rank bias step, bit for bit.
     for layer, expected in enumerate(reference["reduced_counts"]):
-        assert torch.equal(results[0]["local_counts"][layer] + results[1]["local_counts"][layer], expected)
+        assert torch.equal(sum(r["local_counts"][layer] for r in results), expected)
     for result in results:
         for counts, expected in zip(result["reduced_counts"], reference["reduced_counts"], strict=True):
             assert torch.equal(counts, expected), (counts, expected)
         for biases, expected in zip(result["biases"], reference["biases"], strict=True):
             assert torch.equal(biases, expected), (biases - expected).abs().max()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_two_ranks_equal_one_rank(layout, reference, tmp_path):
+    assert_equal_to_reference(run_ranks(train_step_worker, 2, tmp_path, layout, reference["state"]), reference)
+
+
+# Context parallelism: halos longer than one token, sliding windows, and chunks 4 tokens long (SEQ 16 / 2·cp),
+# so that the convolution halo (cca_time0 + cca_time1 - 2 = 4) is a whole chunk.
+CONTEXT_MODEL = (("cca_time0", 3), ("cca_time1", 3), ("attention_types", ("sliding", "global")),
+                 ("sliding_window", 6))  # fmt: skip
+CONTEXT_LAYOUTS = {"cp2": (2, Layout(cp=2, model=CONTEXT_MODEL)),
+                   "cp2_dp2": (4, Layout(cp=2, model=CONTEXT_MODEL)),
+                   "cp2_tp2_sp_etp1": (4, Layout(cp=2, tp=2, etp=1, model=CONTEXT_MODEL))}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def context_reference(tmp_path_factory):
+    layout = Layout(dispatcher="allgather", model=CONTEXT_MODEL)
+    (result,) = run_ranks(train_step_worker, 1, tmp_path_factory.mktemp("context-reference"), layout, None)
+    return result
+
+
+@pytest.mark.parametrize("world, layout", CONTEXT_LAYOUTS.values(), ids=CONTEXT_LAYOUTS.keys())
+def test_context_parallel_equals_one_rank(world, layout, context_reference, tmp_path):
+    results = run_ranks(train_step_worker, world, tmp_path, layout, context_reference["state"])
+    assert_equal_to_reference(results, context_reference)
 
 
 def build_worker(rank: int, world: int, parallel: dict) -> str:
@@ -262,9 +304,8 @@ def build_worker(rank: int, world: int, parallel: dict) -> str:
     return ""
 
 
-@pytest.mark.parametrize("parallel, flag", [({"context_parallel_size": 2}, "--context-parallel-size 1"),
-                                            ({"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 1")])
+@pytest.mark.parametrize("parallel, flag", [({"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 1")])
 def test_unimplemented_parallelism_is_refused(parallel, flag, tmp_path):
-    """CP and PP are not implemented (the model would silently compute something else): a one-line error."""
+    """PP is not implemented (the model would silently compute something else): a one-line error."""
     for message in run_ranks(build_worker, 2, tmp_path, parallel):
         assert "not implement" in message and flag in message and "\n" not in message, message

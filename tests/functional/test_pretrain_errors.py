@@ -11,6 +11,7 @@ CASES = {
                       "--vocab-size", "4095"], ["/nonexistent/corpus_text_document", "zaya-preprocess"]),
     "sequence too long": (["--seq-length", "4096"], ["--seq-length 4096", "--max-position-embeddings 1024"]),
     "parallel sizes": (["--tensor-model-parallel-size", "3"], ["not divisible", "TP*PP*CP"]),
+    "context parallel chunks": (["--context-parallel-size", "3"], ["--seq-length 64", "2*CP = 6"]),
     "tokenizer too large": (["--zaya-vocab-size", "1024"], ["4096 tokens", "1024"]),
     "warmup too long": (["--lr-warmup-iters", "5"], ["--lr-warmup-iters 5", "decay length 5"]),
     "pipeline parallel": (["--pipeline-model-parallel-size", "2"], ["pipeline parallelism", "--pipeline-model-parallel-size 1"]),

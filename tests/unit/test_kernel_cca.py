@@ -101,3 +101,21 @@ def test_bad_shapes_raise_clear_errors():
         kernels.cca_qk(tensors[0], tensors[1][..., :-1], *tensors[2:], cos, sin)
     with pytest.raises(ValueError, match="even rot"):
         kernels.cca_qk(*tensors, cos[..., :-1], sin[..., :-1])
+
+
+@pytest.mark.parametrize("fn", ["cca_qk", "cca_qk_reference"])
+def test_chunks_with_history_equal_the_whole_sequence(fn):
+    """Context parallelism: two chunks, each given the pre-conv q0‖k0 rows before it, give the whole sequence's
+    q and k (the first chunk is preceded by zeros, as the sequence is)."""
+    gen = torch.Generator().manual_seed(2)
+    tensors, cos, sin = _inputs(torch.float32, False, gen)
+    whole = getattr(kernels, fn)(*tensors, cos, sin)
+    halo, half = (T0 - 1) + (T1 - 1), SEQ // 2
+    packed = torch.cat(tensors[:2], dim=-1)  # [S, B, q‖k]
+    history = torch.stack([torch.zeros_like(packed[:halo]), packed[half - halo: half]])
+    # Each chunk's rows in a [n·L] layout whose two chunks are swapped: chunk order comes from the history.
+    swapped = [torch.cat([t[half:], t[:half]]) for t in tensors[:2]]
+    chunked = getattr(kernels, fn)(*swapped, *tensors[2:], torch.cat([cos[half:], cos[:half]]),
+                                   torch.cat([sin[half:], sin[:half]]), history.flip(0))
+    for got, want in zip(chunked, whole, strict=True):
+        torch.testing.assert_close(torch.cat([got[half:], got[:half]]), want, rtol=1e-5, atol=1e-5)
