@@ -129,6 +129,9 @@ def run(argv: list[str]) -> None:
     apply_patches(_flag_value(argv, "--zaya-patches"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 20000))
+    # Megatron requires it with TP or CP (one hardware queue keeps communication kernels in launch order), as its
+    # example scripts export; set before the first CUDA context.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
