@@ -6,17 +6,30 @@ are ``input_layernorm``, ``self_attention`` = CCA, ``self_attn_bda`` = residual 
 differs, because ZAYA1 keeps the residual stream in fp32 and threads the router state r from layer to layer.
 ``ZayaTransformerBlock`` adds the input affine after the embedding and the per-layer RoPE table, and
 recomputes every layer in the backward pass with ``--recompute-granularity full``.
+
+Pipeline parallelism: a stage hands the next one the residual stream *and* the router state of its last layer
+(the next layer's EDA input), concatenated on the channel dim into one fp32 tensor ``[s, b, D + R]`` (just
+``[s, b, D]`` without EDA), because Megatron's schedules exchange one tensor per micro-batch. Under sequence
+parallelism both are split on the sequence dim alike. ``stage_tensor_width`` gives the width; the
+``pipeline.stage_tensor_width`` patch makes Megatron's receive buffers that wide.
 """
 
 from __future__ import annotations
 
 from functools import partial
 
+import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from ..config import ZayaConfigError
 from .norm import InputScaling, residual_dtype
+
+
+def stage_tensor_width(config) -> int:
+    """Channels of the tensor between pipeline stages: the residual stream, plus the router state under EDA."""
+    return config.hidden_size + (config.router_hidden_size if config.router_eda else 0)
 
 
 class ZayaTransformerLayer(TransformerLayer):
@@ -68,13 +81,13 @@ class ZayaTransformerBlock(TransformerBlock):
 
         ``rotary_pos_emb`` maps an attention type ("global" / "sliding") to its RoPE table.
         """
+        router_state = None
         if not self.pre_process:
-            hidden_states = self.input_tensor
+            hidden_states, router_state = self._unpack_stage_input(self.input_tensor)
         elif self.config.residual_scaling:
             hidden_states = self.input_residual_scaling(hidden_states)
         else:
             hidden_states = hidden_states.to(residual_dtype(self.config))
-        router_state = None
         recompute = self.training and self.config.recompute_granularity == "full"
         for layer in self.layers:
             run = partial(layer, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb[layer.attention_type])
@@ -85,6 +98,22 @@ class ZayaTransformerBlock(TransformerBlock):
                 )
             else:
                 hidden_states, router_state = run(hidden_states, router_state=router_state)
+        if not self.post_process:
+            return self._pack_stage_output(hidden_states, router_state)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states.to(self.config.params_dtype))
         return hidden_states
+
+    def _pack_stage_output(self, hidden_states, router_state):
+        """``[s, b, D]`` residual and ``[s, b, R]`` router state -> the fp32 stage tensor for the next stage."""
+        parts = [hidden_states, router_state] if self.config.router_eda else [hidden_states]
+        return torch.cat([part.float() for part in parts], dim=-1)
+
+    def _unpack_stage_input(self, received):
+        """The previous stage's tensor -> (residual stream, router state or None)."""
+        width, hidden = stage_tensor_width(self.config), self.config.hidden_size
+        if received.shape[-1] != width:
+            raise ZayaConfigError(f"this pipeline stage received {received.shape[-1]} channels, expected {width} "
+                                  "(hidden + router state); enable the pipeline.stage_tensor_width patch")
+        router_state = received[..., hidden:] if self.config.router_eda else None
+        return received[..., :hidden].to(residual_dtype(self.config)), router_state

@@ -3,6 +3,10 @@
 A ``LanguageModule`` (not a ``GPTModel``: that class builds its own ``TransformerBlock`` and one RoPE table,
 while ZAYA1 needs its block, an RoPE θ per attention type, and an fp32 LM head). Megatron's embedding,
 output layer, tied-weight handling across pipeline stages, loss and checkpoint code are reused as they are.
+
+Pipeline parallelism: a later stage gets no tokens, so the RoPE tables' length comes from the tensor the
+previous stage sent (see ``layer.py`` for what that tensor holds); the tied embedding and LM head live on the
+first and last stage, and Megatron's ``finalize_model_grads`` sums their gradients (its embedding group).
 """
 
 from __future__ import annotations
@@ -17,15 +21,19 @@ from megatron.core.transformer.enums import ModelType
 from torch import nn
 
 from ..config import ZayaConfig, ZayaConfigError
+from ..patches import applied as applied_patches
 from .layer import ZayaTransformerBlock
 
 
-def _refuse_unimplemented_parallelism(pg_collection: ProcessGroupCollection) -> None:
-    """PP would run but compute something else (or crash deep inside): refuse it up front."""
-    pp = getattr(pg_collection, "pp", None)
-    if pp is not None and pp.size() > 1:
-        raise ZayaConfigError("ZAYA1 does not implement pipeline parallelism yet (the router state must cross "
-                              "stages); use --pipeline-model-parallel-size 1")
+def _check_pipeline(config: ZayaConfig) -> None:
+    """Stages exchange the fp32 residual stream and router state, through receive buffers the
+    ``pipeline.stage_tensor_width`` patch widens: refuse a build that would garble them."""
+    if config.pipeline_dtype != torch.float32:
+        raise ZayaConfigError(f"pipeline_dtype={config.pipeline_dtype} would round the residual stream and router "
+                              "state between pipeline stages; set pipeline_dtype=torch.float32")
+    if "pipeline.stage_tensor_width" not in applied_patches():
+        raise ZayaConfigError("pipeline parallelism needs the pipeline.stage_tensor_width patch (stages exchange "
+                              "hidden + router-state channels); add it to --zaya-patches / ZAYA_PATCHES")
 
 
 class ZayaModel(LanguageModule):
@@ -35,7 +43,8 @@ class ZayaModel(LanguageModule):
                  parallel_output: bool = True, pg_collection: ProcessGroupCollection | None = None,
                  vp_stage: int | None = None):
         super().__init__(config=config, pg_collection=pg_collection)
-        _refuse_unimplemented_parallelism(self.pg_collection)
+        if self.pg_collection.pp.size() > 1:
+            _check_pipeline(config)
         self.pre_process, self.post_process = pre_process, post_process
         self.parallel_output = parallel_output
         self.share_embeddings_and_output_weights = config.tie_embeddings
@@ -79,7 +88,7 @@ class ZayaModel(LanguageModule):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None, **unused):
         embeddings = self.embedding(input_ids=input_ids, position_ids=position_ids) if self.pre_process else None
-        seq_len = input_ids.shape[1] * self.pg_collection.cp.size()  # RoPE slices the CP rank's positions
+        seq_len = self.rotary_length(input_ids)
         rotary = {kind: rope(seq_len) for kind, rope in self.rotary_pos_emb.items()}
         hidden = self.decoder(embeddings, attention_mask=attention_mask, rotary_pos_emb=rotary)
         if not self.post_process:
@@ -89,6 +98,18 @@ class ZayaModel(LanguageModule):
         if labels is not None:
             return self.lm_head_loss(hidden, weight, labels)
         return self.lm_logits(hidden, weight).transpose(0, 1).contiguous()
+
+    def rotary_length(self, input_ids: torch.Tensor | None) -> int:
+        """Positions the RoPE tables cover: the local sequence length x the CP size (RoPE slices them per CP
+        rank). Later pipeline stages have no tokens: their length is the received tensor's, whose sequence
+        dim sequence parallelism splits over the TP ranks."""
+        if self.pre_process:
+            local = input_ids.shape[1]
+        else:
+            local = self.decoder.input_tensor.shape[0]
+            if self.config.sequence_parallel:
+                local *= self.pg_collection.tp.size()
+        return local * self.pg_collection.cp.size()
 
     def lm_logits(self, hidden: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         """Logits ``[s, b, V / tp]`` of the final hidden states ``[s, b, D]`` (fp32 with ``lm_head_fp32``)."""
