@@ -11,6 +11,8 @@ import argparse
 import os
 from pathlib import Path
 
+import torch
+
 from ..config import ATTENTION_TYPES, PRESETS, SKIP_MODES, ZayaConfig, ZayaConfigError, preset
 from ..optim import add_muon_args
 
@@ -114,6 +116,7 @@ def zaya_config_from_args(args) -> ZayaConfig:
         balancing_eps=args.zaya_balancing_eps, balance_skip_class=args.zaya_balance_skip_class,
         residual_scaling=args.zaya_residual_scaling, apply_rope_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        pipeline_dtype=torch.float32,  # pipeline stages exchange the fp32 residual stream and router state
     )
     view = argparse.Namespace(**{**vars(args), **overrides})  # Megatron copies same-named fields from args
     try:
@@ -155,9 +158,6 @@ def check_args(args, world_size: int) -> None:
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     ep = args.expert_model_parallel_size
     etp = args.expert_tensor_parallel_size or tp
-    if pp > 1:
-        raise UsageError("ZAYA1 does not implement pipeline parallelism yet; use --pipeline-model-parallel-size 1 "
-                         "(TP, CP, EP and DP work)")
     if cp > 1 and args.seq_length is not None:
         # Megatron's load-balanced split cuts each sequence into 2*CP equal chunks, each at least as long as the
         # halo of the CCA convolutions (which reaches into the preceding chunk only).
@@ -168,6 +168,13 @@ def check_args(args, world_size: int) -> None:
         if args.seq_length // (2 * cp) < halo:
             raise UsageError(f"--seq-length {args.seq_length} gives chunks of {args.seq_length // (2 * cp)} tokens, "
                              f"shorter than the CCA convolution halo ({halo}); use a longer sequence or smaller CP")
+    placement = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                 "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+                 "account_for_loss_in_pipeline_split")
+    custom_placement = any(getattr(args, name, None) not in (None, False) for name in placement)
+    if pp > 1 and args.num_layers and args.num_layers % pp and not custom_placement:
+        raise UsageError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+                         "change one of them (or place layers with --decoder-first/last-pipeline-num-layers)")
     if world_size % (tp * pp * cp):
         raise UsageError(f"world size {world_size} is not divisible by TP*PP*CP = {tp}*{pp}*{cp}; "
                          "change the parallel sizes or the number of processes")

@@ -14,7 +14,7 @@ CASES = {
     "context parallel chunks": (["--context-parallel-size", "3"], ["--seq-length 64", "2*CP = 6"]),
     "tokenizer too large": (["--zaya-vocab-size", "1024"], ["4096 tokens", "1024"]),
     "warmup too long": (["--lr-warmup-iters", "5"], ["--lr-warmup-iters 5", "decay length 5"]),
-    "pipeline parallel": (["--pipeline-model-parallel-size", "2"], ["pipeline parallelism", "--pipeline-model-parallel-size 1"]),
+    "pipeline stages": (["--pipeline-model-parallel-size", "3"], ["--num-layers 4", "--pipeline-model-parallel-size 3"]),
 }
 
 
