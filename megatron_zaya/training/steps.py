@@ -73,7 +73,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def forward_step(data_iterator, model):
     """One micro-batch forward: per-token losses and the loss function to reduce them."""
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, getattr(model, "vp_stage", None))
+    tokens, labels, loss_mask, position_ids, attention_mask = get_batch(data_iterator, getattr(model, "vp_stage", None))
     output = model(tokens, position_ids, attention_mask, labels=labels)
     return output, partial(loss_func, loss_mask)
 
