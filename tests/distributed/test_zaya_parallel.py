@@ -280,32 +280,3 @@ def context_reference(tmp_path_factory):
 def test_context_parallel_equals_one_rank(world, layout, context_reference, tmp_path):
     results = run_ranks(train_step_worker, world, tmp_path, layout, context_reference["state"])
     assert_equal_to_reference(results, context_reference)
-
-
-def build_worker(rank: int, world: int, parallel: dict) -> str:
-    """Build the ``test`` model with ``parallel`` sizes; the error message, or "" if it builds."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_zaya.config import ZayaConfigError, zaya_config
-    from megatron_zaya.model import build_zaya_model
-    from megatron_zaya.patches import apply_patches
-
-    apply_patches("cpu")
-    ps.initialize_model_parallel(**parallel)
-    sizes = {"context_parallel_size": parallel.get("context_parallel_size", 1),
-             "pipeline_model_parallel_size": parallel.get("pipeline_model_parallel_size", 1)}  # fmt: skip
-    cfg = zaya_config("test", use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-                      **sizes)  # fmt: skip
-    try:
-        build_zaya_model(cfg, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                         pg_collection=None)  # fmt: skip
-    except ZayaConfigError as error:
-        return str(error)
-    return ""
-
-
-@pytest.mark.parametrize("parallel, flag", [({"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 1")])
-def test_unimplemented_parallelism_is_refused(parallel, flag, tmp_path):
-    """PP is not implemented (the model would silently compute something else): a one-line error."""
-    for message in run_ranks(build_worker, 2, tmp_path, parallel):
-        assert "not implement" in message and flag in message and "\n" not in message, message
