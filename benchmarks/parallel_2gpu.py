@@ -1,0 +1,148 @@
+"""ZAYA1 across two GPUs with the real ``zaya-pretrain`` CLI: each layout against one GPU, in one invocation.
+
+    python benchmarks/parallel_2gpu.py --out OUT [--parts scaling,context,resume] [--iters 30]
+
+* ``scaling``: one GPU, DP2, EP2 (expert-parallel, 8 experts per GPU) and TP2 (+SP) on the ZAYA1-8B-width
+  model at 8 layers, sequence 4096, global batch 8 x 4096 tokens (the same samples in every layout). Reports
+  each layout's per-iteration loss difference from one GPU over the first 20 iterations, tokens/s/GPU over
+  the iterations after the 10th, and scaling efficiency = tokens/s/GPU / one GPU's.
+* ``context``: CP2 at sequence 32768 (4 layers, global batch 2) against one GPU at the same shape.
+* ``resume``: DP2 with ``--use-distributed-optimizer``: 10 iterations saving at 5, then a second launch that
+  loads iteration 5 and trains 6-10; the resumed losses must equal the uninterrupted ones exactly.
+
+One-GPU references run alone on GPU 0 (or two at once, one per GPU, when both are references). Writes
+``OUT/<run>.log``, ``OUT/parallel.json`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+).*?"
+                       r"lm loss: ([0-9.E+-]+)")
+MODEL = ["--zaya-preset", "zaya1-8b-shallow", "--vocab-size", "262271"]
+COMMON = ["--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "5", "--lr-decay-style", "cosine",
+          "--weight-decay", "0.1", "--clip-grad", "1.0", "--bf16", "--log-interval", "1", "--eval-iters", "0",
+          "--eval-interval", "1000", "--mock-data", "--tokenizer-type", "NullTokenizer", "--seed", "1234"]
+SHORT = ["--seq-length", "4096", "--max-position-embeddings", "4096", "--micro-batch-size", "2",
+         "--global-batch-size", "8"]
+LONG = ["--num-layers", "4", "--seq-length", "32768", "--max-position-embeddings", "32768", "--micro-batch-size",
+        "1", "--global-batch-size", "2"]
+LAYOUTS = {"dp2": [], "ep2": ["--expert-model-parallel-size", "2"],
+           "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"]}
+
+
+def launch(name: str, flags: list[str], out: Path, gpus: str, nproc: int = 1) -> subprocess.Popen:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus, "PYTHONUNBUFFERED": "1"}
+    if nproc == 1:
+        command = [sys.executable, "-m", "megatron_zaya.pretrain", *flags]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                   "-m", "megatron_zaya.pretrain", *flags]
+    print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(command[1:])}", flush=True)
+    return subprocess.Popen(command, stdout=(out / f"{name}.log").open("w"), stderr=subprocess.STDOUT, env=env)
+
+
+def run_all(jobs: list[tuple[str, list[str], str, int]], out: Path) -> None:
+    """Run the jobs together (each on its own GPUs) and wait for all."""
+    procs = [(name, launch(name, flags, out, gpus, nproc)) for name, flags, gpus, nproc in jobs]
+    for name, proc in procs:
+        code = proc.wait()
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: exit {code}", flush=True)
+
+
+def parse(out: Path, name: str) -> dict[int, tuple[float, float]]:
+    """``{iteration: (ms, loss)}`` of a run's log."""
+    text = (out / f"{name}.log").read_text()
+    return {int(i): (float(ms), float(loss)) for i, ms, loss in ITERATION.findall(text)}
+
+
+def loss_csv(path: Path) -> dict[int, float]:
+    if not path.is_file():
+        return {}
+    return {int(i): float(v) for i, v in (row.split(",") for row in path.read_text().splitlines()[1:])}
+
+
+def summary(out: Path, name: str, reference: str | None, tokens_per_iter: int, gpus: int, first: int = 20):
+    rows, row = parse(out, name), {"run": name, "gpus": gpus}
+    steady = [ms for i, (ms, _) in rows.items() if i > 10]
+    row["iterations"] = len(rows)
+    if steady:
+        row["ms_per_iter"] = statistics.mean(steady)
+        row["tokens_per_s_per_gpu"] = tokens_per_iter / (row["ms_per_iter"] / 1000) / gpus
+    if reference is not None:
+        ref = parse(out, reference)
+        common = [i for i in sorted(rows) if i in ref and i <= first]
+        if common:
+            row["max_abs_loss_diff"] = max(abs(rows[i][1] - ref[i][1]) for i in common)
+            row["compared_iterations"] = len(common)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--parts", default="scaling,context,resume")
+    parser.add_argument("--iters", type=int, default=30)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    parts = set(args.parts.split(","))
+    short = MODEL + COMMON + SHORT + ["--train-iters", str(args.iters)]
+    long = MODEL + COMMON + LONG + ["--train-iters", "20"]
+    results = []
+
+    references = []
+    if "scaling" in parts:
+        references.append(("one_gpu", short, "0", 1))
+    if "context" in parts:
+        references.append(("one_gpu_32k", long, "1" if references else "0", 1))
+    run_all(references, args.out)
+    if "scaling" in parts:
+        results.append(summary(args.out, "one_gpu", None, 8 * 4096, 1))
+        for name, flags in LAYOUTS.items():
+            run_all([(name, short + flags, "0,1", 2)], args.out)
+            results.append(summary(args.out, name, "one_gpu", 8 * 4096, 2))
+    if "context" in parts:
+        results.append(summary(args.out, "one_gpu_32k", None, 2 * 32768, 1))
+        run_all([("cp2_32k", long + ["--context-parallel-size", "2"], "0,1", 2)], args.out)
+        results.append(summary(args.out, "cp2_32k", "one_gpu_32k", 2 * 32768, 2))
+    if "resume" in parts:
+        ckpt = args.out / "ckpt"
+        resume = MODEL + COMMON + SHORT + ["--use-distributed-optimizer", "--train-iters", "10"]
+        run_all([("distopt_uninterrupted", resume + ["--save", str(ckpt), "--save-interval", "5"], "0,1", 2)],
+                args.out)
+        run_all([("distopt_resumed", resume + ["--load", str(ckpt), "--ckpt-step", "5", "--save", str(ckpt) + "-b",
+                                               "--save-interval", "1000"], "0,1", 2)], args.out)
+        # Per-iteration losses from the loss-curve CSVs: Megatron's first log line after a resume is not.
+        whole, resumed = loss_csv(ckpt / "loss.csv"), loss_csv(Path(str(ckpt) + "-b") / "loss.csv")
+        results.append({"run": "distopt_resume", "resumed_iterations": sorted(resumed),
+                        "exact": bool(resumed) and all(whole.get(i) == loss for i, loss in resumed.items()),
+                        "losses": {i: (whole.get(i), loss) for i, loss in resumed.items()}})
+
+    (args.out / "parallel.json").write_text(json.dumps(results, indent=1))
+    base = {r["run"]: r.get("tokens_per_s_per_gpu") for r in results if r.get("gpus") == 1}
+    print("\n| run | GPUs | iterations | ms/iter | tokens/s/GPU | scaling eff. | max |Δ loss| (first 20) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        if "gpus" not in r:
+            continue
+        ref = base.get("one_gpu_32k" if "32k" in r["run"] else "one_gpu")
+        eff = r.get("tokens_per_s_per_gpu", 0) / ref if ref and r["gpus"] > 1 else None
+        print(f"| {r['run']} | {r['gpus']} | {r['iterations']} | {r.get('ms_per_iter', float('nan')):.1f} | "
+              f"{r.get('tokens_per_s_per_gpu', float('nan')):,.0f} | {'' if eff is None else f'{eff:.1%}'} | "
+              f"{r.get('max_abs_loss_diff', '')} |")
+    for r in results:
+        if r["run"] == "distopt_resume":
+            print(f"\ndistributed optimizer resume: exact={r['exact']} iterations {r['resumed_iterations']}")
+
+
+if __name__ == "__main__":
+    main()
