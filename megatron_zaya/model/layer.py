@@ -115,5 +115,6 @@ class ZayaTransformerBlock(TransformerBlock):
         if received.shape[-1] != width:
             raise ZayaConfigError(f"this pipeline stage received {received.shape[-1]} channels, expected {width} "
                                   "(hidden + router state); enable the pipeline.stage_tensor_width patch")
-        router_state = received[..., hidden:] if self.config.router_eda else None
-        return received[..., :hidden].to(residual_dtype(self.config)), router_state
+        # Contiguous, not strided views of the packed rows: the fused kernels index rows as contiguous.
+        router_state = received[..., hidden:].contiguous() if self.config.router_eda else None
+        return received[..., :hidden].to(residual_dtype(self.config)).contiguous(), router_state
