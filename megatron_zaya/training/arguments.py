@@ -28,6 +28,7 @@ ZAYA_FLAGS = [
     "--moe-router-topk", "1", "--moe-router-pre-softmax", "--moe-router-load-balancing-type", "none",
     "--moe-aux-loss-coeff", "0", "--moe-token-dispatcher-type", "alltoall",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--transformer-impl", "local",
+    "--fp32-residual-connection",  # ZAYA1 keeps the residual stream in fp32 (residual_in_fp32)
     "--ckpt-format", "torch_dist", "--no-gradient-accumulation-fusion",
     "--eval-interval", "1000",  # Megatron leaves it unset and then fails on the first step; any flag overrides it
 ]
