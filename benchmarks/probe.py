@@ -1,0 +1,210 @@
+"""Run a training entry point unchanged, with measurement probes (benchmarks only)::
+
+    ZAYA_BENCH_OUT=DIR [ZAYA_BENCH_PROFILE=FIRST:COUNT] python benchmarks/probe.py -m megatron_zaya.pretrain ARGS
+    ZAYA_BENCH_OUT=DIR python benchmarks/probe.py tests/gpt_cpu_entry.py ARGS
+
+The entry runs as ``__main__`` (as ``python -m megatron_zaya.pretrain`` / ``python script`` would). The probes
+are torch's global module hooks, so nothing of the library, Megatron or torch is replaced:
+
+* ``DIR/memory.json`` (``memory.rank<r>.json`` on ranks other than 0): peak device memory (``torch.cuda.max_memory_allocated`` / ``_reserved``) at exit;
+* ``DIR/routing.json``: tokens the ZAYA1 routers sent to an expert / all tokens (the skip class costs nothing);
+* with ``ZAYA_BENCH_PROFILE=FIRST:COUNT``: ``torch.profiler`` from the first model forward of iteration FIRST
+  to the first of iteration FIRST + COUNT (so iterations FIRST..FIRST+COUNT are perturbed: leave them out of
+  timings). ``DIR/profile.json``: device time per step by component, see :func:`breakdown`.
+
+Components: a forward op belongs to the innermost module range below (``bench::<component>``, opened by the
+hooks while profiling); a backward op to the forward op that created its autograd node (same sequence
+number); collectives are ``communication``; ``torch.optim`` steps and Megatron's optimizer wrapper (grad
+copies, norm, clipping) are ``optimizer``; the rest of Megatron's DDP (accumulating grads into its buffers)
+and its grad finalisation (with ZAYA1's balancing step) are ``grad_buffers``; whatever is left is ``other``
+(its largest ops are listed).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import runpy
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.autograd.profiler import record_function
+
+# Module class name -> component. Module ranges nest; an op belongs to the innermost, so a parent's entry
+# covers only what its children do not (e.g. the model: the LM head and loss; an MoE layer: token dispatch).
+COMPONENTS = {
+    "CompressedConvAttention": "attention", "SelfAttention": "attention",
+    "ZayaRouter": "router", "TopKRouter": "router",
+    "ZayaExperts": "experts", "SequentialMLP": "experts", "GroupedMLP": "experts", "TEGroupedMLP": "experts",
+    "ZayaMoELayer": "moe_dispatch", "MoELayer": "moe_dispatch",
+    "RMSNorm": "norms_residual", "TritonRMSNorm": "norms_residual", "ResidualScaling": "norms_residual",
+    "ResidualAdd": "norms_residual", "InputScaling": "norms_residual",
+    "ZayaTransformerLayer": "norms_residual", "TransformerLayer": "norms_residual",  # residual adds and casts
+    "LanguageModelEmbedding": "embedding",
+    "ZayaModel": "lm_head_loss", "GPTModel": "lm_head_loss",
+}
+MODELS = ("ZayaModel", "GPTModel")
+RANGE = "bench::"
+# Python frames (profiled with stacks) that mark work outside the model's modules.
+FRAME_COMPONENTS = (("Optimizer.step", "optimizer"), ("Optimizer.zero_grad", "optimizer"),
+                    ("megatron/core/optimizer/", "optimizer"), ("finalize_model_grads", "grad_buffers"),
+                    ("megatron/core/distributed/", "grad_buffers"))
+COMMUNICATION = ("nccl", "c10d::", "record_param_comms", "gloo")
+
+
+def _iteration() -> int:
+    from megatron.training.global_vars import get_args
+
+    return get_args().curr_iteration + 1  # 1-based, as Megatron's log lines number them
+
+
+class Probe:
+    def __init__(self, out: Path, profile: str | None):
+        self.out = out
+        rank = int(os.environ.get("RANK", "0"))
+        self.suffix = "" if rank == 0 else f".rank{rank}"  # under torchrun each rank writes its own files
+        self.first, self.count = (int(x) for x in profile.split(":")) if profile else (None, 0)
+        self.profiler = None
+        self.started = 0.0
+        self.ranges: list = []
+        self.routed = None
+        self.tokens = 0
+        self.done = False
+
+    # -- hooks --------------------------------------------------------------------------------------------
+    def pre_forward(self, module, args):
+        name = type(module).__name__
+        if name in MODELS and self.first is not None and not self.done:
+            iteration = _iteration()
+            if self.profiler is None and iteration == self.first:
+                self.start()
+            elif self.profiler is not None and iteration == self.first + self.count:
+                self.stop()
+        if self.profiler is not None and name in COMPONENTS:
+            rf = record_function(RANGE + COMPONENTS[name])
+            rf.__enter__()
+            self.ranges.append(rf)
+
+    def post_forward(self, module, args, output):
+        if name_is_component(module) and self.ranges:
+            self.ranges.pop().__exit__(None, None, None)
+        if type(module).__name__ == "ZayaRouter":
+            routing_map = output[1]
+            routed = routing_map.sum()
+            self.routed = routed if self.routed is None else self.routed + routed
+            self.tokens += routing_map.shape[0]
+
+    # -- profiling ----------------------------------------------------------------------------------------
+    def start(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self.profiler = profile(activities=activities, with_stack=True)
+        self.profiler.__enter__()
+        self._sync()
+        self.started = time.perf_counter()
+
+    def stop(self):
+        self._sync()
+        wall = time.perf_counter() - self.started
+        while self.ranges:
+            self.ranges.pop().__exit__(None, None, None)
+        self.profiler.__exit__(None, None, None)
+        result = breakdown(self.profiler.events(), self.count, device=torch.cuda.is_available())
+        result.update(wall_ms_per_step=1e3 * wall / self.count, iterations=[self.first, self.first + self.count - 1])
+        (self.out / f"profile{self.suffix}.json").write_text(json.dumps(result, indent=1))
+        (self.out / f"profile_ops{self.suffix}.txt").write_text(self.profiler.key_averages().table(
+            sort_by="self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total", row_limit=40))
+        self.profiler, self.done = None, True
+
+    @staticmethod
+    def _sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def write(self):
+        memory = {}
+        if torch.cuda.is_available():
+            memory = {"peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                      "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+        (self.out / f"memory{self.suffix}.json").write_text(json.dumps(memory))
+        if self.tokens:
+            routed = self.routed.item()
+            (self.out / f"routing{self.suffix}.json").write_text(json.dumps(
+                {"routed_tokens": routed, "router_tokens": self.tokens, "routed_fraction": routed / self.tokens}))
+
+
+def name_is_component(module) -> bool:
+    return type(module).__name__ in COMPONENTS
+
+
+def breakdown(events, steps: int, device: bool) -> dict:
+    """Self time (device time on a GPU, CPU time otherwise) per component, in ms per step."""
+    forward_component = {}  # (thread, sequence number) of a forward op -> component
+    component_of = {}
+
+    def component(event) -> str:
+        if id(event) in component_of:
+            return component_of[id(event)]
+        name = event.name
+        found = None
+        if name.startswith(COMMUNICATION):
+            found = "communication"
+        elif name.startswith(RANGE):
+            found = name[len(RANGE):]
+        elif name.startswith("autograd::engine::evaluate_function: "):
+            found = forward_component.get((event.fwd_thread, event.sequence_nr), "other")
+        else:
+            found = next((c for marker, c in FRAME_COMPONENTS if marker in name), None)
+        if found is None:
+            found = component(event.cpu_parent) if event.cpu_parent is not None else "other"
+        component_of[id(event)] = found
+        return found
+
+    events = sorted(events, key=lambda e: e.time_range.start)  # forward ops before the backward that needs them
+    totals, other_ops = defaultdict(float), defaultdict(float)
+    device_total = 0.0  # every kernel and copy, attributed to an op or not
+    for event in events:
+        if event.device_type != torch.autograd.DeviceType.CPU:
+            device_total += event.time_range.elapsed_us()
+            continue
+        kind = component(event)
+        if event.sequence_nr >= 0 and not event.name.startswith("autograd::engine"):
+            forward_component.setdefault((event.thread, event.sequence_nr), kind)
+        if getattr(event, "is_python_function", False):  # a frame of the stack: its self time is the interpreter's, not an op's
+            continue
+        micros = event.self_device_time_total if device else event.self_cpu_time_total
+        totals[kind] += micros
+        if kind == "other" and micros:
+            other_ops[event.name] += micros
+    if device and device_total > sum(totals.values()):
+        totals["unattributed"] = device_total - sum(totals.values())  # kernels the profiler linked to no op
+    per_step = {k: v / 1e3 / steps for k, v in sorted(totals.items(), key=lambda kv: -kv[1]) if v}
+    top_other = sorted(other_ops.items(), key=lambda kv: -kv[1])[:10]
+    return {"time": "device" if device else "cpu", "ms_per_step": per_step,
+            "busy_ms_per_step": sum(per_step.values()),
+            "other_top_ops_ms_per_step": {k: v / 1e3 / steps for k, v in top_other}}
+
+
+def main(argv: list[str]) -> None:
+    out = Path(os.environ["ZAYA_BENCH_OUT"])
+    out.mkdir(parents=True, exist_ok=True)
+    probe = Probe(out, os.environ.get("ZAYA_BENCH_PROFILE"))
+    torch.nn.modules.module.register_module_forward_pre_hook(probe.pre_forward)
+    torch.nn.modules.module.register_module_forward_hook(probe.post_forward)
+    atexit.register(probe.write)
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path.insert(0, str(Path(argv[0]).resolve().parent))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
