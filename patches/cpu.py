@@ -477,6 +477,29 @@ def patch_clip_grads() -> None:
     _see_cpu_torch("megatron.core.optimizer.clip_grads")
 
 
+@_cpu_patch("cpu.distrib_optimizer", "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.__init__")
+def patch_distrib_optimizer() -> None:
+    """Let ``--use-distributed-optimizer`` build its parameter shards from CPU parameters.
+
+    ``DistributedOptimizer.__init__`` sorts parameters by ``param.type()`` into fp16/bf16 (fp32 main copy)
+    and fp32 (optimized in place) and raises ``TypeError`` for anything but a ``torch.cuda.*Tensor``
+    (distrib_optimizer.py:401-483, 758). The constructor runs unchanged inside the same
+    ``Tensor.type()``-only TorchFunctionMode as ``cpu.clip_grads``, active for that call only. The module
+    also sees :data:`CPU_TORCH` for the ``.cuda()`` of its legacy DP-zero gather (l.1374).
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        with _ReportCudaTensorTypes():
+            original(self, *args, **kwargs)
+
+    replace_attr(DistributedOptimizer, "__init__", __init__)
+    _see_cpu_torch("megatron.core.optimizer.distrib_optimizer")
+
+
 def _split_sizes_to_numpy(tensor, as_numpy=False, record_stream=False):
     """``maybe_move_tensor_to_cpu`` for CPU tensors: hand split sizes over as numpy, as after a D2H copy."""
     if as_numpy and torch.is_tensor(tensor):
