@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from .training.arguments import UsageError
+from .training.reliability import FAULT_EXIT_CODE, TrainingFault
 
 EMBEDDED_RUN_DIR = "runs/zaya-tiny"
 
@@ -58,6 +59,9 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
     if name is not None and name not in PRESETS:
         raise UsageError(f"unknown preset {name!r} for --zaya-preset; choose one of {', '.join(PRESETS)}")
     flags = list(ZAYA_FLAGS) + (preset_flags(name) if name else [])
+    # Non-finite steps are skipped by the reliability.step_guard patch on every rank; Megatron's own check
+    # would instead abort (or rerun the step and exit 16) from inside the backward pass.
+    flags += ["--no-check-for-nan-in-loss-and-grad"]
     flags += [] if cuda else ["--distributed-backend", "gloo", "--use-cpu-initialization"]
 
     if not _has(argv, "--data-path", "--mock-data", "--train-data-path", "--data-args-path"):
@@ -71,6 +75,8 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
         if vocab is None:
             raise UsageError("--mock-data needs a vocabulary: give --zaya-preset, --zaya-vocab-size or a tokenizer")
         flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(int(vocab) - 1)]  # + the EOD token
+    if _has(argv, "--zaya-sigterm-deadline"):
+        flags += ["--exit-signal-handler"]  # the deadline bounds Megatron's save-on-SIGTERM
     return flags + argv
 
 
@@ -137,15 +143,20 @@ def run(argv: list[str]) -> None:
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
+    from .training import reliability
     from .training.loss_curve import LOSS_CURVE
     from .training.steps import forward_step, model_provider, train_valid_test_datasets_provider
 
     args = _parse(argv)
     _check_checkpoint_matches(args)
+    if args.save:
+        reliability.check_save_dir(args.save)
+    if args.zaya_sigterm_deadline is not None:
+        reliability.arm_sigterm_deadline(args.zaya_sigterm_deadline, args.save)
     plot = args.zaya_loss_plot or (str(Path(args.save) / "loss.png") if args.save else None)
     LOSS_CURVE.enabled = plot is not None
     pretrain(pretrain_cfg_container_from_args(args, None), train_valid_test_datasets_provider,
-             ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+             ModelType.encoder_or_decoder, reliability.GUARD.watch(forward_step), model_provider=model_provider)
     _finish(args, plot)
 
 
@@ -178,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         print(f"zaya-pretrain: error: {error}", file=sys.stderr)
         return 2
+    except TrainingFault as error:
+        print(f"zaya-pretrain: error: {error}", file=sys.stderr, flush=True)
+        return FAULT_EXIT_CODE
     return 0
 
 

@@ -104,7 +104,7 @@ def _version_ok(spec: str) -> bool:
 
 
 def _load_patch_modules() -> None:
-    for name in ("startup", "cpu", "kernels", "optim", "megatron_fixes", "pipeline"):
+    for name in ("startup", "cpu", "kernels", "optim", "megatron_fixes", "pipeline", "reliability"):
         importlib.import_module(f"{__package__}.{name}")
 
 

@@ -15,6 +15,7 @@ import torch
 
 from ..config import ATTENTION_TYPES, PRESETS, SKIP_MODES, ZayaConfig, ZayaConfigError, preset
 from ..optim import add_muon_args
+from .data_checks import indexed_dataset_problem
 
 
 class UsageError(ValueError):
@@ -86,6 +87,18 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="fp32: logits from an fp32 matmul (ZAYA1's high-precision head)")
     g.add_argument("--zaya-core-attention", choices=("sdpa", "te"), default="sdpa")
     g.add_argument("--zaya-loss-plot", default=None, help="write the training-loss curve here (PNG)")
+    # Fault handling (docs/reliability.md).
+    g.add_argument("--zaya-max-nonfinite-steps", type=int, default=5,
+                   help="stop after this many steps in a row with a non-finite loss or gradient (each one is "
+                        "skipped); 0: never stop")
+    g.add_argument("--zaya-loss-spike-sigma", type=float, default=6.0,
+                   help="log a loss this many standard deviations above the recent window; 0: off")
+    g.add_argument("--zaya-loss-spike-window", type=int, default=100, help="steps in the loss-spike window")
+    g.add_argument("--zaya-replica-check-interval", type=int, default=100,
+                   help="compare the weights of data-parallel replicas every this many steps; 0: off")
+    g.add_argument("--zaya-sigterm-deadline", type=float, default=None,
+                   help="after SIGTERM, save and exit within this many seconds, else exit without the save "
+                        "(implies --exit-signal-handler)")
     return add_muon_args(parser)  # --zaya-muon-* and the --optimizer zaya_muon choice
 
 
@@ -148,6 +161,9 @@ def check_args(args, world_size: int) -> None:
             if not path.is_file() or not os.access(path, os.R_OK):
                 raise UsageError(f"data path {prefix!r}: {path} is missing or unreadable; build it with "
                                  "zaya-preprocess or fix --data-path")
+        problem = indexed_dataset_problem(prefix, args.seq_length)
+        if problem:
+            raise UsageError(problem)
     if args.max_position_embeddings is not None and args.seq_length is not None \
             and args.seq_length > args.max_position_embeddings:
         raise UsageError(f"--seq-length {args.seq_length} exceeds the model's positions "

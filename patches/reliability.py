@@ -1,0 +1,145 @@
+"""Patch group ``reliability``: crash-safe ``latest`` markers, the per-step fault guard, clear save failures.
+
+What each fault does and how it is tested: ``docs/reliability.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+from .registry import register, replace_attr
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class _AtomicTrackerStorage:
+    """Megatron's ``maybe_msc`` storage front, except that writing the tracker file is atomic."""
+
+    def __init__(self, storage):
+        self._storage = storage
+
+    def __getattr__(self, name):
+        return getattr(self._storage, name)
+
+    def open(self, path, mode="r", *args, **kwargs):
+        from megatron.core.msc_utils import MultiStorageClientFeature
+
+        if mode == "w" and Path(str(path)).name == TRACKER and not MultiStorageClientFeature.is_enabled():
+            return _AtomicTextFile(str(path))
+        return self._storage.open(path, mode, *args, **kwargs)
+
+
+class _AtomicTextFile:
+    """A text file written next to ``path`` and renamed over it on a clean close (never seen half-written)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.staging = f"{path}.tmp-{os.getpid()}"
+        self.file = open(self.staging, "w")
+
+    def write(self, text: str) -> int:
+        return self.file.write(text)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        from megatron_zaya.training.fault_injection import kill_if_asked
+
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        if exc_type is not None:
+            os.unlink(self.staging)
+            return False
+        marker = Path(self.staging).read_text().strip()
+        if marker.isdigit():
+            kill_if_asked("kill_in_save", int(marker))  # testing hook: die with the data written, marker old
+        os.replace(self.staging, self.path)
+        directory = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+        return False
+
+
+@register("reliability.atomic_tracker", target="megatron.training.checkpointing.maybe_msc")
+def atomic_tracker() -> None:
+    """Write ``latest_checkpointed_iteration.txt`` atomically (temporary file, fsync, rename).
+
+    Megatron rewrites the tracker in place (``open(tracker, 'w')`` then ``write``, checkpointing.py:1011):
+    a SIGKILL or node failure between the truncation and the write leaves it empty, and the next launch's
+    ``read_metadata`` then ``sys.exit()``s with status 0 and "Invalid metadata file" instead of loading
+    the previous checkpoint. The replacement wraps the module's ``maybe_msc`` storage front so that only
+    a write-mode ``open`` of the tracker on a local filesystem goes through a staged file renamed over
+    the old one; everything else (and multi-storage-client paths) is untouched. The tracker is written
+    after every rank finished its checkpoint files, so it always names a complete checkpoint.
+    Off: leave ``reliability`` out of ``--zaya-patches`` / ``ZAYA_PATCHES``.
+    """
+    from megatron.training import checkpointing
+
+    if not isinstance(checkpointing.maybe_msc, _AtomicTrackerStorage):
+        replace_attr(checkpointing, "maybe_msc", _AtomicTrackerStorage(checkpointing.maybe_msc))
+
+
+@register("reliability.step_guard", target="megatron.training.training.get_megatron_optimizer")
+def step_guard() -> None:
+    """Install megatron-zaya's :class:`~megatron_zaya.training.reliability.StepGuard` on the optimizer.
+
+    Wraps the name ``get_megatron_optimizer`` that ``setup_model_and_optimizer`` calls: the optimizer it
+    returns gets its ``prepare_grads`` wrapped so that a step whose global loss or grad norm is not finite
+    is skipped before any update (Megatron's own skip path: ``update_successful=False``, counted as a
+    skipped iteration, LR schedule not advanced), the balancing-bias update of that step is undone,
+    ``--zaya-max-nonfinite-steps`` in a row stop the run, and data-parallel replicas are compared every
+    ``--zaya-replica-check-interval`` steps. Only for runs with the ``--zaya-*`` flags (zaya-pretrain).
+    Off: leave ``reliability`` out of ``--zaya-patches`` / ``ZAYA_PATCHES`` (non-finite steps then update
+    the weights, as in stock Megatron without fp16 loss scaling).
+    """
+    import megatron.training.training as training
+
+    from megatron_zaya.training.reliability import GUARD
+
+    original = training.get_megatron_optimizer
+
+    @functools.wraps(original)
+    def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
+        optimizer = original(config, model_chunks, *args, **kwargs)
+        flags = training.get_args()
+        if hasattr(flags, "zaya_max_nonfinite_steps"):
+            GUARD.install(optimizer, model_chunks, flags)
+        return optimizer
+
+    replace_attr(training, "get_megatron_optimizer", get_megatron_optimizer)
+
+
+@register("reliability.save_failure", target="megatron.training.training.save_checkpoint")
+def save_failure() -> None:
+    """Turn a failing checkpoint save (disk full, permissions, I/O error) into one clear line.
+
+    Wraps the name ``save_checkpoint`` that ``megatron.training.training`` imported: an exception raised
+    while saving becomes a ``TrainingFault`` naming the error, the save directory and the previous
+    checkpoint, which stays loadable because the ``latest`` marker is only replaced after a complete save
+    (``reliability.atomic_tracker``). zaya-pretrain prints it as ``zaya-pretrain: error: ...``, exit 3.
+    Off: leave ``reliability`` out of ``--zaya-patches`` / ``ZAYA_PATCHES`` (Megatron's traceback then).
+    """
+    import megatron.training.training as training
+
+    from megatron_zaya.training.reliability import TrainingFault, describe_latest_checkpoint
+
+    original = training.save_checkpoint
+
+    @functools.wraps(original)
+    def save_checkpoint(iteration, *args, **kwargs):
+        try:
+            return original(iteration, *args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - any failure: report it with what is still safe
+            save_dir = training.get_args().save
+            raise TrainingFault(
+                f"saving the checkpoint of iteration {iteration} to {save_dir} failed ({type(error).__name__}: "
+                f"{error}); free space or fix the directory, then resume with --load {save_dir} from the previous "
+                f"checkpoint, which is intact: {describe_latest_checkpoint(save_dir)}") from error
+
+    replace_attr(training, "save_checkpoint", save_checkpoint)

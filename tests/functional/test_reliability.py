@@ -1,0 +1,147 @@
+"""Faults injected into real zaya-pretrain runs (docs/reliability.md has the fault matrix).
+
+Faults come from the testing hook ZAYA_FAULT_INJECT (megatron_zaya/training/fault_injection.py), from
+signals sent to the trainer, and from damaged files on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from zaya_cli import QUICK, losses, pretrain
+
+SKIPPED = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?number of skipped iterations:\s+(\d+)")
+
+
+def _tensors(step_dir, tmp_path):
+    out = tmp_path / f"{step_dir.name}.pt"
+    dcp_to_torch_save(step_dir, out)
+    return {k: v for k, v in torch.load(out, weights_only=False).items() if isinstance(v, torch.Tensor)}
+
+
+def _last_error(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("zaya-pretrain: error:")]
+    assert lines, stderr[-3000:]
+    return lines[-1]
+
+
+def test_nonfinite_steps_are_skipped_spikes_logged_and_a_streak_stops_the_run(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    faults = "nan_loss@3,inf_grad@4,loss_spike@7,nan_grad@9,inf_loss@10,nan_loss@11"
+    run = pretrain(QUICK + ["--train-iters", "20", "--save-interval", "2", "--save", str(ckpt), "--load", str(ckpt),
+                            "--zaya-max-nonfinite-steps", "3", "--zaya-loss-spike-window", "8"],
+                   cwd=tmp_path, extra_env={"ZAYA_FAULT_INJECT": faults})
+    assert run.returncode == 3, run.stderr[-3000:]
+    error = _last_error(run.stderr)
+    assert "3 steps in a row (iterations 9-11)" in error and "--iterations-to-skip 9 10 11" in error, error
+    assert error.endswith(f"last checkpoint: {ckpt}/iter_0000010 (iteration 10)"), error
+
+    skipped = {int(i): int(n) for i, n in SKIPPED.findall(run.stdout)}
+    assert sorted(skipped) == list(range(1, 11))  # step 11 stopped the run before its log line
+    assert [i for i, n in skipped.items() if n] == [3, 4, 9, 10]
+
+    spikes = re.findall(r"iteration\s+(\d+) \| loss spike", run.stdout)
+    assert spikes == ["7"], spikes
+    assert losses(run.stdout)[7] > 5 * losses(run.stdout)[6]
+
+    # Steps 3 and 4 were skipped on every count: the checkpoint after them equals the one before them bit for
+    # bit (weights, Adam moments and step, balancing biases and their moments); steps 5 and 6 trained.
+    before, after = _tensors(ckpt / "iter_0000002", tmp_path), _tensors(ckpt / "iter_0000004", tmp_path)
+    assert set(before) == set(after) and any("balancing_biases" in k for k in before)
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
+    later = _tensors(ckpt / "iter_0000006", tmp_path)
+    assert not torch.equal(later["decoder.final_layernorm.weight"], after["decoder.final_layernorm.weight"])
+
+
+def test_replica_drift_and_a_nan_on_one_rank_under_torchrun(tmp_path):
+    """Two data-parallel ranks (gloo): a NaN gradient on rank 1 only makes both skip (the replicas still
+    match at the next check); a weight changed on rank 1 stops both at the next check, naming rank and tensor."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ZAYA_FAULT_INJECT": "nan_grad@3@1,drift@5@1"}
+    env.pop("WORLD_SIZE", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+         "megatron_zaya.pretrain", *QUICK, "--micro-batch-size", "2", "--train-iters", "8",
+         "--zaya-replica-check-interval", "2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0
+    out = run.stdout + run.stderr
+    assert re.findall(r"iteration\s+(\d+) \| data-parallel replicas identical", out) == ["2", "4"], out[-3000:]
+    assert re.search(r"iteration\s+3 \| non-finite step skipped .*ranks with a non-finite grad norm: 1", out)
+    errors = [line for line in out.splitlines() if line.startswith("zaya-pretrain: error:")]
+    assert len(errors) == 2, out[-3000:]  # both ranks stop
+    assert all("replicas hold different weights at iteration 6 (rank 1 differs from rank 0 in "
+               "embedding.word_embeddings.weight)" in e for e in errors), errors
+
+
+def _launch(flags, cwd, log, extra_env=None):
+    """zaya-pretrain in its own process group (as a scheduler's job step), output to ``log``."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    env.pop("WORLD_SIZE", None)
+    with log.open("w") as out:
+        return subprocess.Popen([sys.executable, "-m", "megatron_zaya.pretrain", *flags], cwd=cwd, stdout=out,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _end_job_step(proc):
+    """What Slurm does after the main process dies: kill what is left of the group (a SIGKILLed trainer
+    leaves the checkpoint writer's spawned helper behind)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_sigkill_during_a_save_then_sigterm_with_a_deadline(tmp_path):
+    """SIGKILL after the data of checkpoint 6 is written but before `latest` is replaced: the next launch
+    resumes from 3 with the same losses; SIGTERM then saves and exits 0 within --zaya-sigterm-deadline."""
+    ckpt = tmp_path / "ckpt"
+    flags = QUICK + ["--train-iters", "400", "--save-interval", "3", "--save", str(ckpt), "--load", str(ckpt)]
+    killed = _launch(flags, tmp_path, tmp_path / "killed.log", {"ZAYA_FAULT_INJECT": "kill_in_save@6"})
+    code = killed.wait(timeout=600)
+    _end_job_step(killed)
+    assert code == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert (ckpt / "iter_0000006").is_dir()  # written, never marked as the latest
+    first = losses((tmp_path / "killed.log").read_text())
+
+    deadline = 120
+    log = tmp_path / "resumed.log"
+    proc = _launch(flags + ["--zaya-sigterm-deadline", str(deadline)], tmp_path, log)
+    start = time.time()
+    while time.time() - start < 300 and 8 not in losses(log.read_text()) and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    signalled = time.time()
+    code = proc.wait(timeout=deadline + 60)
+    took = time.time() - signalled
+    _end_job_step(proc)
+    assert code == 0 and took < deadline, (code, took, log.read_text()[-3000:])
+    resumed = losses(log.read_text())
+    assert min(resumed) == 4
+    # Exact continuation from checkpoint 3 (Megatron's second log line after a resume averages two steps).
+    assert [resumed[i] for i in (4, 6)] == [first[i] for i in (4, 6)]
+    saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert saved == max(resumed) >= 8
+
+
+def test_truncated_data_stops_in_one_line(tmp_path):
+    from megatron_zaya.data import embedded_dataset_prefix, embedded_tokenizer_dir
+
+    prefix = embedded_dataset_prefix(str(tmp_path / "data"))
+    with open(prefix + ".bin", "r+b") as f:
+        f.truncate(os.path.getsize(prefix + ".bin") // 2)
+    run = pretrain(QUICK + ["--train-iters", "3", "--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer",
+                            "--tokenizer-model", embedded_tokenizer_dir(), "--save", str(tmp_path / "ckpt")],
+                   cwd=tmp_path)
+    assert run.returncode == 2, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"zaya-pretrain: error: {prefix}.bin has ") and "truncated" in last, last
+    assert last.endswith("rebuild it with zaya-preprocess (or copy it again)"), last
+    assert not (tmp_path / "ckpt").exists()

@@ -1,0 +1,142 @@
+"""Reliability pieces that need no training run: damaged datasets, the atomic `latest` marker under
+SIGKILL, the SIGTERM deadline, an unusable --save directory (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from megatron_zaya.data import embedded_tokenizer_dir
+from megatron_zaya.data.preprocess import write_indexed_dataset
+from megatron_zaya.training.arguments import UsageError
+from megatron_zaya.training.data_checks import indexed_dataset_problem
+from megatron_zaya.training.reliability import arm_sigterm_deadline, check_save_dir
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _dataset(directory, name, texts):
+    source = directory / f"{name}.jsonl"
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    prefix = str(directory / name)
+    write_indexed_dataset([str(source)], prefix, embedded_tokenizer_dir(), progress=False)
+    return prefix
+
+
+@pytest.fixture(scope="module")
+def sound(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("data")
+    return _dataset(directory, "sound", ["It is a truth universally acknowledged. " * 40] * 6)
+
+
+def _copy(prefix, directory, name):
+    for suffix in (".bin", ".idx"):
+        shutil.copy(prefix + suffix, directory / (name + suffix))
+    return str(directory / name)
+
+
+def test_sound_dataset_passes(sound):
+    assert indexed_dataset_problem(sound, seq_length=64) is None
+
+
+def test_truncated_bin_is_named(sound, tmp_path):
+    broken = _copy(sound, tmp_path, "cut")
+    with open(broken + ".bin", "r+b") as f:
+        f.truncate(os.path.getsize(broken + ".bin") - 100)
+    with pytest.raises(Exception):  # the fault is real: Megatron cannot read the last document
+        IndexedDataset(broken)[len(IndexedDataset(broken)) - 1]
+    problem = indexed_dataset_problem(broken, seq_length=64)
+    assert f"{broken}.bin" in problem and "truncated" in problem and "zaya-preprocess" in problem, problem
+
+
+@pytest.mark.parametrize("damage", ["header", "truncated"])
+def test_damaged_idx_is_named(sound, tmp_path, damage):
+    broken = _copy(sound, tmp_path, damage)
+    with open(broken + ".idx", "r+b") as f:
+        if damage == "header":
+            f.write(b"GARBAGE!!")
+        else:
+            f.truncate(os.path.getsize(broken + ".idx") - 8)
+    with pytest.raises(Exception):  # Megatron's own reader fails on it (with an assert or a buffer error)
+        IndexedDataset(broken)
+    problem = indexed_dataset_problem(broken, seq_length=64)
+    assert f"{broken}.idx" in problem and "zaya-preprocess" in problem, problem
+
+
+def test_dataset_shorter_than_one_sequence(tmp_path):
+    prefix = _dataset(tmp_path, "short", ["Emma."])
+    tokens = sum(len(IndexedDataset(prefix)[i]) for i in range(len(IndexedDataset(prefix))))
+    assert tokens < 65
+    problem = indexed_dataset_problem(prefix, seq_length=64)
+    assert problem == (f"{prefix} holds {tokens} tokens, fewer than one training sequence (--seq-length 64 + 1); "
+                       "add data or shorten --seq-length")
+    assert indexed_dataset_problem(prefix, seq_length=tokens - 1) is None
+
+
+KILLED_WRITER = textwrap.dedent("""
+    import os, sys
+    from megatron_zaya.patches.reliability import _AtomicTrackerStorage
+    from megatron.core.msc_utils import maybe_msc
+    storage = _AtomicTrackerStorage(maybe_msc) if sys.argv[2] == "atomic" else maybe_msc
+    with storage.open(sys.argv[1], "w") as f:
+        if sys.argv[2] == "stock":  # Megatron's in-place rewrite, killed between truncation and write
+            os.kill(os.getpid(), 9)
+        f.write("7")
+""")
+
+
+@pytest.mark.parametrize("writer", ["atomic", "stock"])
+def test_sigkill_while_replacing_the_latest_marker(tmp_path, writer):
+    """SIGKILL with the new checkpoint's data written and its marker half-replaced: the atomic marker
+    still names the previous checkpoint; Megatron's in-place rewrite leaves it empty (what the patch fixes)."""
+    tracker = tmp_path / TRACKER
+    tracker.write_text("3")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(tracker), writer], cwd=root,
+                         env={**os.environ, "ZAYA_FAULT_INJECT": "kill_in_save@7"}, capture_output=True, text=True)
+    assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+    assert tracker.read_text() == ("3" if writer == "atomic" else "")
+
+
+def test_sigterm_deadline_exits_when_the_save_does_not_finish(tmp_path, capsys):
+    (tmp_path / TRACKER).write_text("12")
+    exits = []
+    original = signal.getsignal(signal.SIGTERM)
+    try:
+        arm_sigterm_deadline(0.3, str(tmp_path), exit=exits.append)
+        start = time.monotonic()
+        os.kill(os.getpid(), signal.SIGTERM)
+        while not exits and time.monotonic() - start < 10:
+            time.sleep(0.01)
+        elapsed = time.monotonic() - start
+    finally:
+        signal.signal(signal.SIGTERM, original)
+    assert exits == [3] and 0.3 <= elapsed < 2.0, (exits, elapsed)
+    assert f"{tmp_path}/iter_0000012 (iteration 12)" in capsys.readouterr().err
+
+
+def test_unwritable_save_dir(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(UsageError, match=f"--save {blocker}/ckpt is not writable"):
+        check_save_dir(str(blocker / "ckpt"))
+
+
+def test_save_dir_without_room_for_the_next_checkpoint(tmp_path):
+    save = tmp_path / "ckpt"
+    (save / "iter_0000005").mkdir(parents=True)
+    (save / TRACKER).write_text("5")
+    check_save_dir(str(save))  # a small checkpoint fits
+    with open(save / "iter_0000005" / "weights.distcp", "wb") as f:  # sparse: its size, not its blocks
+        f.truncate(shutil.disk_usage(save).free + 2**30)
+    with pytest.raises(UsageError, match="GiB free but its last checkpoint .iter_0000005. takes"):
+        check_save_dir(str(save))
