@@ -29,7 +29,6 @@ ZAYA_FLAGS = [
     "--moe-router-topk", "1", "--moe-router-pre-softmax", "--moe-router-load-balancing-type", "none",
     "--moe-aux-loss-coeff", "0", "--moe-token-dispatcher-type", "alltoall",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--transformer-impl", "local",
-    "--fp32-residual-connection",  # ZAYA1 keeps the residual stream in fp32 (residual_in_fp32)
     "--ckpt-format", "torch_dist", "--no-gradient-accumulation-fusion",
     "--eval-interval", "1000",  # Megatron leaves it unset and then fails on the first step; any flag overrides it
 ]
@@ -131,6 +130,9 @@ def zaya_config_from_args(args) -> ZayaConfig:
         residual_scaling=args.zaya_residual_scaling, apply_rope_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         pipeline_dtype=torch.float32,  # pipeline stages exchange the fp32 residual stream and router state
+        # ZAYA1's residual stream is fp32 (residual_in_fp32). Not Megatron's --fp32-residual-connection flag:
+        # Megatron refuses it without --bf16/--fp16, and with fp32 parameters the setting changes nothing.
+        fp32_residual_connection=True,
     )
     view = argparse.Namespace(**{**vars(args), **overrides})  # Megatron copies same-named fields from args
     try:
