@@ -500,6 +500,60 @@ def patch_distrib_optimizer() -> None:
     _see_cpu_torch("megatron.core.optimizer.distrib_optimizer")
 
 
+def _gather_unequal_first_dim(input_, group, output_split_sizes):
+    """All-gather rows of unequal counts with an equal-size all-gather: pad to the largest, then drop the pads."""
+    longest = max(output_split_sizes)
+    padded = input_.new_zeros((longest, *input_.shape[1:]))
+    padded[: input_.shape[0]] = input_
+    gathered = torch.empty((longest * len(output_split_sizes), *input_.shape[1:]), dtype=input_.dtype)
+    torch.distributed.all_gather_into_tensor(gathered, padded, group=group)
+    return torch.cat([part[:size] for part, size in zip(gathered.chunk(len(output_split_sizes)), output_split_sizes)])
+
+
+def _reduce_scatter_unequal_first_dim(input_, group, input_split_sizes):
+    """Reduce-scatter rows of unequal counts with an equal-size reduce-scatter: pad each part to the largest."""
+    longest = max(input_split_sizes)
+    padded = input_.new_zeros((longest * len(input_split_sizes), *input_.shape[1:]))
+    for part, rows in zip(padded.chunk(len(input_split_sizes)), torch.split(input_, input_split_sizes)):
+        part[: rows.shape[0]] = rows
+    output = input_.new_empty((longest, *input_.shape[1:]))
+    torch.distributed.reduce_scatter_tensor(output, padded, group=group)
+    return output[: input_split_sizes[group.rank()]]
+
+
+@_cpu_patch("cpu.unequal_first_dim_collectives", "megatron.core.tensor_parallel.mappings._gather_along_first_dim")
+def patch_unequal_first_dim_collectives() -> None:
+    """Let the alltoall MoE dispatcher with expert tensor parallelism (ETP > 1) run on gloo.
+
+    With ETP > 1, ``MoEAlltoAllTokenDispatcher`` all-gathers the tokens each expert-TP rank received and
+    reduce-scatters the expert outputs back, with per-rank row counts (``output_split_sizes`` /
+    ``input_split_sizes``, token_dispatcher.py). Megatron does that with the list forms of ``all_gather``
+    and ``reduce_scatter`` (mappings.py:147-154, 188-197); gloo's ``allgather`` requires equal sizes and it
+    has no list ``reduce_scatter``. The replacements pad every rank's rows to the largest count, run the
+    equal-size collective (``all_gather_into_tensor`` / ``reduce_scatter_tensor``) and drop the padding, so
+    the result is the same rows. Calls without split sizes go to the originals (patched in ``mappings``,
+    whose autograd functions look the names up at call time).
+    """
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    @functools.wraps(gather)
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        return _gather_unequal_first_dim(input_, group, list(output_split_sizes))
+
+    @functools.wraps(reduce_scatter)
+    def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        return _reduce_scatter_unequal_first_dim(input_, group, list(input_split_sizes))
+
+    replace_attr(mappings, "_gather_along_first_dim", _gather_along_first_dim)
+    replace_attr(mappings, "_reduce_scatter_along_first_dim", _reduce_scatter_along_first_dim)
+
+
 def _split_sizes_to_numpy(tensor, as_numpy=False, record_stream=False):
     """``maybe_move_tensor_to_cpu`` for CPU tensors: hand split sizes over as numpy, as after a D2H copy."""
     if as_numpy and torch.is_tensor(tensor):

@@ -211,6 +211,7 @@ def reference(tmp_path_factory):
 LAYOUTS = {
     "dp2": Layout(),
     "tp2_sp_etp2_allgather": Layout(tp=2, dispatcher="allgather"),
+    "tp2_sp_etp2_alltoall": Layout(tp=2),
     "tp2_sp_etp1_alltoall": Layout(tp=2, etp=1),
     "ep2_alltoall": Layout(ep=2, etp=1),
     "ep2_allgather": Layout(ep=2, etp=1, dispatcher="allgather"),
