@@ -4,7 +4,7 @@
     python benchmarks/inprocess.py sweep --out DIR [--smoke]   # tokens/s vs sequence length: ZAYA1 vs GQA
 
 ``eager``: forward + backward of ONE decoder layer at S = 4096, B = 2 (bf16 weights, the fp32 residual stream
-as input): ``transformers``' ``ZayaDecoderLayer`` with ``attn_implementation="eager"`` (the public reference)
+as input): ``transformers``' ``ZayaDecoderLayer`` with eager attention and experts (the public reference)
 and our ``ZayaTransformerLayer`` (with the kernels that apply on the device), same shapes, CUDA-event timing.
 
 ``sweep``: whole training steps (forward + backward of every micro-batch, then an AdamW step) of ZAYA1 and of
@@ -35,7 +35,7 @@ from megatron_zaya.flops import (gqa_moe_forward_flops_per_token, routed_fractio
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 DTYPE = torch.bfloat16 if GPU else torch.float32
-MICRO_BATCH_TOKENS = 8192 if GPU else 128
+MICRO_BATCH_TOKENS = 8192 if GPU else 64
 
 
 def zaya_cfg(smoke: bool, layers: int, seq: int):
@@ -81,7 +81,7 @@ def hf_layer(cfg):
 
     from megatron_zaya.convert.hf import hf_config_from_zaya
 
-    hf = HFZayaConfig(**hf_config_from_zaya(cfg), attn_implementation="eager")
+    hf = HFZayaConfig(**hf_config_from_zaya(cfg), attn_implementation="eager", experts_implementation="eager")
     torch.manual_seed(0)
     layer = ZayaDecoderLayer(hf, layer_idx=0)
     with torch.no_grad():
@@ -195,7 +195,7 @@ def sweep(args) -> dict:
     from megatron_zaya.pretrained import build_single_process_model
 
     seqs = [32, 64, 128, 256] if args.smoke else [4096, 8192, 16384, 32768]
-    tokens_per_step = 512 if args.smoke else 32768
+    tokens_per_step = 256 if args.smoke else 32768
     steps = 1 if args.smoke else 2
     cfg = zaya_cfg(args.smoke, args.layers, max(seqs))
     results = {"layers": args.layers, "optimizer": "torch.optim.AdamW on bf16 parameters", "zaya": [], "gqa": []}

@@ -14,10 +14,12 @@ are torch's global module hooks, so nothing of the library, Megatron or torch is
 
 Components: a forward op belongs to the innermost module range below (``bench::<component>``, opened by the
 hooks while profiling); a backward op to the forward op that created its autograd node (same sequence
-number); collectives are ``communication``; ``torch.optim`` steps and Megatron's optimizer wrapper (grad
-copies, norm, clipping) are ``optimizer``; the rest of Megatron's DDP (accumulating grads into its buffers)
-and its grad finalisation (with ZAYA1's balancing step) are ``grad_buffers``; whatever is left is ``other``
-(its largest ops are listed).
+number); collectives are ``communication``; gradient accumulation into Megatron's DDP buffers (the
+AccumulateGrad hooks) is ``grad_buffers``; torch's ``Optimizer.step`` ranges, and every other op between a
+step's last backward op and the next step's first forward (Megatron's optimizer wrapper: grad copies, norm,
+clipping, param copies; its grad-buffer zeroing; ZAYA1's balancing update), are ``optimizer``; whatever is
+left is ``other`` (its largest ops are listed). Python stacks are not recorded: they cost ~400k events per
+step of Megatron's Python.
 """
 
 from __future__ import annotations
@@ -49,11 +51,11 @@ COMPONENTS = {
 }
 MODELS = ("ZayaModel", "GPTModel")
 RANGE = "bench::"
-# Python frames (profiled with stacks) that mark work outside the model's modules.
-FRAME_COMPONENTS = (("Optimizer.step", "optimizer"), ("Optimizer.zero_grad", "optimizer"),
-                    ("megatron/core/optimizer/", "optimizer"), ("finalize_model_grads", "grad_buffers"),
-                    ("megatron/core/distributed/", "grad_buffers"))
-COMMUNICATION = ("nccl", "c10d::", "record_param_comms", "gloo")
+STEP = RANGE + "step"  # an empty range at the first forward of each training step
+BACKWARD = "autograd::engine::evaluate_function: "
+NAMED = ((("nccl", "c10d::", "record_param_comms", "gloo"), "communication"),
+         ((BACKWARD + "torch::autograd::AccumulateGrad",), "grad_buffers"),
+         (("Optimizer.step", "Optimizer.zero_grad"), "optimizer"))
 
 
 def _iteration() -> int:
@@ -74,6 +76,7 @@ class Probe:
         self.routed = None
         self.tokens = 0
         self.done = False
+        self.iteration = None
 
     # -- hooks --------------------------------------------------------------------------------------------
     def pre_forward(self, module, args):
@@ -84,6 +87,10 @@ class Probe:
                 self.start()
             elif self.profiler is not None and iteration == self.first + self.count:
                 self.stop()
+            if self.profiler is not None and iteration != self.iteration:
+                with record_function(STEP):
+                    pass
+            self.iteration = iteration
         if self.profiler is not None and name in COMPONENTS:
             rf = record_function(RANGE + COMPONENTS[name])
             rf.__enter__()
@@ -103,7 +110,7 @@ class Probe:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        self.profiler = profile(activities=activities, with_stack=True)
+        self.profiler = profile(activities=activities)
         self.profiler.__enter__()
         self._sync()
         self.started = time.perf_counter()
@@ -144,6 +151,16 @@ def name_is_component(module) -> bool:
 
 def breakdown(events, steps: int, device: bool) -> dict:
     """Self time (device time on a GPU, CPU time otherwise) per component, in ms per step."""
+    events = sorted(events, key=lambda e: e.time_range.start)  # forward ops before the backward that needs them
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    step_starts = [e.time_range.start for e in cpu if e.name == STEP] + [float("inf")]
+    backward_ends = [e.time_range.end for e in cpu if e.name.startswith(BACKWARD)]
+    # The optimizer phase of each step: from its last backward op to the next step's first forward.
+    phases = []
+    for start, end in zip(step_starts, step_starts[1:]):
+        last = max((t for t in backward_ends if start <= t < end), default=None)
+        if last is not None:
+            phases.append((last, end))
     forward_component = {}  # (thread, sequence number) of a forward op -> component
     component_of = {}
 
@@ -151,36 +168,29 @@ def breakdown(events, steps: int, device: bool) -> dict:
         if id(event) in component_of:
             return component_of[id(event)]
         name = event.name
-        found = None
-        if name.startswith(COMMUNICATION):
-            found = "communication"
-        elif name.startswith(RANGE):
+        found = next((c for prefixes, c in NAMED if name.startswith(prefixes)), None)
+        if found is None and name.startswith(RANGE) and name != STEP:
             found = name[len(RANGE):]
-        elif name.startswith("autograd::engine::evaluate_function: "):
+        elif found is None and name.startswith(BACKWARD):
             found = forward_component.get((event.fwd_thread, event.sequence_nr), "other")
-        else:
-            found = next((c for marker, c in FRAME_COMPONENTS if marker in name), None)
-        if found is None:
-            found = component(event.cpu_parent) if event.cpu_parent is not None else "other"
+        if found is None and event.cpu_parent is not None:
+            found = component(event.cpu_parent)
+        if found is None:  # a top-level op outside the model
+            t = event.time_range.start
+            found = "optimizer" if any(a <= t < b for a, b in phases) else "other"
         component_of[id(event)] = found
         return found
 
-    events = sorted(events, key=lambda e: e.time_range.start)  # forward ops before the backward that needs them
     totals, other_ops = defaultdict(float), defaultdict(float)
-    device_total = 0.0  # every kernel and copy, attributed to an op or not
-    for event in events:
-        if event.device_type != torch.autograd.DeviceType.CPU:
-            device_total += event.time_range.elapsed_us()
-            continue
+    for event in cpu:
         kind = component(event)
-        if event.sequence_nr >= 0 and not event.name.startswith("autograd::engine"):
+        if event.sequence_nr >= 0 and not event.name.startswith(BACKWARD):
             forward_component.setdefault((event.thread, event.sequence_nr), kind)
-        if getattr(event, "is_python_function", False):  # a frame of the stack: its self time is the interpreter's, not an op's
-            continue
         micros = event.self_device_time_total if device else event.self_cpu_time_total
         totals[kind] += micros
         if kind == "other" and micros:
             other_ops[event.name] += micros
+    device_total = sum(e.time_range.elapsed_us() for e in events if e.device_type != torch.autograd.DeviceType.CPU)
     if device and device_total > sum(totals.values()):
         totals["unattributed"] = device_total - sum(totals.values())  # kernels the profiler linked to no op
     per_step = {k: v / 1e3 / steps for k, v in sorted(totals.items(), key=lambda kv: -kv[1]) if v}

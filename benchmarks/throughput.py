@@ -205,8 +205,11 @@ def plot_sweep(sweep: dict, path: Path) -> None:
     for kind, label in (("zaya", "ZAYA1 (CCA)"), ("gqa", "GPT-MoE, GQA (SDPA)")):
         points = [p for p in sweep.get(kind, []) if "tokens_per_s" in p]
         ax.plot([p["seq"] for p in points], [p["tokens_per_s"] for p in points], marker="o", label=label)
+    seqs = sorted({p["seq"] for kind in ("zaya", "gqa") for p in sweep.get(kind, [])})
+    per_step = {p["tokens_per_step"] for kind in ("zaya", "gqa") for p in sweep.get(kind, []) if "tokens_per_step" in p}
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequence length (tokens; 32,768 tokens per step)")
+    ax.set_xticks(seqs, [f"{s // 1024}k" if s >= 1024 else str(s) for s in seqs])
+    ax.set_xlabel(f"sequence length ({', '.join(f'{t:,}' for t in sorted(per_step))} tokens per step)")
     ax.set_ylabel("training tokens / s (one GPU)")
     ax.set_title(f"Training throughput vs sequence length, {sweep.get('layers')} layers")
     ax.grid(True, alpha=0.3)
@@ -275,7 +278,7 @@ def markdown(results: dict, args) -> str:
         zaya = results.get("zaya", {})
         if "tokens_per_s_per_gpu" in zaya:
             eager_model = eager["seq"] * eager["batch"] / (args.layers * eager["transformers_eager_ms"] / 1e3)
-            lines.append(f"An {args.layers}-layer stack of eager layers (layers only, no LM head or optimizer) would run "
+            lines.append(f"A stack of {args.layers} eager layers (layers only, no LM head or optimizer) would run "
                          f"{eager_model:,.0f} tokens/s: the CLI's full steps are "
                          f"{zaya['tokens_per_s_per_gpu'] / eager_model:.2f}× that.")
     sweep = results.get("sweep", {})
