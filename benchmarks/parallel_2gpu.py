@@ -1,17 +1,21 @@
 """ZAYA1 across two GPUs with the real ``zaya-pretrain`` CLI: each layout against one GPU, in one invocation.
 
-    python benchmarks/parallel_2gpu.py --out OUT [--parts scaling,context,resume] [--iters 30]
+    python benchmarks/parallel_2gpu.py --out OUT [--parts scaling,context,references,match,resume]
 
 * ``scaling``: one GPU, DP2, EP2 (expert-parallel, 8 experts per GPU) and TP2 (+SP) on the ZAYA1-8B-width
   model at 8 layers, sequence 4096, global batch 8 x 4096 tokens (the same samples in every layout). Reports
-  each layout's per-iteration loss difference from one GPU over the first 20 iterations, tokens/s/GPU over
-  the iterations after the 10th, and scaling efficiency = tokens/s/GPU / one GPU's.
-* ``context``: CP2 at sequence 32768 (4 layers, global batch 2) against one GPU at the same shape.
+  tokens/s/GPU over the iterations after the 10th and scaling efficiency = tokens/s/GPU / one GPU's.
+* ``context``: the same for CP2 at sequence 32768 (4 layers, global batch 2).
+* ``references`` then ``match``: loss agreement over 20 steps. Fresh TP and PP runs draw other initial weights
+  than one GPU (Megatron seeds model-parallel ranks apart), so every run starts from one checkpoint: one GPU
+  trains 2 iterations and saves (4 layers; sequence 4096, and 32768 for CP), then one GPU (the reference) and
+  DP2, EP2, TP2+SP, PP2 and CP2 each load it (resharding it) and train 20 more; per-iteration losses come from
+  the loss-curve CSVs. ``references`` runs on ``--reference-gpu`` only, so it can share the machine.
 * ``resume``: DP2 with ``--use-distributed-optimizer``: 10 iterations saving at 5, then a second launch that
   loads iteration 5 and trains 6-10; the resumed losses must equal the uninterrupted ones exactly.
 
 One-GPU references run alone on GPU 0 (or two at once, one per GPU, when both are references). Writes
-``OUT/<run>.log``, ``OUT/parallel.json`` and prints a markdown table.
+``OUT/<run>.log``, ``OUT/parallel-<parts>.json`` and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -36,6 +40,16 @@ SHORT = ["--seq-length", "4096", "--max-position-embeddings", "4096", "--micro-b
          "--global-batch-size", "8"]
 LONG = ["--num-layers", "4", "--seq-length", "32768", "--max-position-embeddings", "32768", "--micro-batch-size",
         "1", "--global-batch-size", "2"]
+MATCH = ["--num-layers", "4", "--lr", "1e-4", "--no-load-rng"]  # no dropout: nothing random to resume
+# name -> (flags, reference). Megatron's optimizer state does not reshard across expert-parallel sizes (the
+# dense/expert split of its parameter groups changes), so EP2 loads the weights only, as its reference does.
+MATCH_LAYOUTS = {"dp2": ([], "4k"), "ep2": (["--expert-model-parallel-size", "2", "--no-load-optim"], "4k_weights"),
+                 "tp2": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "4k"),
+                 "pp2": (["--pipeline-model-parallel-size", "2"], "4k"),
+                 "cp2_32k": (["--context-parallel-size", "2"], "32k")}
+LAYOUTS = {"dp2": [], "ep2": ["--expert-model-parallel-size", "2"],
+                 "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                 "pp2": ["--pipeline-model-parallel-size", "2"], "cp2_32k": ["--context-parallel-size", "2"]}
 LAYOUTS = {"dp2": [], "ep2": ["--expert-model-parallel-size", "2"],
            "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"]}
 
@@ -92,6 +106,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--parts", default="scaling,context,resume")
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--reference-gpu", default="0")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     parts = set(args.parts.split(","))
@@ -114,9 +129,33 @@ def main() -> None:
         results.append(summary(args.out, "one_gpu_32k", None, 2 * 32768, 1))
         run_all([("cp2_32k", long + ["--context-parallel-size", "2"], "0,1", 2)], args.out)
         results.append(summary(args.out, "cp2_32k", "one_gpu_32k", 2 * 32768, 2))
+    if "references" in parts or "match" in parts:
+        match = {"4k": MODEL + COMMON + SHORT + MATCH, "32k": MODEL + COMMON + LONG + MATCH}
+        base = {shape: args.out / f"base_{shape}" for shape in match}
+    if "references" in parts:
+        for shape, flags in match.items():
+            run_all([(f"base_{shape}", flags + ["--train-iters", "22", "--exit-interval", "2", "--save",
+                                                str(base[shape])], args.reference_gpu, 1)], args.out)
+        for reference in ("4k", "4k_weights", "32k"):
+            shape, weights_only = reference.split("_")[0], reference.endswith("weights")
+            flags = match[shape] + ["--train-iters", "22", "--load", str(base[shape]), "--save",
+                                    str(args.out / f"reference_{reference}")] + ["--no-load-optim"] * weights_only
+            run_all([(f"reference_{reference}", flags, args.reference_gpu, 1)], args.out)
+    if "match" in parts:
+        for name, (layout, reference_name) in MATCH_LAYOUTS.items():
+            shape = reference_name.split("_")[0]
+            run_all([(f"match_{name}", match[shape] + layout + ["--train-iters", "22", "--load", str(base[shape]),
+                                                                "--save", str(args.out / f"match_{name}")], "0,1", 2)],
+                    args.out)
+            ours = loss_csv(args.out / f"match_{name}" / "loss.csv")
+            reference = loss_csv(args.out / f"reference_{reference_name}" / "loss.csv")
+            common = sorted(set(ours) & set(reference))
+            results.append({"run": f"match_{name}", "compared_iterations": common,
+                            "max_abs_loss_diff": max((abs(ours[i] - reference[i]) for i in common), default=None),
+                            "reference": [reference[i] for i in common], "losses": [ours[i] for i in common]})
     if "resume" in parts:
         ckpt = args.out / "ckpt"
-        resume = MODEL + COMMON + SHORT + ["--use-distributed-optimizer", "--train-iters", "10"]
+        resume = MODEL + COMMON + SHORT + MATCH + ["--use-distributed-optimizer", "--train-iters", "10"]
         run_all([("distopt_uninterrupted", resume + ["--save", str(ckpt), "--save-interval", "5"], "0,1", 2)],
                 args.out)
         run_all([("distopt_resumed", resume + ["--load", str(ckpt), "--ckpt-step", "5", "--save", str(ckpt) + "-b",
@@ -127,7 +166,7 @@ def main() -> None:
                         "exact": bool(resumed) and all(whole.get(i) == loss for i, loss in resumed.items()),
                         "losses": {i: (whole.get(i), loss) for i, loss in resumed.items()}})
 
-    (args.out / "parallel.json").write_text(json.dumps(results, indent=1))
+    (args.out / f"parallel-{args.parts.replace(',', '-')}.json").write_text(json.dumps(results, indent=1))
     base = {r["run"]: r.get("tokens_per_s_per_gpu") for r in results if r.get("gpus") == 1}
     print("\n| run | GPUs | iterations | ms/iter | tokens/s/GPU | scaling eff. | max |Δ loss| (first 20) |")
     print("|---|---|---|---|---|---|---|")
@@ -140,6 +179,9 @@ def main() -> None:
               f"{r.get('tokens_per_s_per_gpu', float('nan')):,.0f} | {'' if eff is None else f'{eff:.1%}'} | "
               f"{r.get('max_abs_loss_diff', '')} |")
     for r in results:
+        if r["run"].startswith("match_"):
+            print(f"{r['run']}: {len(r['compared_iterations'])} iterations, max |loss - one GPU| = "
+                  f"{r['max_abs_loss_diff']}")
         if r["run"] == "distopt_resume":
             print(f"\ndistributed optimizer resume: exact={r['exact']} iterations {r['resumed_iterations']}")
 

@@ -170,6 +170,8 @@ def check_args(args, world_size: int) -> None:
             and args.seq_length > args.max_position_embeddings:
         raise UsageError(f"--seq-length {args.seq_length} exceeds the model's positions "
                          f"(--max-position-embeddings {args.max_position_embeddings}); shorten it or raise the limit")
+    if args.lr is not None and args.min_lr > args.lr:
+        raise UsageError(f"--min-lr {args.min_lr} is above --lr {args.lr}; lower --min-lr (the main job's is 3e-4)")
     decay_iters = args.lr_decay_iters or args.train_iters
     if decay_iters is not None and args.lr_warmup_iters and args.lr_warmup_iters >= decay_iters:
         raise UsageError(f"--lr-warmup-iters {args.lr_warmup_iters} must be below the decay length {decay_iters} "
