@@ -167,8 +167,8 @@ def _mixes_optimizer_splits(state_dict) -> bool:
             and any(isinstance(k, str) for k in state_dict))  # fmt: skip
 
 
-@register("megatron_fixes.optimizer_split_changed", target="megatron.core.optimizer.optimizer.ChainedOptimizer.load_state_dict",
-          megatron=">=0.19,<0.20")  # fmt: skip
+@register("megatron_fixes.optimizer_split_changed", megatron=">=0.19,<0.20",
+          target="megatron.core.optimizer.optimizer.ChainedOptimizer.load_state_dict")
 def optimizer_split_changed() -> None:
     """Refuse, in one line, optimizer state saved with another split into dense and expert optimizers.
 
