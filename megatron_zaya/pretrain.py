@@ -189,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         print(f"zaya-pretrain: error: {error}", file=sys.stderr)
         return 2
-    except TrainingFault as error:
-        print(f"zaya-pretrain: error: {error}", file=sys.stderr, flush=True)
+    except TrainingFault as error:  # on every rank: one write, so that ranks sharing a pipe do not interleave
+        sys.stderr.write(f"zaya-pretrain: error: {error}\n")
+        sys.stderr.flush()
         return FAULT_EXIT_CODE
     return 0
 

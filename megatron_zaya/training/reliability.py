@@ -118,10 +118,13 @@ class StepGuard:
         optimizer.get_grad_norm = get_grad_norm_once
 
     def watch(self, forward_step):
-        """``forward_step`` that records this step's loss (and applies the testing hook's loss faults)."""
+        """``forward_step`` that snapshots the balancing state at a step's first micro-batch (on every pipeline
+        stage) and records the step's loss (applying the testing hook's loss faults)."""
 
         @functools.wraps(forward_step)
         def watched_forward_step(data_iterator, model, *args, **kwargs):
+            if torch.is_grad_enabled() and _iteration() != self._step_iteration:  # not evaluation; every stage
+                self._start_step(_iteration())
             output, loss_func = forward_step(data_iterator, model, *args, **kwargs)
             return output, functools.partial(self._record_loss, loss_func)
 
@@ -142,8 +145,6 @@ class StepGuard:
         if not torch.is_grad_enabled():  # evaluation
             return loss, num_tokens, report
         iteration = _iteration()
-        if iteration != self._step_iteration:
-            self._start_step(iteration)
         poison = {"nan_loss": math.nan, "inf_loss": math.inf, "loss_spike": 10.0}
         for kind, factor in poison.items():
             if fault(kind, iteration):
