@@ -40,7 +40,8 @@ SHORT = ["--seq-length", "4096", "--max-position-embeddings", "4096", "--micro-b
          "--global-batch-size", "8"]
 LONG = ["--num-layers", "4", "--seq-length", "32768", "--max-position-embeddings", "32768", "--micro-batch-size",
         "1", "--global-batch-size", "2"]
-MATCH = ["--num-layers", "4", "--lr", "1e-4", "--no-load-rng"]  # no dropout: nothing random to resume
+MATCH = ["--num-layers", "4", "--lr", "1e-4", "--no-load-rng",  # no dropout: nothing random to resume
+         "--save-interval", "1000"]
 # name -> (flags, reference). Megatron's optimizer state does not reshard across expert-parallel sizes (the
 # dense/expert split of its parameter groups changes), so EP2 loads the weights only, as its reference does.
 MATCH_LAYOUTS = {"dp2": ([], "4k"), "ep2": (["--expert-model-parallel-size", "2", "--no-load-optim"], "4k_weights"),
@@ -107,6 +108,7 @@ def main() -> None:
     parser.add_argument("--parts", default="scaling,context,resume")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--reference-gpu", default="0")
+    parser.add_argument("--layouts", default=",".join(MATCH_LAYOUTS), help="the match part's layouts")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     parts = set(args.parts.split(","))
@@ -133,16 +135,19 @@ def main() -> None:
         match = {"4k": MODEL + COMMON + SHORT + MATCH, "32k": MODEL + COMMON + LONG + MATCH}
         base = {shape: args.out / f"base_{shape}" for shape in match}
     if "references" in parts:
-        for shape, flags in match.items():
+        for shape in sorted({MATCH_LAYOUTS[name][1].split("_")[0] for name in args.layouts.split(",")}):
+            flags = match[shape]
             run_all([(f"base_{shape}", flags + ["--train-iters", "22", "--exit-interval", "2", "--save",
                                                 str(base[shape])], args.reference_gpu, 1)], args.out)
-        for reference in ("4k", "4k_weights", "32k"):
+        layouts = args.layouts.split(",")
+        for reference in sorted({MATCH_LAYOUTS[name][1] for name in layouts}):
             shape, weights_only = reference.split("_")[0], reference.endswith("weights")
             flags = match[shape] + ["--train-iters", "22", "--load", str(base[shape]), "--save",
                                     str(args.out / f"reference_{reference}")] + ["--no-load-optim"] * weights_only
             run_all([(f"reference_{reference}", flags, args.reference_gpu, 1)], args.out)
     if "match" in parts:
-        for name, (layout, reference_name) in MATCH_LAYOUTS.items():
+        for name in args.layouts.split(","):
+            layout, reference_name = MATCH_LAYOUTS[name]
             shape = reference_name.split("_")[0]
             run_all([(f"match_{name}", match[shape] + layout + ["--train-iters", "22", "--load", str(base[shape]),
                                                                 "--save", str(args.out / f"match_{name}")], "0,1", 2)],

@@ -102,7 +102,7 @@ def _parse(argv: list[str]):
     try:
         args = parse_and_validate_args(add_zaya_args)
     except AssertionError as error:
-        raise UsageError(f"invalid arguments: {error}") from error
+        raise UsageError(f"invalid arguments: {str(error) or _failed_check(error)}") from error
     tokenizer_vocab = get_tokenizer().vocab_size
     model_vocab = args.zaya_vocab_size or args.padded_vocab_size
     if tokenizer_vocab > model_vocab:
@@ -110,6 +110,13 @@ def _parse(argv: list[str]):
                          "use a tokenizer that fits or raise --zaya-vocab-size")
     args.padded_vocab_size = model_vocab
     return args
+
+
+def _failed_check(error: AssertionError) -> str:
+    """Megatron's bare ``assert``s carry no message: name the check that failed instead."""
+    import traceback
+
+    return f"Megatron's check `{traceback.extract_tb(error.__traceback__)[-1].line}` failed"
 
 
 def _check_checkpoint_matches(args) -> None:

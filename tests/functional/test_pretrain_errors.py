@@ -13,6 +13,8 @@ CASES = {
     "parallel sizes": (["--tensor-model-parallel-size", "3"], ["not divisible", "TP*PP*CP"]),
     "context parallel chunks": (["--context-parallel-size", "3"], ["--seq-length 64", "2*CP = 6"]),
     "tokenizer too large": (["--zaya-vocab-size", "1024"], ["4096 tokens", "1024"]),
+    "save without interval": (["--mock-data", "--zaya-preset", "test", "--save-interval", "0"],
+                              ["assert args.save_interval"]),
     "min lr above lr": (["--lr", "1e-4"], ["--min-lr 0.0003", "--lr 0.0001"]),
     "warmup too long": (["--lr-warmup-iters", "5"], ["--lr-warmup-iters 5", "decay length 5"]),
     "pipeline stages": (["--pipeline-model-parallel-size", "3"], ["--num-layers 4", "--pipeline-model-parallel-size 3"]),
