@@ -126,6 +126,7 @@ def save_failure() -> None:
     Off: leave ``reliability`` out of ``--zaya-patches`` / ``ZAYA_PATCHES`` (Megatron's traceback then).
     """
     import megatron.training.training as training
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from megatron_zaya.training.reliability import TrainingFault, describe_latest_checkpoint
 
@@ -135,7 +136,7 @@ def save_failure() -> None:
     def save_checkpoint(iteration, *args, **kwargs):
         try:
             return original(iteration, *args, **kwargs)
-        except Exception as error:  # noqa: BLE001 - any failure: report it with what is still safe
+        except (Exception, CheckpointException) as error:  # torch's CheckpointException is a BaseException
             save_dir = training.get_args().save
             raise TrainingFault(
                 f"saving the checkpoint of iteration {iteration} to {save_dir} failed ({type(error).__name__}: "
