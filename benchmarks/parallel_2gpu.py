@@ -2,7 +2,8 @@
 
     python benchmarks/parallel_2gpu.py --out OUT [--parts scaling,context,references,match,resume]
 
-* ``scaling``: one GPU, DP2, EP2 (expert-parallel, 8 experts per GPU) and TP2 (+SP) on the ZAYA1-8B-width
+* ``scaling``: one GPU, DP2, EP2 (expert-parallel, 8 experts per GPU), TP2 (+SP) and DP2 with the distributed
+  optimizer and overlapped gradient reduction (``--scaling-layouts`` picks them) on the ZAYA1-8B-width
   model at 8 layers, sequence 4096, global batch 8 x 4096 tokens (the same samples in every layout). Reports
   tokens/s/GPU over the iterations after the 10th and scaling efficiency = tokens/s/GPU / one GPU's.
 * ``context``: the same for CP2 at sequence 32768 (4 layers, global batch 2).
@@ -52,7 +53,9 @@ LAYOUTS = {"dp2": [], "ep2": ["--expert-model-parallel-size", "2"],
                  "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                  "pp2": ["--pipeline-model-parallel-size", "2"], "cp2_32k": ["--context-parallel-size", "2"]}
 LAYOUTS = {"dp2": [], "ep2": ["--expert-model-parallel-size", "2"],
-           "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"]}
+           "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+           # ZeRO-1 halves each rank's optimizer step; the reduce-scatter starts during the last backward
+           "dp2_distopt": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]}
 
 
 def launch(name: str, flags: list[str], out: Path, gpus: str, nproc: int = 1) -> subprocess.Popen:
@@ -109,6 +112,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--reference-gpu", default="0")
     parser.add_argument("--layouts", default=",".join(MATCH_LAYOUTS), help="the match part's layouts")
+    parser.add_argument("--scaling-layouts", default="dp2,ep2,tp2", help="the scaling part's layouts")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     parts = set(args.parts.split(","))
@@ -124,7 +128,8 @@ def main() -> None:
     run_all(references, args.out)
     if "scaling" in parts:
         results.append(summary(args.out, "one_gpu", None, 8 * 4096, 1))
-        for name, flags in LAYOUTS.items():
+        for name in args.scaling_layouts.split(","):
+            flags = LAYOUTS[name]
             run_all([(name, short + flags, "0,1", 2)], args.out)
             results.append(summary(args.out, name, "one_gpu", 8 * 4096, 2))
     if "context" in parts:
