@@ -64,7 +64,7 @@ class ZayaRouter(MegatronModule):
         self.fc2 = nn.Linear(width, width, bias=True, dtype=config.params_dtype)
         self.out_proj = nn.Linear(width, classes, bias=False, dtype=config.params_dtype)
         # Every layer has the EDA scale so that Megatron can stack the layers' tensors in checkpoints; the
-        # first MoE layer receives no router state, so its scale stays unused (and at its init, 1).
+        # first MoE layer receives no router state, so its scale gets zero gradients (and stays at its init, 1).
         self.eda_scale = nn.Parameter(torch.ones(width, dtype=config.params_dtype)) if config.router_eda else None
         for param in self.parameters():
             # Under sequence parallelism each TP rank routes different tokens: sum the grads over TP.
@@ -103,8 +103,12 @@ class ZayaRouter(MegatronModule):
             raise NotImplementedError("ZAYA1 pretraining packs sequences without padding; padding_mask unsupported")
         x = hidden_states.float()
         u = F.linear(x, self.down_proj.weight.float(), self.down_proj.bias.float())
-        if self.eda_scale is not None and self.state_in is not None:
-            u = u + self.state_in * self.eda_scale.float()
+        if self.eda_scale is not None:
+            # The first MoE layer's incoming state is zero. Its scale still joins the graph (zero gradient): Megatron's
+            # overlapped gradient reduction waits for every trainable parameter, and its optimizer checkpoints
+            # stack the layers' states, so every layer must look alike.
+            previous = self.state_in if self.state_in is not None else u.new_zeros(())
+            u = u + previous * self.eda_scale.float()
         self.state_out = u
         z = rms_norm(u, self.norm_weight.float(), self.config.layernorm_epsilon)
         z = F.gelu(F.linear(z, self.fc1.weight.float(), self.fc1.bias.float()))

@@ -1,0 +1,17 @@
+"""Every trainable parameter gets a gradient from one backward pass: Megatron's overlapped gradient reduction
+(``--overlap-grad-reduce``) waits for each one before it reduces a bucket, and hangs or asserts otherwise."""
+
+import torch
+
+from megatron_zaya.config import zaya_config
+from megatron_zaya.pretrained import build_single_process_model
+
+
+def test_one_backward_reaches_every_parameter():
+    model = build_single_process_model(zaya_config("test", use_cpu_initialization=True, params_dtype=torch.float32))
+    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
+    model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not missing, missing
+    # The first layer's EDA scale has no incoming router state: its gradient exists and is exactly zero.
+    assert torch.equal(model.decoder.layers[0].mlp.router.eda_scale.grad, torch.zeros(32))
