@@ -138,9 +138,11 @@ def save_failure() -> None:
             return original(iteration, *args, **kwargs)
         except (Exception, CheckpointException) as error:  # torch's CheckpointException is a BaseException
             save_dir = training.get_args().save
+            failures = getattr(error, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
+            cause = next(iter(failures.values()))[0] if failures else error
+            summary = f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
             raise TrainingFault(
-                f"saving the checkpoint of iteration {iteration} to {save_dir} failed ({type(error).__name__}: "
-                f"{error}); free space or fix the directory, then resume with --load {save_dir} from the previous "
+                f"saving the checkpoint of iteration {iteration} to {save_dir} failed ({summary}); free space or fix the directory, then resume with --load {save_dir} from the previous "
                 f"checkpoint, which is intact: {describe_latest_checkpoint(save_dir)}") from error
 
     replace_attr(training, "save_checkpoint", save_checkpoint)
