@@ -99,6 +99,7 @@ def step_guard() -> None:
     the weights, as in stock Megatron without fp16 loss scaling).
     """
     import megatron.training.training as training
+    from megatron.training import global_vars
 
     from megatron_zaya.training.reliability import GUARD
 
@@ -107,7 +108,8 @@ def step_guard() -> None:
     @functools.wraps(original)
     def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
         optimizer = original(config, model_chunks, *args, **kwargs)
-        flags = training.get_args()
+        # Megatron's global args exist only inside pretrain(); library callers build optimizers without them.
+        flags = global_vars._GLOBAL_ARGS
         if hasattr(flags, "zaya_max_nonfinite_steps"):
             GUARD.install(optimizer, model_chunks, flags)
         return optimizer
