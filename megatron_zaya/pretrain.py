@@ -168,13 +168,15 @@ def run(argv: list[str]) -> None:
 
 
 def _finish(args, plot: str | None) -> None:
-    """On the rank that computed losses (last stage, first DP and TP rank): the plot and what to run next."""
+    """On the rank that computed losses (last stage, first DP, CP and TP rank): the plot and what to run next."""
     from megatron.core import parallel_state as mpu
 
     from .training.loss_curve import LOSS_CURVE
 
+    if plot:  # every rank: each holds the losses of its share of the batch
+        LOSS_CURVE.pool(mpu.get_data_parallel_group(with_context_parallel=True))
     if not (mpu.is_pipeline_last_stage() and mpu.get_data_parallel_rank() == 0
-            and mpu.get_tensor_model_parallel_rank() == 0):
+            and mpu.get_context_parallel_rank() == 0 and mpu.get_tensor_model_parallel_rank() == 0):
         return
     lines = []
     if plot and LOSS_CURVE.points():

@@ -1,4 +1,5 @@
-"""The training-loss curve of this rank: recorded by the loss function, written as CSV and PNG at the end."""
+"""The training-loss curve: recorded by the loss function, pooled over data- and context-parallel ranks once at
+the end, written as CSV and PNG."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 
 
 class LossCurve:
-    """Per-iteration token-weighted mean of this rank's training loss (micro-batches of a step pooled)."""
+    """Per-iteration token-weighted mean of the training loss (micro-batches of a step pooled; after
+    :meth:`pool`, the ranks of the group too)."""
 
     def __init__(self):
         self.enabled = False
@@ -24,6 +26,19 @@ class LossCurve:
         entry = self._sums[get_args().curr_iteration + 1]
         entry[0] = entry[0] + loss_sum.detach().double()
         entry[1] = entry[1] + num_tokens.detach().double()
+
+    def pool(self, group) -> None:
+        """Sum every rank's per-iteration loss and token counts over ``group`` (every rank of it must call)."""
+        import torch.distributed as dist
+
+        if not self._sums or group is None or dist.get_world_size(group) == 1:
+            return
+        iterations = sorted(self._sums)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        totals = torch.tensor([[float(s), float(n)] for s, n in (self._sums[i] for i in iterations)],
+                              dtype=torch.float64, device=device)
+        dist.all_reduce(totals, group=group)
+        self._sums.update({i: [total[0], total[1]] for i, total in zip(iterations, totals.cpu(), strict=True)})
 
     def points(self) -> list[tuple[int, float]]:
         return [(it, float(s) / max(float(n), 1.0)) for it, (s, n) in sorted(self._sums.items())]

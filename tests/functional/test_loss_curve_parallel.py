@@ -1,0 +1,30 @@
+"""The loss curve of a data-parallel run is the whole batch's loss, not the writing rank's share of it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from zaya_cli import QUICK, pretrain
+
+
+def _loss_csv(path):
+    rows = path.read_text().splitlines()[1:]
+    return {int(i): float(v) for i, v in (row.split(",") for row in rows)}
+
+
+def test_dp2_loss_curve_equals_one_process(tmp_path):
+    flags = QUICK + ["--train-iters", "3", "--save-interval", "1000"]
+    one = pretrain(flags + ["--save", str(tmp_path / "one")], cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("WORLD_SIZE", None)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "megatron_zaya.pretrain", *flags, "--save", str(tmp_path / "two")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    expected, got = _loss_csv(tmp_path / "one" / "loss.csv"), _loss_csv(tmp_path / "two" / "loss.csv")
+    assert sorted(got) == sorted(expected) == [1, 2, 3]
+    for iteration, loss in expected.items():
+        assert abs(got[iteration] - loss) <= 1e-5 * loss, (iteration, got[iteration], loss)
