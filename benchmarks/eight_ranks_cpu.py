@@ -12,8 +12,8 @@ eight micro-batches of 2 accumulated on one process, one micro-batch of 2 on eac
 rank initialises only its own experts, from its own generator, so a fresh EP run need not draw one
 process's weights; hence both start from one checkpoint: one process trains
 ``BASE_ITERS`` iterations and saves, then the reference and the eight-rank run load it and train ``--iters``
-more. EP8 loads the weights only (Megatron's optimizer state does not reshard across expert-parallel sizes),
-and so does its reference; DP8 loads the Muon state too (resharded from one rank to eight).
+more. EP8 loads the weights only, and so does its reference (as measured on 2026-11-29, before the experts' optimizer
+state became reshardable across EP sizes); DP8 loads the Muon state too (resharded from one rank to eight).
 
 The floor: float32 results depend on the order of summation, and training amplifies such differences (Muon
 most: Newton-Schulz lifts a gradient's smallest singular directions to unit size). So the reference runs a

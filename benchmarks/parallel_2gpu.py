@@ -43,9 +43,8 @@ LONG = ["--num-layers", "4", "--seq-length", "32768", "--max-position-embeddings
         "1", "--global-batch-size", "2"]
 MATCH = ["--num-layers", "4", "--lr", "1e-4", "--no-load-rng",  # no dropout: nothing random to resume
          "--save-interval", "1000"]
-# name -> (flags, reference). Megatron's optimizer state does not reshard across expert-parallel sizes (the
-# dense/expert split of its parameter groups changes), so EP2 loads the weights only, as its reference does.
-MATCH_LAYOUTS = {"dp2": ([], "4k"), "ep2": (["--expert-model-parallel-size", "2", "--no-load-optim"], "4k_weights"),
+# name -> (flags, the reference's shape)
+MATCH_LAYOUTS = {"dp2": ([], "4k"), "ep2": (["--expert-model-parallel-size", "2"], "4k"),
                  "tp2": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "4k"),
                  "pp2": (["--pipeline-model-parallel-size", "2"], "4k"),
                  "cp2_32k": (["--context-parallel-size", "2"], "32k")}
@@ -140,25 +139,22 @@ def main() -> None:
         match = {"4k": MODEL + COMMON + SHORT + MATCH, "32k": MODEL + COMMON + LONG + MATCH}
         base = {shape: args.out / f"base_{shape}" for shape in match}
     if "references" in parts:
-        for shape in sorted({MATCH_LAYOUTS[name][1].split("_")[0] for name in args.layouts.split(",")}):
+        for shape in sorted({MATCH_LAYOUTS[name][1] for name in args.layouts.split(",")}):
             flags = match[shape]
             run_all([(f"base_{shape}", flags + ["--train-iters", "22", "--exit-interval", "2", "--save",
                                                 str(base[shape])], args.reference_gpu, 1)], args.out)
-        layouts = args.layouts.split(",")
-        for reference in sorted({MATCH_LAYOUTS[name][1] for name in layouts}):
-            shape, weights_only = reference.split("_")[0], reference.endswith("weights")
+        for shape in sorted({MATCH_LAYOUTS[name][1] for name in args.layouts.split(",")}):
             flags = match[shape] + ["--train-iters", "22", "--load", str(base[shape]), "--save",
-                                    str(args.out / f"reference_{reference}")] + ["--no-load-optim"] * weights_only
-            run_all([(f"reference_{reference}", flags, args.reference_gpu, 1)], args.out)
+                                    str(args.out / f"reference_{shape}")]
+            run_all([(f"reference_{shape}", flags, args.reference_gpu, 1)], args.out)
     if "match" in parts:
         for name in args.layouts.split(","):
-            layout, reference_name = MATCH_LAYOUTS[name]
-            shape = reference_name.split("_")[0]
+            layout, shape = MATCH_LAYOUTS[name]
             run_all([(f"match_{name}", match[shape] + layout + ["--train-iters", "22", "--load", str(base[shape]),
                                                                 "--save", str(args.out / f"match_{name}")], "0,1", 2)],
                     args.out)
             ours = loss_csv(args.out / f"match_{name}" / "loss.csv")
-            reference = loss_csv(args.out / f"reference_{reference_name}" / "loss.csv")
+            reference = loss_csv(args.out / f"reference_{shape}" / "loss.csv")
             common = sorted(set(ours) & set(reference))
             results.append({"run": f"match_{name}", "compared_iterations": common,
                             "max_abs_loss_diff": max((abs(ours[i] - reference[i]) for i in common), default=None),

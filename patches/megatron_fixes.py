@@ -177,9 +177,10 @@ def optimizer_split_changed() -> None:
     (``get_megatron_optimizer``, ``param.allreduce``). A checkpoint saved with one part and loaded with two,
     or the reverse (TP1/EP1 -> EP2, TP2/ETP1 -> TP1, ...), fails deep in ``ChainedOptimizer.load_state_dict``
     with ``RuntimeError: Expected 2 entries in state dict, but got 4`` (or a ``KeyError``): Megatron 0.19
-    cannot move the Adam state and parameter groups between the parts. The wrapper detects the mismatch
-    first and raises ``UsageError`` (``zaya-pretrain`` prints one line and exits 2) naming the two ways out.
-    Weights alone reshard across every layout.
+    cannot move the Adam state and parameter groups between the parts. ZAYA1's experts have their own
+    optimizer in every layout (``megatron_zaya/model/experts.py``), so its checkpoints reshard across EP sizes;
+    this meets checkpoints saved before that (experts in the dense optimizer at EP1). The wrapper detects the
+    mismatch first and raises ``UsageError`` (``zaya-pretrain`` prints one line and exits 2) naming the way out.
 
     Off: leave ``megatron_fixes.optimizer_split_changed`` out of ``--zaya-patches`` / ``ZAYA_PATCHES``.
     """
@@ -194,9 +195,8 @@ def optimizer_split_changed() -> None:
         if _mixes_optimizer_splits(state_dict):
             raise UsageError(
                 "the checkpoint's optimizer state is split into dense and expert parts differently from this run "
-                "(expert parallelism, or expert tensor parallelism vs TP, changed since it was saved); resume with "
-                "the checkpoint's --expert-model-parallel-size and --expert-tensor-parallel-size, or load the "
-                "weights only with --no-load-optim"
+                "(it was saved by an older megatron-zaya, which kept the experts in the dense optimizer at expert "
+                "parallelism 1); load the weights only with --no-load-optim"
             )
         return original(self, state_dict)
 

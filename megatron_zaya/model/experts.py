@@ -10,3 +10,13 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 class ZayaExperts(SequentialMLP):
     """``SequentialMLP``: ``forward(tokens [N, D] sorted by expert, tokens_per_expert [E_local], probs [N])``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Megatron marks expert weights as reduced over the expert-data-parallel group (``allreduce=False``) only
+        # when EP > 1 or expert TP != TP, and only then gives them an optimizer of their own. Marking them in every
+        # layout keeps the optimizer's dense/expert split, and so its checkpoint, the same for every EP size:
+        # a run saved at EP1 resumes at EP2 with its optimizer state. (At EP1 the expert-data-parallel group is
+        # the data-parallel group, so the gradients are reduced over the same ranks either way.)
+        for param in self.parameters():
+            param.allreduce = False

@@ -12,9 +12,8 @@ state, the second the loaded Adam moments and step count.
 The chain runs with Megatron's default optimizer (replicated over data-parallel ranks) and with the
 distributed optimizer in its reshardable format (``--dist-ckpt-optim-fully-reshardable``). The distributed
 optimizer in its default ``dp_reshardable`` format resumes on DP2 bit for bit against the uninterrupted DP2
-run (the ``megatron_fixes.distopt_*`` patches; without them it fails or drifts silently). EP2 (and any
-layout whose experts get their own optimizer, ETP != TP) cannot take a TP1/EP1 run's optimizer state in
-Megatron 0.19: that is refused in one line, and the weights alone resume.
+run (the ``megatron_fixes.distopt_*`` patches; without them it fails or drifts silently). EP2 resumes the
+TP1/EP1 checkpoint with its optimizer state too (ZAYA1's experts have their own optimizer in every layout).
 """
 
 from __future__ import annotations
@@ -47,7 +46,6 @@ class Run:
     distributed_optimizer: bool = False
     sharding: str = "fully_reshardable"  # the distributed optimizer's checkpoint format
     load: str | None = None  # checkpoint directory to start from (else fresh weights)
-    load_optimizer: bool = True  # else the weights only (``--no-load-optim``)
     save: str | None = None  # where to save: after step SAVED_AT when fresh, right after loading otherwise
     first_step: int = 0
 
@@ -91,11 +89,10 @@ def train_worker(rank: int, world: int, run: Run) -> list[float] | None:
     metadata = {"distrib_optim_sharding_type": run.sharding, "singleton_local_shards": False,
                 "chained_optim_avoid_prefix": True}  # as megatron.training.checkpointing builds it  # fmt: skip
 
-    def checkpoint(is_loading: bool, with_optimizer: bool = True) -> dict:
+    def checkpoint(is_loading: bool) -> dict:
         with_group = {**metadata, "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
         state = {"model": model.sharded_state_dict(metadata=with_group)}
-        if with_optimizer:
-            state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=with_group)
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=with_group)
         return state
 
     def save(directory: str) -> None:
@@ -103,10 +100,9 @@ def train_worker(rank: int, world: int, run: Run) -> list[float] | None:
         dist_checkpointing.save(checkpoint(is_loading=False), directory, content_metadata=metadata)
 
     if run.load is not None:
-        loaded = dist_checkpointing.load(checkpoint(is_loading=True, with_optimizer=run.load_optimizer), run.load)
+        loaded = dist_checkpointing.load(checkpoint(is_loading=True), run.load)
         model.load_state_dict(loaded["model"])
-        if run.load_optimizer:
-            optimizer.load_state_dict(loaded["optimizer"])
+        optimizer.load_state_dict(loaded["optimizer"])
         if run.save is not None:
             save(run.save)
 
@@ -188,15 +184,12 @@ def test_checkpoint_resumes_under_other_layouts(distributed_optimizer, reference
     assert not wrong, "\n".join(wrong)
 
 
-def test_expert_parallel_resume_loads_the_weights_and_refuses_the_optimizer_split(reference, tmp_path):
-    """EP2 has a second (expert) optimizer that TP1/EP1 does not: its state cannot move (Megatron 0.19), so
-    loading it is refused in one line; the weights alone give the reference's next loss."""
+def test_expert_parallel_resume_loads_the_optimizer_state(reference, tmp_path):
+    """EP2 takes the TP1/EP1 run's checkpoint with its optimizer state (the experts have their own optimizer in
+    every layout): both of its losses equal the reference's."""
     saved, losses = reference(False)
-    with pytest.raises(Exception, match="optimizer state is split into dense and expert parts differently"):
-        run_ranks(train_worker, 2, tmp_path / "with-optimizer", Run(ep=2, load=saved, first_step=SAVED_AT))
-    got = losses_of(run_ranks(train_worker, 2, tmp_path / "weights", Run(ep=2, load=saved, load_optimizer=False,
-                                                                             first_step=SAVED_AT)))  # fmt: skip
-    assert relative_error(got[:1], losses[SAVED_AT:SAVED_AT + 1]) <= RTOL, (got, losses)
+    got = losses_of(run_ranks(train_worker, 2, tmp_path / "ep2", Run(ep=2, load=saved, first_step=SAVED_AT)))
+    assert relative_error(got, losses[SAVED_AT:]) <= RTOL, (got, losses)
 
 
 def test_distributed_optimizer_resumes_exactly_on_two_data_parallel_ranks(tmp_path):
