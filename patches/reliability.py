@@ -144,7 +144,8 @@ def save_failure() -> None:
             cause = next(iter(failures.values()))[0] if failures else error
             summary = f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
             raise TrainingFault(
-                f"saving the checkpoint of iteration {iteration} to {save_dir} failed ({summary}); free space or fix the directory, then resume with --load {save_dir} from the previous "
-                f"checkpoint, which is intact: {describe_latest_checkpoint(save_dir)}") from error
+                f"saving the checkpoint of iteration {iteration} to {save_dir} failed ({summary}); free space or "
+                f"fix the directory, then resume with --load {save_dir} from the previous checkpoint, which is "
+                f"intact: {describe_latest_checkpoint(save_dir)}") from error
 
     replace_attr(training, "save_checkpoint", save_checkpoint)

@@ -168,7 +168,8 @@ def train_step_worker(rank: int, world: int, layout: Layout, full_state: dict | 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     tokens = TOKENS.chunk(dp_size)[dp_rank]
     cp_rank = ps.get_context_parallel_rank()
-    inputs, labels = (context_parallel_part(t, cp_rank, layout.cp).contiguous() for t in (tokens[:, :-1], tokens[:, 1:]))
+    inputs, labels = (context_parallel_part(t, cp_rank, layout.cp).contiguous()
+                      for t in (tokens[:, :-1], tokens[:, 1:]))
     losses = ddp(inputs, labels=labels)  # [b / dp, s / cp]
     losses.mean().backward()
     finalize_model_grads([ddp])
