@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from zaya_cli import QUICK, losses, pretrain
@@ -128,6 +129,37 @@ def test_sigkill_during_a_save_then_sigterm_with_a_deadline(tmp_path):
     assert [resumed[i] for i in (4, 6)] == [first[i] for i in (4, 6)]
     saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert saved == max(resumed) >= 8
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.3], ids=["at-start", "early", "late"])
+def test_sigkill_at_a_moment_of_a_save_leaves_latest_naming_a_complete_checkpoint(delay, tmp_path):
+    """The whole job step SIGKILLed ``delay`` s after the directory of checkpoint 6 appears (from outside, as a
+    node failure would): whatever was on disk by then, ``latest`` names a complete checkpoint, and the next
+    launch resumes from it with the losses of the killed run."""
+    ckpt = tmp_path / "ckpt"
+    flags = QUICK + ["--train-iters", "400", "--save-interval", "3", "--save", str(ckpt), "--load", str(ckpt)]
+    proc = _launch(flags, tmp_path, tmp_path / "killed.log")
+    target, deadline = ckpt / "iter_0000006", time.time() + 300
+    while not target.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.001)
+    time.sleep(delay)
+    _end_job_step(proc)
+    proc.wait(timeout=60)
+    first = losses((tmp_path / "killed.log").read_text())
+
+    latest = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert latest in (3, 6)
+    if delay == 0.0:
+        assert latest == 3 and not (target / "metadata.json").exists()  # killed mid-save: the case under test
+    complete = ckpt / f"iter_{latest:07d}"
+    assert (complete / ".metadata").is_file() and (complete / "metadata.json").is_file()
+
+    resumed = pretrain(flags + ["--exit-interval", str(latest + 3)], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = losses(resumed.stdout)
+    assert min(after) == latest + 1
+    if latest == 3:  # (Megatron's second log line after a resume averages two steps)
+        assert [after[i] for i in (4, 6)] == [first[i] for i in (4, 6)]
 
 
 def test_truncated_data_stops_in_one_line(tmp_path):
