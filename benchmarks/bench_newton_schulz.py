@@ -25,6 +25,8 @@ import statistics
 
 import torch
 
+from timing import call_times
+
 from megatron_zaya.kernels.newton_schulz import (
     QUINTIC_COEFFICIENTS,
     newton_schulz_reference,
@@ -50,26 +52,9 @@ NOTES_SET = {"q", "k", "o", "experts fc1", "experts fc2"}  # the matrices timed 
 SMOKE_LAYER = [("q", 1, 64, 96), ("experts fc1", 4, 96, 48), ("experts fc2", 4, 48, 48)]
 
 
-def timed(fn, device: str, repeats: int) -> float:
+def timed(fn, repeats: int) -> float:
     """Median milliseconds of ``fn()`` (after two warm-up calls)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            import time
-
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+    return statistics.median(call_times(fn, warmup=2, iters=repeats))
 
 
 def relative_error(result: torch.Tensor, oracle: torch.Tensor) -> float:
@@ -86,15 +71,15 @@ def bench_shape(name, count, rows, cols, device, repeats, use_triton, tiles=()) 
     oracle = newton_schulz_reference(G[:1].double(), COEFFICIENTS, dtype=torch.float64)
     row = {"name": name, "count": count, "shape": f"{rows}x{cols}", "flops": flops(count, rows, cols)}
     row["loop"] = timed(lambda: [newton_schulz_reference(g, COEFFICIENTS, dtype=torch.bfloat16) for g in G],
-                        device, repeats)  # fmt: skip
-    row["batched"] = timed(lambda: newton_schulz_reference(G, COEFFICIENTS, dtype=torch.bfloat16), device, repeats)
+                        repeats)  # fmt: skip
+    row["batched"] = timed(lambda: newton_schulz_reference(G, COEFFICIENTS, dtype=torch.bfloat16), repeats)
     row["err_torch"] = relative_error(newton_schulz_reference(G[:1], COEFFICIENTS, dtype=torch.bfloat16), oracle)
     if use_triton:
-        row["triton"] = timed(lambda: newton_schulz_triton(G, COEFFICIENTS, dtype=torch.bfloat16), device, repeats)
+        row["triton"] = timed(lambda: newton_schulz_triton(G, COEFFICIENTS, dtype=torch.bfloat16), repeats)
         row["err_triton"] = relative_error(newton_schulz_triton(G[:1], COEFFICIENTS, dtype=torch.bfloat16), oracle)
         row["tiles"] = {  # explicit BLOCK_M x BLOCK_K choices, to tune kernels.newton_schulz._tile_sizes
             (bm, bk): timed(lambda: newton_schulz_triton(G, COEFFICIENTS, dtype=torch.bfloat16, block_m=bm,
-                                                         block_k=bk), device, repeats)
+                                                         block_k=bk), repeats)
             for bm, bk in tiles
         }  # fmt: skip
     return row

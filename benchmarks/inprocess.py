@@ -21,12 +21,13 @@ import gc
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import call_times  # noqa: E402
 
 from megatron_zaya.config import zaya_config  # noqa: E402
 from megatron_zaya.flops import (gqa_moe_forward_flops_per_token, routed_fraction,  # noqa: E402
@@ -42,26 +43,6 @@ def zaya_cfg(smoke: bool, layers: int, seq: int):
     return zaya_config("tiny" if smoke else "zaya1-8b-shallow", num_layers=layers, max_position_embeddings=seq,
                        params_dtype=DTYPE, bf16=GPU, use_cpu_initialization=not GPU,
                        moe_token_dispatcher_type="alltoall")
-
-
-def timed(fn, warmup: int, iters: int) -> list[float]:
-    """Milliseconds of each of ``iters`` calls after ``warmup`` (device-synchronised)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if GPU:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return times
 
 
 def _setup():
@@ -108,7 +89,7 @@ def eager(args) -> dict:
         out, _ = layer(x_hf, None, attention_mask={"causal": causal, "conv": None}, position_embeddings=cos_sin)
         out.backward(grad)
 
-    hf_ms = timed(hf_step, warmup, iters)
+    hf_ms = call_times(hf_step, warmup, iters)
     del layer, causal
     gc.collect()
 
@@ -125,7 +106,7 @@ def eager(args) -> dict:
         out, _ = ours(x_ours, rotary_pos_emb=rotary)
         out.backward(grad_ours)
 
-    our_ms = timed(our_step, warmup, iters)
+    our_ms = call_times(our_step, warmup, iters)
     result = {"seq": seq, "batch": batch, "transformers_eager_ms": statistics.median(hf_ms),
               "ours_ms": statistics.median(our_ms), "transformers_eager_all_ms": hf_ms, "ours_all_ms": our_ms}
     result["layer_speedup"] = result["transformers_eager_ms"] / result["ours_ms"]
@@ -178,7 +159,7 @@ def run_point(model, kind: str, seq: int, tokens_per_step: int, steps: int) -> d
 
     if GPU:
         torch.cuda.reset_peak_memory_stats()
-    ms = timed(step, warmup=1, iters=steps)
+    ms = call_times(step, warmup=1, iters=steps)
     tokens = micro_batches * mbs * seq
     point = {"seq": seq, "micro_batch": mbs, "micro_batches": micro_batches, "tokens_per_step": tokens,
              "ms_per_step": statistics.median(ms), "all_ms": ms}
