@@ -216,10 +216,10 @@ class CompressedConvAttention(MegatronModule):
         if cp_group is None or cp_group.size() == 1:
             return None, None
         halo = (self.config.cca_time0 - 1) + (self.config.cca_time1 - 1)
-        qk_history, v_previous = preceding_rows(
-            [(torch.cat([q0, k0], dim=-1), halo), (v[..., self.first_delayed_channel:], 1)], cp_group
+        q_history, k_history, v_previous = preceding_rows(
+            [(q0, halo), (k0, halo), (v[..., self.first_delayed_channel:], 1)], cp_group
         )
-        return (qk_history if halo else None), v_previous
+        return (torch.cat([q_history, k_history], dim=-1) if halo else None), v_previous
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **unused):
         """``hidden_states [s(/tp), b, D]`` -> ``(out [s(/tp), b, D], None)``."""

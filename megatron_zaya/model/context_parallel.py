@@ -25,19 +25,16 @@ def local_chunk_ids(cp_group) -> tuple[int, int]:
     return rank, 2 * size - 1 - rank
 
 
-def _gathered_position(cp_size: int) -> list[int]:
-    """For each global chunk g, its row in an all-gather of every rank's two chunks (rank-major)."""
-    position = [0] * (2 * cp_size)
-    for rank in range(cp_size):
-        position[rank], position[2 * cp_size - 1 - rank] = 2 * rank, 2 * rank + 1
-    return position
-
-
 def _all_gather_chunks(chunks: torch.Tensor, cp_group) -> torch.Tensor:
-    """``[2, ...]`` per rank -> ``[2·cp, ...]`` in global chunk order (differentiable)."""
+    """``[2, ...]`` per rank -> ``[2·cp, ...]`` in global chunk order (differentiable).
+
+    The all-gather stacks the ranks' pairs: rank r's first chunk is chunk r, its second chunk 2·cp-1-r, so the
+    first chunks in rank order followed by the second chunks in reverse rank order are the sequence.
+    """
     gathered = gather_from_sequence_parallel_region(chunks.contiguous(), tensor_parallel_output_grad=True,
                                                     group=cp_group)
-    return gathered[_gathered_position(cp_group.size())]
+    pairs = gathered.view(cp_group.size(), 2, *chunks.shape[1:])
+    return torch.cat([pairs[:, 0], pairs[:, 1].flip(0)])
 
 
 def gather_sequence(local: torch.Tensor, cp_group) -> torch.Tensor:
@@ -59,6 +56,7 @@ def preceding_rows(locals_and_rows: list[tuple[torch.Tensor, int]], cp_group) ->
     widths = [tail.shape[1] for tail in tails]
     every_tail = _all_gather_chunks(torch.cat(tails, dim=1), cp_group)  # [2·cp, sum of widths]
     before_first = torch.zeros_like(every_tail[:1])
-    previous = torch.cat([before_first, every_tail[:-1]])[list(local_chunk_ids(cp_group))]  # [2, sum]
+    preceding = torch.cat([before_first, every_tail[:-1]])  # row g: the tail of chunk g - 1
+    previous = torch.stack([preceding[i] for i in local_chunk_ids(cp_group)])  # [2, sum of widths]
     return [part.view(2, rows, *local.shape[1:])
             for part, (local, rows) in zip(previous.split(widths, dim=1), locals_and_rows, strict=True)]
