@@ -158,6 +158,16 @@ def _layout(token, batch, cos_stride_s, cos_stride_b, N_KV: tl.constexpr, GROUP:
 
 
 @triton.jit
+def _rope_angles(cos_ptr, sin_ptr, rope_base, rope_mask, HALF: tl.constexpr):
+    """cos and sin of both rotated halves of a token's heads, in fp32."""
+    cos_a = tl.load(cos_ptr + rope_base, mask=rope_mask, other=0.0).to(tl.float32)
+    cos_b = tl.load(cos_ptr + rope_base + HALF, mask=rope_mask, other=0.0).to(tl.float32)
+    sin_a = tl.load(sin_ptr + rope_base, mask=rope_mask, other=0.0).to(tl.float32)
+    sin_b = tl.load(sin_ptr + rope_base + HALF, mask=rope_mask, other=0.0).to(tl.float32)
+    return cos_a, cos_b, sin_a, sin_b
+
+
+@triton.jit
 def _forward_kernel(
     q_conv_ptr, k_conv_ptr, q0_ptr, k0_ptr,  # [T, nq*d], [T, nkv*d], [T, nq*d], [T, nkv*d]
     temp_ptr,  # [nkv]
@@ -177,10 +187,7 @@ def _forward_kernel(
     q_scale = (root_d / tl.maximum(q_norm, eps))[:, :, None]
     k_scale = (root_d / tl.maximum(k_norm, eps) * temp.to(tl.float32)[:, None])[:, :, None]
 
-    cos_a = tl.load(cos_ptr + rope_base, mask=rope_mask, other=0.0).to(tl.float32)
-    cos_b = tl.load(cos_ptr + rope_base + HALF, mask=rope_mask, other=0.0).to(tl.float32)
-    sin_a = tl.load(sin_ptr + rope_base, mask=rope_mask, other=0.0).to(tl.float32)
-    sin_b = tl.load(sin_ptr + rope_base + HALF, mask=rope_mask, other=0.0).to(tl.float32)
+    cos_a, cos_b, sin_a, sin_b = _rope_angles(cos_ptr, sin_ptr, rope_base, rope_mask, HALF)
     q_type = q_out_ptr.dtype.element_ty
     k_type = k_out_ptr.dtype.element_ty
     tl.store(q_out_ptr + q_base, ((q_a * cos_a - q_b * sin_a) * q_scale).to(q_type), mask=q_rope)
@@ -233,10 +240,7 @@ def _backward_kernel(
     kv = tl.arange(0, BLOCK_KV)
     temp = tl.load(temp_ptr + kv, mask=kv < N_KV, other=0.0).to(tl.float32)[:, None, None]
 
-    cos_a = tl.load(cos_ptr + rope_base, mask=rope_mask, other=0.0).to(tl.float32)
-    cos_b = tl.load(cos_ptr + rope_base + HALF, mask=rope_mask, other=0.0).to(tl.float32)
-    sin_a = tl.load(sin_ptr + rope_base, mask=rope_mask, other=0.0).to(tl.float32)
-    sin_b = tl.load(sin_ptr + rope_base + HALF, mask=rope_mask, other=0.0).to(tl.float32)
+    cos_a, cos_b, sin_a, sin_b = _rope_angles(cos_ptr, sin_ptr, rope_base, rope_mask, HALF)
     # Rotation transposed: gradients w.r.t. the normalised (pre-RoPE) heads.
     do_a = tl.load(grad_q_ptr + q_base, mask=q_rope, other=0.0).to(tl.float32)
     do_b = tl.load(grad_q_ptr + q_base + HALF, mask=q_rope, other=0.0).to(tl.float32)
