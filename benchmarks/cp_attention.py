@@ -11,24 +11,20 @@ query heads. Also says whether the flash backend accepts each call. The ideal pe
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from timing import call_times
 
 from megatron_zaya.config import zaya_config
 from megatron_zaya.model.core_attention import SDPAttention
 
 
 def timed(fn, repeats: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
+    """Mean milliseconds of ``fn()`` after one warm-up call."""
+    return statistics.mean(call_times(fn, warmup=1, iters=repeats))
 
 
 def main() -> None:
