@@ -2,8 +2,8 @@
 
     python benchmarks/parallel_2gpu.py --out OUT [--parts scaling,context,references,match,resume]
 
-* ``scaling``: one GPU, DP2, EP2 (expert-parallel, 8 experts per GPU), TP2 (+SP) and DP2 with the distributed
-  optimizer and overlapped gradient reduction (``--scaling-layouts`` picks them) on the ZAYA1-8B-width
+* ``scaling``: one GPU, DP2, EP2 (expert-parallel, 8 experts per GPU), TP2 (+SP), DP2 with overlapped gradient
+  reduction, and DP2 with that and the distributed optimizer (``--scaling-layouts`` picks them) on the ZAYA1-8B-width
   model at 8 layers, sequence 4096, global batch 8 x 4096 tokens (the same samples in every layout). Reports
   tokens/s/GPU over the iterations after the 10th and scaling efficiency = tokens/s/GPU / one GPU's.
 * ``context``: the same for CP2 at sequence 32768 (4 layers, global batch 2).
@@ -12,8 +12,8 @@
   trains 2 iterations and saves (4 layers; sequence 4096, and 32768 for CP), then one GPU (the reference) and
   DP2, EP2, TP2+SP, PP2 and CP2 each load it (resharding it) and train 20 more; per-iteration losses come from
   the loss-curve CSVs. ``references`` runs on ``--reference-gpu`` only, so it can share the machine.
-* ``resume``: DP2 with ``--use-distributed-optimizer``: 10 iterations saving at 5, then a second launch that
-  loads iteration 5 and trains 6-10; the resumed losses must equal the uninterrupted ones exactly.
+* ``resume``: DP2 with ``--use-distributed-optimizer --deterministic-mode``: 10 iterations saving at 5, then a
+  second launch that loads iteration 5 and trains 6-10; the resumed losses must equal the uninterrupted ones.
 
 One-GPU references run alone on GPU 0 (or two at once, one per GPU, when both are references). Writes
 ``OUT/<run>.log``, ``OUT/parallel-<parts>.json`` and prints a markdown table.
@@ -49,11 +49,10 @@ MATCH_LAYOUTS = {"dp2": ([], "4k"), "ep2": (["--expert-model-parallel-size", "2"
                  "pp2": (["--pipeline-model-parallel-size", "2"], "4k"),
                  "cp2_32k": (["--context-parallel-size", "2"], "32k")}
 LAYOUTS = {"dp2": [], "ep2": ["--expert-model-parallel-size", "2"],
-                 "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                 "pp2": ["--pipeline-model-parallel-size", "2"], "cp2_32k": ["--context-parallel-size", "2"]}
-LAYOUTS = {"dp2": [], "ep2": ["--expert-model-parallel-size", "2"],
            "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-           # ZeRO-1 halves each rank's optimizer step; the reduce-scatter starts during the last backward
+           # the gradient all-reduce runs bucket by bucket during the last micro-batch's backward
+           "dp2_overlap": ["--overlap-grad-reduce"],
+           # ZeRO-1 also halves each rank's optimizer step
            "dp2_distopt": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]}
 
 
@@ -161,7 +160,8 @@ def main() -> None:
                             "reference": [reference[i] for i in common], "losses": [ours[i] for i in common]})
     if "resume" in parts:
         ckpt = args.out / "ckpt"
-        resume = MODEL + COMMON + SHORT + MATCH + ["--use-distributed-optimizer", "--train-iters", "10"]
+        resume = MODEL + COMMON + SHORT + MATCH + ["--use-distributed-optimizer", "--deterministic-mode",
+                                                   "--train-iters", "10"]
         run_all([("distopt_uninterrupted", resume + ["--save", str(ckpt), "--save-interval", "5"], "0,1", 2)],
                 args.out)
         run_all([("distopt_resumed", resume + ["--load", str(ckpt), "--ckpt-step", "5", "--save", str(ckpt) + "-b",

@@ -2,6 +2,7 @@
 
 Runs zaya-pretrain under torchrun on up to two GPUs (data parallel) in bf16 with --use-distributed-optimizer
 (Adam: Megatron's sharded optimizer; zaya_muon: its own data-parallel sharding of Newton-Schulz and momentum).
+``--deterministic-mode`` makes GPU runs repeat bit for bit, so resumed losses must equal the uninterrupted ones.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 GPUS = min(torch.cuda.device_count(), 2) if torch.cuda.is_available() else 0
 FLAGS = ["--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "16", "--lr-warmup-iters", "2",
          "--eval-iters", "0", "--log-interval", "1", "--bf16", "--use-distributed-optimizer", "--train-iters", "20",
-         "--save-interval", "10", "--zaya-replica-check-interval", "5"]
+         "--save-interval", "10", "--zaya-replica-check-interval", "5", "--deterministic-mode"]
 
 
 def _pretrain(args, cwd, extra_env=None):
