@@ -30,7 +30,6 @@ MAIN_JOB_FLAGS = [
     "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "20",
     "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "10", "--eval-interval", "100",
     "--eval-iters", "2", "--split", "98,2,0", "--seed", "1234", "--save-interval", "300",
-    "--save", EMBEDDED_RUN_DIR, "--load", EMBEDDED_RUN_DIR,
 ]
 
 
@@ -68,6 +67,9 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
         from .data import embedded_dataset_prefix, embedded_tokenizer_dir
 
         flags += MAIN_JOB_FLAGS + (["--bf16"] if cuda else [])
+        # A run resumes from where it saves: `--save X` alone must not pick up the default run's checkpoint.
+        save = _flag_value(argv, "--save") or EMBEDDED_RUN_DIR
+        flags += ["--save", save, "--load", _flag_value(argv, "--load") or save]
         flags += ["--data-path", embedded_dataset_prefix(str(Path(EMBEDDED_RUN_DIR).parent / "embedded-data")),
                   "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", embedded_tokenizer_dir()]
     elif _has(argv, "--mock-data") and not _has(argv, "--tokenizer-type"):

@@ -1,0 +1,20 @@
+"""The embedded main job's defaults: a run resumes from the directory it saves to."""
+
+from megatron_zaya.pretrain import EMBEDDED_RUN_DIR, _flag_value, build_argv
+
+
+def _resolved(argv, flag):
+    return _flag_value(build_argv(argv, cuda=False), flag)  # last occurrence wins, as in argparse
+
+
+def test_the_default_run_saves_and_resumes_in_its_own_directory():
+    assert _resolved([], "--save") == _resolved([], "--load") == EMBEDDED_RUN_DIR
+
+
+def test_load_follows_an_explicit_save():
+    assert _resolved(["--save", "/tmp/elsewhere"], "--load") == "/tmp/elsewhere"
+
+
+def test_an_explicit_load_wins():
+    argv = ["--save", "/tmp/new", "--load", "/tmp/old"]
+    assert (_resolved(argv, "--save"), _resolved(argv, "--load")) == ("/tmp/new", "/tmp/old")
