@@ -33,6 +33,9 @@ class ZayaConfig(TransformerConfig):
     max_position_embeddings: int = 131_072
     tie_embeddings: bool = True
     lm_head_fp32: bool = True  # logits from an fp32 matmul ("zaya_high_prec", §1)
+    # Fused LM head only (kernels.zaya_lm_head): gradients computed in its forward, 3 GEMMs instead of 4, holding
+    # an fp32 [V, D] gradient until the backward; False recomputes the logits in the backward instead.
+    lm_head_grad_in_forward: bool = True
 
     # -- CCA (§3) ---------------------------------------------------------------------------------------
     cca_time0: int = 2  # depthwise (per-channel) causal conv taps

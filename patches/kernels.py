@@ -229,7 +229,9 @@ def use_fused_lm_head() -> None:
     Megatron's cross-entropy: at ZAYA1-8B's vocabulary that is 4.3 GB of logits per 4096 tokens and an fp32
     GEMM. ``megatron_zaya.kernels.cross_entropy.linear_cross_entropy`` multiplies the bf16 hidden states and
     weights with fp32 accumulation and output (the same products as an fp32 matmul of bf16 values) chunk by
-    chunk, keeping only a per-token logsumexp. With a vocabulary split across TP ranks the torch path stays.
+    chunk, keeping only a per-token logsumexp, and by default computes the gradients during the forward
+    (``--zaya-lm-head-backward recompute`` trades that for a recomputation in the backward and less memory).
+    With a vocabulary split across TP ranks the torch path stays.
     Off: leave ``kernels.zaya_lm_head`` out of ``--zaya-patches``.
     """
     from megatron_zaya.kernels.cross_entropy import linear_cross_entropy
@@ -243,7 +245,8 @@ def use_fused_lm_head() -> None:
         weight = weight if weight is not None else self.output_layer.weight
         seq, batch, width = hidden.shape
         loss = linear_cross_entropy(hidden.reshape(seq * batch, width), weight.to(hidden.dtype),
-                                    labels.transpose(0, 1).reshape(-1))
+                                    labels.transpose(0, 1).reshape(-1),
+                                    grad_in_forward=self.config.lm_head_grad_in_forward)
         return loss.view(seq, batch).transpose(0, 1).contiguous()
 
     replace_attr(ZayaModel, "lm_head_loss", fused_lm_head_loss)

@@ -13,6 +13,13 @@ the fp32 logits of 8192 tokens alone take 8.6 GB, their gradient as much again.
   d weight (fp32 per vocab chunk when there are several token chunks) from it. Peak extra memory is one
   tile (fp32 logits + its gradient) and d hidden in fp32.
 
+  When gradients are needed, the forward instead takes whole-vocabulary token chunks and computes the
+  gradients with a unit loss gradient right away (3 GEMMs per tile instead of 4: no recomputation). The
+  backward scales them: d hidden row by row, which is exact for any loss gradient, and d weight by the one
+  factor that Megatron's loss gives every counted token. Should the loss gradients differ between tokens (a
+  loss mask), d weight is recomputed from the saved inputs as above. This holds an fp32 [V, D] d weight from
+  forward to backward (2.1 GB at ZAYA1-8B's size).
+
 Labels must lie in [0, V) or equal ``ignore_index`` (loss 0, no gradient). Tensor-parallel vocabularies
 (logits split over ranks) are out of scope here: Megatron's ``vocab_parallel_cross_entropy`` stays in use
 for TP > 1 (see patches/kernels.py).
@@ -20,6 +27,7 @@ for TP > 1 (see patches/kernels.py).
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -203,10 +211,48 @@ def _tiles(tokens: int, vocab: int, token_chunk: int | None, vocab_chunk: int | 
     return _chunks(tokens, token_chunk), _chunks(vocab, vocab_chunk)
 
 
+def _matmul_fp32_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool = False) -> None:
+    """``out (+)= a @ b`` into an fp32 ``out``, without an fp32 temporary where the vendor GEMM allows."""
+    if a.is_cuda and a.dtype != torch.float32 and _FP32_OUT_GEMM["supported"]:
+        try:
+            if accumulate:
+                torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+            else:
+                torch.mm(a, b, out_dtype=torch.float32, out=out)
+            return
+        except (RuntimeError, NotImplementedError, TypeError):  # no fp32-output overload: one temporary
+            pass
+    if accumulate:
+        out += _matmul_fp32(a, b)
+    else:
+        out.copy_(_matmul_fp32(a, b))
+
+
+def _grad_weight_recomputed(hidden, weight, labels, lse, grad_loss, tiles):
+    """d weight from the saved inputs, recomputing each tile's logits (d hidden is not needed)."""
+    token_ranges, vocab_ranges = tiles
+    grad_weight = torch.empty_like(weight)
+    for v0, v1 in vocab_ranges:
+        w = weight[v0:v1]
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        for t0, t1 in token_ranges:
+            h = hidden[t0:t1]
+            grad_logits = torch.empty((t1 - t0, v1 - v0), dtype=hidden.dtype, device=hidden.device)
+            _softmax_grad(_matmul_fp32(h, w.t()), labels[t0:t1], v0, lse[t0:t1], grad_loss[t0:t1], grad_logits)
+            _matmul_fp32_into(grad_w, grad_logits.t(), h, accumulate=True)
+        grad_weight[v0:v1] = grad_w
+    return grad_weight
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, token_chunk, vocab_chunk):
-        token_ranges, vocab_ranges = _tiles(hidden.shape[0], weight.shape[0], token_chunk, vocab_chunk)
+    def forward(ctx, hidden, weight, labels, ignore_index, token_chunk, vocab_chunk, grad_in_forward):
+        ctx.ignore_index = ignore_index
+        ctx.tiles = _tiles(hidden.shape[0], weight.shape[0], token_chunk, vocab_chunk)
+        ctx.grad_in_forward = grad_in_forward and any(ctx.needs_input_grad[:2])
+        if ctx.grad_in_forward:
+            return _LinearCrossEntropy._forward_with_grads(ctx, hidden, weight, labels, ignore_index, token_chunk)
+        token_ranges, vocab_ranges = ctx.tiles
         running_max, running_sum, target = _new_statistics(hidden.shape[0], hidden.device)
         for v0, v1 in vocab_ranges:
             for t0, t1 in token_ranges:
@@ -215,15 +261,38 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                       target[t0:t1])  # fmt: skip
         loss, lse = _loss(running_max, running_sum, target, labels, ignore_index)
         ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.tiles = token_ranges, vocab_ranges
-        ctx.ignore_index = ignore_index
+        return loss
+
+    @staticmethod
+    def _forward_with_grads(ctx, hidden, weight, labels, ignore_index, token_chunk):
+        """Loss, and the gradients for a unit loss gradient per counted token, whole vocabulary per chunk."""
+        tokens, vocab = hidden.shape[0], weight.shape[0]
+        token_chunk = token_chunk or max(1, 2 ** round(math.log2(max(1, TILE_ELEMENTS // vocab))))
+        running_max, running_sum, target = _new_statistics(tokens, hidden.device)
+        unit = (labels != ignore_index).float()  # ignored tokens get no gradient, as in the backward
+        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for t0, t1 in _chunks(tokens, token_chunk):
+            h, rows = hidden[t0:t1], slice(t0, t1)
+            logits = _matmul_fp32(h, weight.t())
+            _accumulate_logsumexp(logits, labels[rows], 0, running_max[rows], running_sum[rows], target[rows])
+            lse = running_max[rows] + torch.log(running_sum[rows])
+            grad_logits = _softmax_grad(logits, labels[rows], 0, lse, unit[rows],
+                                        torch.empty((t1 - t0, vocab), dtype=hidden.dtype, device=hidden.device))
+            del logits
+            _matmul_fp32_into(grad_hidden[rows], grad_logits, weight)
+            _matmul_fp32_into(grad_weight, grad_logits.t(), h, accumulate=True)
+        loss, lse = _loss(running_max, running_sum, target, labels, ignore_index)
+        ctx.save_for_backward(hidden, weight, labels, lse, grad_hidden, grad_weight)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        grad_loss = torch.where(ctx.saved_tensors[2] == ctx.ignore_index, 0.0, grad_loss.float())
+        if ctx.grad_in_forward:
+            return _LinearCrossEntropy._scale_forward_grads(ctx, grad_loss)
         hidden, weight, labels, lse = ctx.saved_tensors
         token_ranges, vocab_ranges = ctx.tiles
-        grad_loss = torch.where(labels == ctx.ignore_index, 0.0, grad_loss.float())
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_weight = torch.empty_like(weight)
         one_token_chunk = len(token_ranges) == 1  # then d weight needs no fp32 accumulator: one GEMM per chunk
@@ -241,7 +310,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_w += _matmul_fp32(grad_logits.t(), h)
             if not one_token_chunk:
                 grad_weight[v0:v1] = grad_w
-        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None
+
+    @staticmethod
+    def _scale_forward_grads(ctx, grad_loss):
+        hidden, weight, labels, lse, unit_grad_hidden, unit_grad_weight = ctx.saved_tensors
+        grad_hidden = (unit_grad_hidden * grad_loss[:, None]).to(hidden.dtype)
+        counted = labels != ctx.ignore_index
+        scale = torch.where(counted, grad_loss, float("-inf")).amax()
+        scale = torch.where(scale.isfinite(), scale, 0.0)  # no counted token: every gradient is 0
+        one_factor = torch.where(counted, grad_loss == scale, True).all()
+        # one host sync per call; shape-only tracing (meta tensors) has no values to compare
+        if grad_loss.is_meta or bool(one_factor):
+            grad_weight = (unit_grad_weight * scale).to(weight.dtype)
+        else:
+            grad_weight = _grad_weight_recomputed(hidden, weight, labels, lse, grad_loss, ctx.tiles)
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -251,10 +335,13 @@ def linear_cross_entropy(
     ignore_index: int = IGNORE_INDEX,
     token_chunk: int | None = None,
     vocab_chunk: int | None = None,
+    grad_in_forward: bool = True,
 ) -> torch.Tensor:
     """Chunked LM head + cross-entropy; same contract as :func:`linear_cross_entropy_reference`.
 
     ``token_chunk`` x ``vocab_chunk`` is the logits tile (default: up to 8192 tokens, 2^28 elements).
+    ``grad_in_forward`` (when gradients are needed) computes them in the forward over whole-vocabulary token
+    chunks (default about 2^28 / V tokens; ``vocab_chunk`` unused), saving the backward's recomputation.
     hidden and weight share a dtype (bf16 in training: the GEMMs take bf16 and accumulate and return fp32).
     """
     if hidden.shape[:-1] != labels.shape or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -267,6 +354,7 @@ def linear_cross_entropy(
     if not triton_runs(_logsumexp_kernel, hidden, weight, labels):
         return linear_cross_entropy_reference(hidden, weight, labels, ignore_index)
     loss = _LinearCrossEntropy.apply(
-        flat_rows(hidden), weight.contiguous(), labels.reshape(-1).contiguous(), ignore_index, token_chunk, vocab_chunk
+        flat_rows(hidden), weight.contiguous(), labels.reshape(-1).contiguous(), ignore_index, token_chunk, vocab_chunk,
+        grad_in_forward,
     )
     return loss.view(labels.shape)

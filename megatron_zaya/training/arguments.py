@@ -84,6 +84,9 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--zaya-no-residual-scaling", dest="zaya_residual_scaling", action="store_false")
     g.add_argument("--zaya-lm-head-precision", choices=("fp32", "param"), default="fp32",
                    help="fp32: logits from an fp32 matmul (ZAYA1's high-precision head)")
+    g.add_argument("--zaya-lm-head-backward", choices=("in-forward", "recompute"), default="in-forward",
+                   help="fused LM head: compute its gradients in the forward (3 GEMMs, an fp32 [V, D] gradient "
+                        "held until the backward) or recompute the logits in the backward (4 GEMMs, less memory)")
     g.add_argument("--zaya-core-attention", choices=("sdpa", "te"), default="sdpa")
     g.add_argument("--zaya-loss-plot", default=None, help="write the training-loss curve here (PNG)")
     # Fault handling (docs/reliability.md).
@@ -118,7 +121,8 @@ def zaya_config_from_args(args) -> ZayaConfig:
     overrides = dict(
         vocab_size=args.padded_vocab_size, max_position_embeddings=args.max_position_embeddings,
         tie_embeddings=not args.untie_embeddings_and_output_weights,
-        lm_head_fp32=args.zaya_lm_head_precision == "fp32", cca_time0=args.zaya_cca_time0,
+        lm_head_fp32=args.zaya_lm_head_precision == "fp32",
+        lm_head_grad_in_forward=args.zaya_lm_head_backward == "in-forward", cca_time0=args.zaya_cca_time0,
         cca_time1=args.zaya_cca_time1, key_temperature_init=args.zaya_key_temperature_init,
         rotary_percent=args.rotary_percent, rotary_base=float(args.rotary_base),
         sliding_window=args.zaya_sliding_window, sliding_rotary_base=args.zaya_sliding_rotary_base,

@@ -5,6 +5,8 @@ torch reference as the reference itself run in bf16 (``assert_matches_oracle``),
 Run: ``python -m pytest -q tests/gpu/test_kernels_gpu.py`` (well under a minute of GPU time; tens of GB of memory).
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -98,14 +100,18 @@ def test_cross_entropy():
              [torch.rand(tokens, generator=gen, device="cuda")], labels)  # fmt: skip
 
 
-def test_linear_cross_entropy():
+@pytest.mark.parametrize("grad_kind", ["one_factor", "per_token"])  # d weight from the forward; recomputed
+def test_linear_cross_entropy(grad_kind):
     gen = torch.Generator("cuda").manual_seed(5)
     tokens = 2048
     hidden, weight = _randn(tokens, HIDDEN, gen=gen), _randn(VOCAB, HIDDEN, scale=0.02, gen=gen)
     labels = torch.randint(0, VOCAB, (tokens,), generator=gen, device="cuda")
-    _compare(["loss", "d_hidden", "d_weight"], cross_entropy.linear_cross_entropy,
-             cross_entropy.linear_cross_entropy_reference, [hidden, weight],
-             [torch.rand(tokens, generator=gen, device="cuda")], labels)  # fmt: skip
+    labels[::13] = cross_entropy.IGNORE_INDEX
+    grad = (torch.rand(tokens, generator=gen, device="cuda") if grad_kind == "per_token"
+            else torch.full((tokens,), 1 / tokens, device="cuda"))
+    four_token_chunks = functools.partial(cross_entropy.linear_cross_entropy, token_chunk=512)
+    _compare(["loss", "d_hidden", "d_weight"], four_token_chunks, cross_entropy.linear_cross_entropy_reference,
+             [hidden, weight], [grad], labels)  # fmt: skip
 
 
 def test_cca_qk():

@@ -43,23 +43,34 @@ def test_cross_entropy_forward_backward(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("chunks", [(None, None), (8, 128)])  # one tile; 3 x 3 ragged tiles
-def test_linear_cross_entropy_forward_backward(dtype, chunks):
+@pytest.mark.parametrize("chunks", [(None, None), (8, 128)])  # one tile; 3 x 3 ragged tiles (3 token chunks)
+@pytest.mark.parametrize("grad_in_forward", [True, False], ids=["grad_in_forward", "recompute"])
+@pytest.mark.parametrize("grad_kind", ["one_factor", "per_token"])  # Megatron's loss; a loss mask or weights
+def test_linear_cross_entropy_forward_backward(dtype, chunks, grad_in_forward, grad_kind):
     gen = torch.Generator().manual_seed(1)
     tokens, dim = 19, 24
     hidden = torch.randn(tokens, dim, generator=gen).to(dtype)
     weight = (0.5 * torch.randn(VOCAB, dim, generator=gen)).to(dtype)
     labels = _labels((tokens,), gen)
-    grad_loss = torch.rand(tokens, generator=gen)
+    grad_loss = torch.rand(tokens, generator=gen) if grad_kind == "per_token" else torch.full((tokens,), 0.37)
     token_chunk, vocab_chunk = chunks
 
     kernel = _loss_and_grads(kernels.linear_cross_entropy, [hidden, weight], labels, grad_loss,
-                             token_chunk=token_chunk, vocab_chunk=vocab_chunk)  # fmt: skip
+                             token_chunk=token_chunk, vocab_chunk=vocab_chunk,
+                             grad_in_forward=grad_in_forward)  # fmt: skip
     reference = _loss_and_grads(kernels.linear_cross_entropy_reference, [hidden, weight], labels, grad_loss)
     oracle = _loss_and_grads(kernels.linear_cross_entropy_reference, [hidden, weight], labels, grad_loss, torch.float64)
     assert kernel[0].dtype == torch.float32 and kernel[1].dtype == kernel[2].dtype == dtype
     for name, k, r, o in zip(["loss", "d_hidden", "d_weight"], kernel, reference, oracle):
         assert_matches_oracle(name, k, o, r)
+
+
+def test_linear_cross_entropy_with_every_token_ignored_has_zero_gradients():
+    hidden, weight = torch.randn(6, 8, requires_grad=True), torch.randn(VOCAB, 8, requires_grad=True)
+    labels = torch.full((6,), kernels.IGNORE_INDEX)
+    loss = kernels.linear_cross_entropy(hidden, weight, labels)
+    loss.sum().backward()
+    assert (loss == 0).all() and (hidden.grad == 0).all() and (weight.grad == 0).all()
 
 
 def test_chunks_cover_the_range_evenly():
