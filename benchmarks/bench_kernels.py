@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 
@@ -56,6 +57,7 @@ class Case:
     bytes: tuple[float, float] = (0.0, 0.0)  # (forward, backward) bytes moved by a fused implementation
     flops: tuple[float, float] = (0.0, 0.0)  # (forward, backward) useful FLOPs
     compile: bool = True  # also time torch.compile(reference)
+    uniform_grad: bool = False  # backward with one gradient for every output element, as Megatron's loss gives
 
 
 def cases(s: Shapes, device: str) -> list[Case]:
@@ -87,7 +89,11 @@ def cases(s: Shapes, device: str) -> list[Case]:
              lambda: ([randn(s.ce_tokens, v, scale=3)], (labels,)), bytes=(2 * s.ce_tokens * v, 4 * s.ce_tokens * v)),
         Case("linear_cross_entropy", cross_entropy.linear_cross_entropy, cross_entropy.linear_cross_entropy_reference,
              lambda: ([randn(s.ce_tokens, d), randn(v, d, scale=0.02)], (labels,)),
-             flops=(2 * s.ce_tokens * v * d, 4 * s.ce_tokens * v * d)),
+             flops=(2 * s.ce_tokens * v * d, 4 * s.ce_tokens * v * d), uniform_grad=True),
+        Case("linear_ce_recompute", functools.partial(cross_entropy.linear_cross_entropy, grad_in_forward=False),
+             cross_entropy.linear_cross_entropy_reference,
+             lambda: ([randn(s.ce_tokens, d), randn(v, d, scale=0.02)], (labels,)),
+             flops=(2 * s.ce_tokens * v * d, 4 * s.ce_tokens * v * d), compile=False, uniform_grad=True),
         Case("cca_qk", cca.cca_qk, cca.cca_qk_reference,
              lambda: ([randn(s.seq, s.batch, q_ch), randn(s.seq, s.batch, k_ch), randn(q_ch, 2), randn(q_ch),
                        randn(k_ch, 2), randn(k_ch), randn(q_ch, s.head_dim, 2, scale=0.05), randn(q_ch),
@@ -122,14 +128,25 @@ def _bench(fn: Callable[[], object], device: str) -> float:
     return sorted(times)[2]
 
 
-def _time_passes(fn: Callable, tensors: list[torch.Tensor], args: tuple, device: str) -> tuple[float, float]:
-    """(forward ms, forward + backward ms) of ``fn(*tensors, *args)``."""
-    grads = [torch.randn_like(o) for o in _differentiable(fn(*tensors, *args))]
+def _time_passes(fn: Callable, tensors: list[torch.Tensor], args: tuple, device: str,
+                 uniform_grad: bool = False) -> tuple[float, float, float]:
+    """(forward ms, forward + backward ms, extra peak GiB of forward + backward) of ``fn(*tensors, *args)``."""
+    outputs = _differentiable(fn(*tensors, *args))
+    grads = [torch.full_like(o, 1 / o.numel()) if uniform_grad else torch.randn_like(o) for o in outputs]
+    del outputs
 
     def step():
         torch.autograd.grad(_differentiable(fn(*tensors, *args)), tensors, grads)
 
-    return _bench(lambda: fn(*tensors, *args), device), _bench(step, device)
+    peak = 0.0
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - before) / 2**30
+    return _bench(lambda: fn(*tensors, *args), device), _bench(step, device), peak
 
 
 def _throughput(case: Case, backward: bool, ms: float) -> str:
@@ -141,11 +158,11 @@ def _throughput(case: Case, backward: bool, ms: float) -> str:
 
 def run(case: Case, device: str, use_compile: bool) -> None:
     tensors, args = case.make_inputs()
-    timings = {"triton": _time_passes(case.kernel, tensors, args, device),
-               "eager": _time_passes(case.reference, tensors, args, device)}  # fmt: skip
+    timings = {"triton": _time_passes(case.kernel, tensors, args, device, case.uniform_grad),
+               "eager": _time_passes(case.reference, tensors, args, device, case.uniform_grad)}  # fmt: skip
     if use_compile and case.compile:
         try:
-            timings["compile"] = _time_passes(torch.compile(case.reference), tensors, args, device)
+            timings["compile"] = _time_passes(torch.compile(case.reference), tensors, args, device, case.uniform_grad)
         except Exception as error:  # report and go on: a compile failure is a result, not a crash
             print(f"  {case.name}: torch.compile failed: {type(error).__name__}: {str(error).splitlines()[0][:100]}")
     for index, label in enumerate(("fwd", "fwd+bwd")):
@@ -154,6 +171,8 @@ def run(case: Case, device: str, use_compile: bool) -> None:
         for other in ("eager", "compile"):
             if other in timings:
                 line += f" | {other} {timings[other][index]:9.3f} ms  x{timings[other][index] / kernel_ms:5.2f}"
+        if index == 1 and device == "cuda":
+            line += f" | extra peak GiB: triton {timings['triton'][2]:.2f}, eager {timings['eager'][2]:.2f}"
         print(line)
     del tensors, args
     if device == "cuda":
@@ -164,6 +183,21 @@ def copy_anchor(device: str, shapes: Shapes) -> None:
     x = torch.empty(shapes.tokens * shapes.hidden * 32, dtype=BF16, device=device)
     ms = _bench(lambda: torch.empty_like(x).copy_(x), device)
     print(f"{'copy (anchor)':22s} {'':8s} {ms:9.3f} ms {2 * x.numel() * 2 / (ms * 1e-3) / 1e9:9.1f} GB/s")
+
+
+def gemm_anchor(device: str, shapes: Shapes) -> None:
+    """bf16 GEMM rate at an LM-head tile, with bf16 and with fp32 output (the fused LM head's GEMMs)."""
+    a = torch.randn(shapes.ce_tokens, shapes.hidden, dtype=BF16, device=device)
+    b = torch.randn(shapes.hidden, 32768, dtype=BF16, device=device)
+    flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    for label, fn in (("bf16 out", lambda: a @ b), ("fp32 out", lambda: torch.mm(a, b, out_dtype=FP32)),
+                      ("fp32 upcast", lambda: a.float() @ b.float())):
+        try:
+            ms = _bench(fn, device)
+        except (RuntimeError, NotImplementedError) as error:
+            print(f"{'gemm ' + label:22s} unavailable: {str(error).splitlines()[0][:80]}")
+            continue
+        print(f"{'gemm ' + label:22s} {'':8s} {ms:9.3f} ms {flops / (ms * 1e-3) / 1e12:9.1f} TFLOP/s")
 
 
 def main() -> None:
@@ -180,6 +214,8 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"device {name} | torch {torch.__version__} | tokens {shapes.tokens} | hidden {shapes.hidden}")
     copy_anchor(device, shapes)
+    if device == "cuda":
+        gemm_anchor(device, shapes)
     selected = set(options.kernels.split(",")) if options.kernels else None
     for case in cases(shapes, device):
         if selected is None or case.name in selected:

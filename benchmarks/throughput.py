@@ -16,6 +16,8 @@ Parts:
   eager     one decoder layer forward + backward at S=4096, B=2: transformers' eager ZAYA1 layer vs ours.
   sweep     in-process training steps at sequence 4k/8k/16k/32k (32,768 tokens per step): ZAYA1 vs the
             SDPA GQA baseline; plot ``sweep.png``.
+  zaya_lm_recompute  (not in the default) the zaya run with the fused LM head recomputing its logits in the
+            backward (``--zaya-lm-head-backward recompute``) instead of computing its gradients in the forward.
   dp2, ep2  (two GPUs, not in the default) the zaya run under torchrun on 2 GPUs with twice the global
             batch: data parallel, and expert parallel (--expert-model-parallel-size 2); the scaling efficiency
             is their tokens/s/GPU over the zaya part's (run zaya in the same invocation).
@@ -45,9 +47,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-PARTS = ("zaya", "gpt", "gpt_sdpa", "eager", "sweep", "dp2", "ep2")
+PARTS = ("zaya", "gpt", "gpt_sdpa", "eager", "sweep", "zaya_lm_recompute", "dp2", "ep2")
 DEFAULT_PARTS = PARTS[:5]  # dp2 and ep2 need two GPUs
+# the zaya run with other flags: one GPU, then two (torchrun, weak scaling)
+ONE_GPU_VARIANTS = {"zaya": [], "zaya_lm_recompute": ["--zaya-lm-head-backward", "recompute"]}
 TWO_GPU = {"dp2": [], "ep2": ["--expert-model-parallel-size", "2"]}
+ZAYA_RUNS = {**ONE_GPU_VARIANTS, **TWO_GPU}
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)"
                        r"(?:.*?throughput per GPU \(TFLOP/s/GPU\): ([\d.]+))?.*?lm loss: ([\d.E+-]+)")
 
@@ -83,10 +88,10 @@ def cli_command(part: str, args) -> list[str]:
     if part in TWO_GPU:  # torchrun: WORLD_SIZE set, so zaya-pretrain does not relaunch itself
         probe = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                  str(HERE / "probe.py")]
-    if part == "zaya" or part in TWO_GPU:
+    if part in ZAYA_RUNS:
         preset = "tiny" if args.smoke else "zaya1-8b-shallow"
         return probe + ["-m", "megatron_zaya.pretrain", "--zaya-preset", preset, "--num-layers", str(args.layers),
-                        *vocab, *common_flags(args, world_size(part)), *TWO_GPU.get(part, [])]
+                        *vocab, *common_flags(args, world_size(part)), *ZAYA_RUNS[part]]
     gpt = ["--num-layers", str(args.layers), "--hidden-size", str(s["hidden_size"]),
            "--num-attention-heads", str(s["num_attention_heads"]), "--group-query-attention",
            "--num-query-groups", str(s["num_query_groups"]), "--kv-channels", str(s["kv_channels"]),
@@ -170,7 +175,7 @@ def flops_per_token(part: str, args, routed: float) -> dict:
     from megatron_zaya.flops import gqa_moe_forward_flops_per_token, training_flops_per_token
 
     s = shape(args.smoke, args.layers)
-    if part == "zaya" or part in TWO_GPU:
+    if part in ZAYA_RUNS:
         return training_flops_per_token(zaya_config(**dict(s, max_position_embeddings=args.seq)), args.seq, routed)
     forward = gqa_moe_forward_flops_per_token(
         num_layers=args.layers, hidden_size=s["hidden_size"], num_attention_heads=s["num_attention_heads"],
@@ -221,8 +226,9 @@ def plot_sweep(sweep: dict, path: Path) -> None:
 def markdown(results: dict, args) -> str:
     lines = [f"Machine: {results['machine']}; date {results['date']}; peak {args.peak_tflops} TFLOP/s (bf16 GEMM).",
              f"Command: `{results['command']}`", ""]
-    runs = {"zaya": "ZAYA1 (zaya-pretrain, kernels)", "gpt": "Megatron GPT-MoE, stock local attention",
-            "gpt_sdpa": "Megatron GPT-MoE, SDPA attention"}
+    runs = {"zaya": "ZAYA1 (zaya-pretrain, kernels)",
+            "zaya_lm_recompute": "ZAYA1, `--zaya-lm-head-backward recompute`",
+            "gpt": "Megatron GPT-MoE, stock local attention", "gpt_sdpa": "Megatron GPT-MoE, SDPA attention"}
     baselines = [b for b in ("gpt", "gpt_sdpa") if "tokens_per_s_per_gpu" in results.get(b, {})]
     if any(p in results for p in runs):
         lines += [f"Sequence {args.seq}, micro-batch {args.mbs}, global batch {args.gbs}, {args.layers} layers, "
