@@ -2,6 +2,7 @@
 
 import torch
 
+import megatron_zaya.patches.kernels  # noqa: F401  (registers the group, whichever test runs first)
 from megatron_zaya.patches.registry import REGISTRY, skip_reason
 
 KERNEL_PATCHES = ["kernels.rmsnorm", "kernels.swiglu", "kernels.cross_entropy", "kernels.zaya_router", "kernels.zaya_cca",
@@ -9,8 +10,6 @@ KERNEL_PATCHES = ["kernels.rmsnorm", "kernels.swiglu", "kernels.cross_entropy", 
 
 
 def test_kernel_patches_are_registered_for_gpus_only_with_an_off_switch():
-    import megatron_zaya.patches.kernels  # noqa: F401  (registers the group)
-
     assert sorted(p for p in REGISTRY if p.startswith("kernels.")) == sorted(KERNEL_PATCHES)
     for patch_id in KERNEL_PATCHES:
         patch = REGISTRY[patch_id]
