@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,6 +162,51 @@ def test_sigkill_at_a_moment_of_a_save_leaves_latest_naming_a_complete_checkpoin
     assert min(after) == latest + 1
     if latest == 3:  # (Megatron's second log line after a resume averages two steps)
         assert [after[i] for i in (4, 6)] == [first[i] for i in (4, 6)]
+
+
+def _processes_of_group(pgid: int) -> list[int]:
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def test_a_save_failing_mid_training_is_reported_and_the_previous_checkpoint_kept(tmp_path):
+    """The disk fills up between two saves: RLIMIT_FSIZE, half the largest file of checkpoint 3, is set on the
+    trainer and its checkpoint writers once checkpoint 3 is complete, so saving 6 fails with EFBIG (a real
+    failed write, as on a full disk). One line names the failure and the intact checkpoint, exit 3, `latest`
+    stays 3, and the next launch resumes from 3 with the same losses."""
+    ckpt = tmp_path / "ckpt"
+    flags = QUICK + ["--train-iters", "9", "--save-interval", "3", "--save", str(ckpt), "--load", str(ckpt)]
+    log = tmp_path / "full.log"
+    proc = _launch(flags, tmp_path, log)
+    latest, deadline = ckpt / "latest_checkpointed_iteration.txt", time.time() + 300
+    while not (latest.is_file() and latest.read_text() == "3") and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    largest = max(f.stat().st_size for f in (ckpt / "iter_0000003").rglob("*") if f.is_file())
+    for pid in _processes_of_group(proc.pid):
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (largest // 2, largest // 2))
+    code = proc.wait(timeout=300)
+    _end_job_step(proc)
+    output = log.read_text()
+    assert code == 3, output[-3000:]
+    error = [line for line in output.splitlines() if line.startswith("zaya-pretrain: error:")][-1]
+    assert "saving the checkpoint of iteration 6" in error and "failed" in error, error
+    assert "iter_0000003 (iteration 3)" in error, error
+    assert latest.read_text() == "3"
+    first = losses(output)
+    assert max(first) == 6
+
+    resumed = pretrain(flags + ["--exit-interval", "6"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = losses(resumed.stdout)
+    assert min(after) == 4  # (Megatron's second log line after a resume averages two steps)
+    assert [after[i] for i in (4, 6)] == [first[i] for i in (4, 6)]
 
 
 def test_truncated_data_stops_in_one_line(tmp_path):
