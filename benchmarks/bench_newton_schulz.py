@@ -10,6 +10,10 @@ router matrices. 5 quintic steps in bf16. For each shape it prints the median ti
 * ``torch loop``: one plain-torch Newton–Schulz per matrix (what Megatron's Muon does per expert),
 * ``torch batched``: our torch reference on the stacked matrices,
 * ``triton``: our symmetric kernels (X·Xᵀ and b·A + c·A·A on one triangle) on the stacked matrices,
+* ``megatron``: Megatron's own Muon orthogonalisation, ``emerging_optimizers``' ``newton_schulz`` (fp32 in,
+  bf16 matmuls: Megatron's default ``fp32_matmul_prec="medium"``), one call per matrix as Megatron's Muon
+  makes them; present when ``emerging-optimizers`` (and ``absl-py``) is importable, e.g.
+  ``pip install --target /tmp/eo emerging-optimizers absl-py`` and ``PYTHONPATH=/tmp/eo`` for this script only,
 
 the ratios, the TFLOP/s of the Triton path (counting the full 4m²n + 2m³ FLOPs per step), and the
 relative error of each path against float64. Then the layer totals, and the Newton–Schulz time per rank
@@ -52,6 +56,29 @@ NOTES_SET = {"q", "k", "o", "experts fc1", "experts fc2"}  # the matrices timed 
 SMOKE_LAYER = [("q", 1, 64, 96), ("experts fc1", 4, 96, 48), ("experts fc2", 4, 48, 48)]
 
 
+def _megatron_newton_schulz():
+    """Megatron's Muon orthogonalisation (emerging_optimizers), or None where it is not installed."""
+    try:
+        from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
+    except ImportError:
+        return None
+
+    def orthogonalise(g: torch.Tensor) -> torch.Tensor:
+        previous = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("medium")  # Megatron's default fp32_matmul_prec
+        try:
+            # "simple" is our (3.4445, -4.7750, 2.0315) at every step, so the errors compare; Megatron's default
+            # "quintic" varies them per step at the same cost
+            return newton_schulz(g.float(), steps=len(COEFFICIENTS), coefficient_type="simple")
+        finally:
+            torch.set_float32_matmul_precision(previous)
+
+    return orthogonalise
+
+
+megatron_newton_schulz = _megatron_newton_schulz()
+
+
 def timed(fn, repeats: int) -> float:
     """Median milliseconds of ``fn()`` (after two warm-up calls)."""
     return statistics.median(call_times(fn, warmup=2, iters=repeats))
@@ -74,6 +101,9 @@ def bench_shape(name, count, rows, cols, device, repeats, use_triton, tiles=()) 
                         repeats)  # fmt: skip
     row["batched"] = timed(lambda: newton_schulz_reference(G, COEFFICIENTS, dtype=torch.bfloat16), repeats)
     row["err_torch"] = relative_error(newton_schulz_reference(G[:1], COEFFICIENTS, dtype=torch.bfloat16), oracle)
+    if megatron_newton_schulz is not None:
+        row["megatron"] = timed(lambda: [megatron_newton_schulz(g) for g in G], repeats)
+        row["err_megatron"] = relative_error(megatron_newton_schulz(G[0])[None], oracle)
     if use_triton:
         row["triton"] = timed(lambda: newton_schulz_triton(G, COEFFICIENTS, dtype=torch.bfloat16), repeats)
         row["err_triton"] = relative_error(newton_schulz_triton(G[:1], COEFFICIENTS, dtype=torch.bfloat16), oracle)
@@ -120,6 +150,7 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; torch {torch.__version__}; "
           f"5 quintic steps, bf16; Triton {'on' if use_triton else 'off (torch only)'}")  # fmt: skip
     header = f"{'matrices':16s} {'n':>3s} {'shape':>10s} {'torch loop':>11s} {'batched':>9s}"
+    header += f" {'megatron':>9s}" if megatron_newton_schulz else ""
     header += f" {'triton':>8s} {'loop/triton':>12s} {'batch/triton':>13s} {'TFLOP/s':>8s}" if use_triton else ""
     print(header + f" {'err torch':>10s}" + (f" {'err triton':>11s}" if use_triton else ""))
     rows = []
@@ -127,21 +158,25 @@ def main() -> None:
         row = bench_shape(name, count, r, c, device, args.repeats, use_triton, tiles)
         rows.append(row)
         line = f"{name:16s} {count:3d} {row['shape']:>10s} {row['loop']:9.2f}ms {row['batched']:7.2f}ms"
+        line += f" {row['megatron']:7.2f}ms" if megatron_newton_schulz else ""
         if use_triton:
             line += (f" {row['triton']:6.2f}ms {row['loop'] / row['triton']:11.2f}x "
                      f"{row['batched'] / row['triton']:12.2f}x {row['flops'] / row['triton'] / 1e9:8.1f}")  # fmt: skip
         line += f" {row['err_torch']:10.2e}" + (f" {row['err_triton']:11.2e}" if use_triton else "")
+        line += f" err megatron {row['err_megatron']:.2e}" if megatron_newton_schulz else ""
         if row.get("tiles"):
             line += "  tiles: " + ", ".join(f"{bm}x{bk} {ms:.2f}ms" for (bm, bk), ms in row["tiles"].items())
         print(line)
 
-    paths = ["loop", "batched"] + (["triton"] if use_triton else [])
+    paths = ["loop", "batched"] + (["megatron"] if megatron_newton_schulz else []) + (["triton"] if use_triton else [])
     for label, subset in (("notes §11 set", [r for r in rows if r["name"] in NOTES_SET]), ("whole layer", rows)):
         totals = {p: sum(r[p] for r in subset) for p in paths}
         text = ", ".join(f"{p} {t:.2f} ms" for p, t in totals.items())
         if use_triton:
             text += f"; loop/triton {totals['loop'] / totals['triton']:.2f}x, batched/triton " \
                     f"{totals['batched'] / totals['triton']:.2f}x"
+            if megatron_newton_schulz:
+                text += f", megatron/triton {totals['megatron'] / totals['triton']:.2f}x"
         print(f"per layer ({label}): {text}")
 
     best = min(paths, key=lambda p: sum(r[p] for r in rows))
