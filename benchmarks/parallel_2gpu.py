@@ -1,6 +1,6 @@
 """ZAYA1 across two GPUs with the real ``zaya-pretrain`` CLI: each layout against one GPU, in one invocation.
 
-    python benchmarks/parallel_2gpu.py --out OUT [--parts scaling,context,references,match,resume]
+    python benchmarks/parallel_2gpu.py --out OUT [--parts scaling,context,references,match,resume,optimizer]
 
 * ``scaling``: one GPU, DP2, EP2 (expert-parallel, 8 experts per GPU), TP2 (+SP), DP2 with overlapped gradient
   reduction, and DP2 with that and the distributed optimizer (``--scaling-layouts`` picks them) on the ZAYA1-8B-width
@@ -12,6 +12,10 @@
   trains 2 iterations and saves (4 layers; sequence 4096, and 32768 for CP), then one GPU (the reference) and
   DP2, EP2, TP2+SP, PP2 and CP2 each load it (resharding it) and train 20 more; per-iteration losses come from
   the loss-curve CSVs. ``references`` runs on ``--reference-gpu`` only, so it can share the machine.
+* ``optimizer``: the optimizer step's share of a training step, and its 1/DP scaling: one GPU and DP2 with
+  ``--optimizer zaya_muon`` (``--share-optimizers`` lists others, e.g. ``adam``), the distributed optimizer
+  and overlapped reduction, at the scaling part's model and batch; Megatron's ``optimizer`` timer
+  (``--timing-log-level 1``, slowest rank) over ``elapsed time per iteration``, iterations after the 10th.
 * ``resume``: DP2 with ``--use-distributed-optimizer --deterministic-mode``: 10 iterations saving at 5, then a
   second launch that loads iteration 5 and trains 6-10; the resumed losses must equal the uninterrupted ones.
 
@@ -31,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+OPTIMIZER_TIMER = re.compile(r"^\s+optimizer \.+: \(([0-9.]+), ([0-9.]+)\)", re.M)  # (min, max) over ranks
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+).*?"
                        r"lm loss: ([0-9.E+-]+)")
 MODEL = ["--zaya-preset", "zaya1-8b-shallow", "--vocab-size", "262271"]
@@ -103,6 +108,23 @@ def summary(out: Path, name: str, reference: str | None, tokens_per_iter: int, g
     return row
 
 
+def optimizer_share(out: Path, name: str, gpus: int, first: int = 10) -> dict:
+    """Mean optimizer-step ms (slowest rank) and its share of the iteration, iterations after ``first``.
+
+    Megatron logs each iteration's timers right after its iteration line, so the k-th block is iteration k's."""
+    text = (out / f"{name}.log").read_text()
+    iterations = [int(i) for i, _, _ in ITERATION.findall(text)]
+    steps = [float(high) for _, high in OPTIMIZER_TIMER.findall(text)]
+    ms = {i: t for i, (t, _) in parse(out, name).items()}
+    timed = [(ms[i], step) for i, step in zip(iterations, steps) if i > first]
+    row = {"run": name, "share_gpus": gpus, "iterations": len(timed)}
+    if timed:
+        row["ms_per_iter"] = statistics.mean(t for t, _ in timed)
+        row["optimizer_ms"] = statistics.mean(s for _, s in timed)
+        row["optimizer_share"] = row["optimizer_ms"] / row["ms_per_iter"]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -111,6 +133,7 @@ def main() -> None:
     parser.add_argument("--reference-gpu", default="0")
     parser.add_argument("--layouts", default=",".join(MATCH_LAYOUTS), help="the match part's layouts")
     parser.add_argument("--scaling-layouts", default="dp2,ep2,tp2", help="the scaling part's layouts")
+    parser.add_argument("--share-optimizers", default="zaya_muon", help="the optimizer part's optimizers")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     parts = set(args.parts.split(","))
@@ -158,6 +181,15 @@ def main() -> None:
             results.append({"run": f"match_{name}", "compared_iterations": common,
                             "max_abs_loss_diff": max((abs(ours[i] - reference[i]) for i in common), default=None),
                             "reference": [reference[i] for i in common], "losses": [ours[i] for i in common]})
+    if "optimizer" in parts:
+        sharded = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                   "--timing-log-level", "1"]
+        for optimizer in args.share_optimizers.split(","):
+            flags = short + sharded + ["--optimizer", optimizer] + (["--lr", "0.02", "--min-lr", "0.002"]
+                                                                  if optimizer == "zaya_muon" else [])
+            for name, gpus, nproc in ((f"{optimizer}_one_gpu", "0", 1), (f"{optimizer}_dp2", "0,1", 2)):
+                run_all([(name, flags, gpus, nproc)], args.out)
+                results.append(optimizer_share(args.out, name, nproc))
     if "resume" in parts:
         ckpt = args.out / "ckpt"
         resume = MODEL + COMMON + SHORT + MATCH + ["--use-distributed-optimizer", "--deterministic-mode",
@@ -185,6 +217,9 @@ def main() -> None:
               f"{r.get('tokens_per_s_per_gpu', float('nan')):,.0f} | {'' if eff is None else f'{eff:.1%}'} | "
               f"{r.get('max_abs_loss_diff', '')} |")
     for r in results:
+        if "optimizer_share" in r:
+            print(f"{r['run']}: {r['ms_per_iter']:.1f} ms/iter, optimizer step {r['optimizer_ms']:.1f} ms "
+                  f"({r['optimizer_share']:.1%})")
         if r["run"].startswith("match_"):
             print(f"{r['run']}: {len(r['compared_iterations'])} iterations, max |loss - one GPU| = "
                   f"{r['max_abs_loss_diff']}")
