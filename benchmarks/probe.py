@@ -10,7 +10,8 @@ are torch's global module hooks, so nothing of the library, Megatron or torch is
 * ``DIR/routing.json``: tokens the ZAYA1 routers sent to an expert / all tokens (the skip class costs nothing);
 * with ``ZAYA_BENCH_PROFILE=FIRST:COUNT``: ``torch.profiler`` from the first model forward of iteration FIRST
   to the first of iteration FIRST + COUNT (so iterations FIRST..FIRST+COUNT are perturbed: leave them out of
-  timings). ``DIR/profile.json``: device time per step by component, see :func:`breakdown`.
+  timings). ``DIR/profile.json``: device time per step by component, see :func:`breakdown`, and the
+  kernels the profiler linked to no op (e.g. Triton launches), by name.
 
 Components: a forward op belongs to the innermost module range below (``bench::<component>``, opened by the
 hooks while profiling); a backward op to the forward op that created its autograd node (same sequence
@@ -190,14 +191,24 @@ def breakdown(events, steps: int, device: bool) -> dict:
         totals[kind] += micros
         if kind == "other" and micros:
             other_ops[event.name] += micros
-    device_total = sum(e.time_range.elapsed_us() for e in events if e.device_type != torch.autograd.DeviceType.CPU)
+    kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
+    device_total = sum(e.time_range.elapsed_us() for e in kernels)
     if device and device_total > sum(totals.values()):
         totals["unattributed"] = device_total - sum(totals.values())  # kernels the profiler linked to no op
+    # Which kernels those are, by name: all device time minus what the profiler gave to CPU ops.
+    unlinked = defaultdict(float)
+    for e in kernels:
+        unlinked[e.name] += e.time_range.elapsed_us()
+    for e in cpu:
+        for kernel in getattr(e, "kernels", ()):
+            unlinked[kernel.name] -= kernel.duration
     per_step = {k: v / 1e3 / steps for k, v in sorted(totals.items(), key=lambda kv: -kv[1]) if v}
     top_other = sorted(other_ops.items(), key=lambda kv: -kv[1])[:10]
     return {"time": "device" if device else "cpu", "ms_per_step": per_step,
             "busy_ms_per_step": sum(per_step.values()),
-            "other_top_ops_ms_per_step": {k: v / 1e3 / steps for k, v in top_other}}
+            "other_top_ops_ms_per_step": {k: v / 1e3 / steps for k, v in top_other},
+            "unattributed_top_kernels_ms_per_step": {k: v / 1e3 / steps for k, v in
+                                                     sorted(unlinked.items(), key=lambda kv: -kv[1])[:15] if v > 0}}
 
 
 def main(argv: list[str]) -> None:

@@ -262,6 +262,10 @@ def markdown(results: dict, args) -> str:
                       "| component | ms / step | share |", "| --- | ---: | ---: |"]
             lines += [f"| {k} | {v:,.1f} | {100 * v / busy:.1f}% |" for k, v in profile["ms_per_step"].items()]
             lines += [f"| idle (wall − busy) | {max(profile['wall_ms_per_step'] - busy, 0):,.1f} | |"]
+            unlinked = profile.get("unattributed_top_kernels_ms_per_step")
+            if unlinked:
+                lines += ["", "Unattributed kernels, ms per step: " +
+                          ", ".join(f"`{name[:60]}` {ms:,.1f}" for name, ms in unlinked.items())]
     scaling = [p for p in TWO_GPU if "tokens_per_s_per_gpu" in results.get(p, {})]
     if scaling:
         one = results.get("zaya", {}).get("tokens_per_s_per_gpu")
