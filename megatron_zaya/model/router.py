@@ -127,14 +127,18 @@ class ZayaRouter(MegatronModule):
         balanced = slice(None) if cfg.balance_skip_class or not cfg.skip_class else slice(0, self.num_experts)
         counts = tokens_per_class[balanced].float()
         total = counts.sum()
-        if total <= 0:
-            return
-        grad = counts / total - 1.0 / counts.numel()
+        # A step that routed no token to these classes leaves the state as it is. Tensor ops only, no host
+        # sync: this runs for every router in every step.
+        routed = total > 0
+        grad = counts / total.clamp_min(1) - 1.0 / counts.numel()
         beta1, beta2 = cfg.balancing_betas
-        self.balancing_step += 1
-        step = self.balancing_step.item()
+        step = self.balancing_step + routed.float()
         m, v = self.balancing_exp_avg[balanced], self.balancing_exp_avg_sq[balanced]  # views
-        m.mul_(beta1).add_(grad, alpha=1 - beta1)
-        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        update = (m / (1 - beta1**step)) / ((v / (1 - beta2**step)).sqrt() + cfg.balancing_eps)
-        self.balancing_biases[balanced] -= cfg.balancing_lr * update
+        new_m = m * beta1 + grad * (1 - beta1)
+        new_v = v * beta2 + grad * grad * (1 - beta2)
+        update = (new_m / (1 - beta1**step)) / ((new_v / (1 - beta2**step)).sqrt() + cfg.balancing_eps)
+        self.balancing_step.copy_(step)
+        m.copy_(torch.where(routed, new_m, m))
+        v.copy_(torch.where(routed, new_v, v))
+        biases = self.balancing_biases[balanced]
+        biases.copy_(torch.where(routed, biases - cfg.balancing_lr * update, biases))

@@ -21,6 +21,9 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from ..model.router import ZayaRouter
 
 
+STATISTICS = ("max share", "min share", "skip rate", "bias min", "bias max")
+
+
 def routers(model_chunks) -> list[ZayaRouter]:
     return [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, ZayaRouter)]
 
@@ -34,20 +37,17 @@ def step_balancing(model_chunks) -> list[dict]:
     if torch.distributed.is_initialized():
         group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
         torch.distributed.all_reduce(counts, group=group)
-    stats = []
+    rows = []
     for router, layer_counts in zip(found, counts):
         router.update_balancing_biases(layer_counts)
         router.tokens_per_class.zero_()
-        experts = layer_counts[: router.num_experts]
-        total = layer_counts.sum().clamp_min(1)
+        experts = layer_counts[: router.num_experts].float()
         share = experts / experts.sum().clamp_min(1)
         biases = router.balancing_biases[: router.num_experts]
-        stats.append({
-            "layer": router.layer_number, "max share": share.max().item(), "min share": share.min().item(),
-            "skip rate": (layer_counts[router.num_experts:].sum() / total).item(),
-            "bias min": biases.min().item(), "bias max": biases.max().item(),
-        })
-    return stats
+        skip_rate = layer_counts[router.num_experts:].sum() / layer_counts.sum().clamp_min(1)
+        rows.append(torch.stack([share.max(), share.min(), skip_rate.float(), biases.min(), biases.max()]))
+    values = torch.stack(rows).tolist()  # one device-to-host copy for every layer's statistics
+    return [{"layer": router.layer_number, **dict(zip(STATISTICS, row))} for router, row in zip(found, values)]
 
 
 def finalize_model_grads_with_balancing(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
@@ -76,7 +76,7 @@ def _log(stats: list[dict]) -> None:
     )
     writers = [w for w in (get_tensorboard_writer(), get_wandb_writer()) if w is not None]
     for layer in stats:
-        for key in ("max share", "min share", "skip rate", "bias min", "bias max"):
+        for key in STATISTICS:
             name = f"zaya/layer{layer['layer']:02d}/{key.replace(' ', '_')}"
             for writer in writers:
                 if hasattr(writer, "add_scalar"):

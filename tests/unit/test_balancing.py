@@ -38,8 +38,10 @@ def test_bias_update_matches_independent_adam():
     model, cfg = _model(balancing_lr=0.01, balancing_betas=(0.8, 0.99), balancing_eps=1e-6)
     router = model.decoder.layers[0].mlp.router
     steps = [[70.0, 10.0, 15.0, 5.0, 9.0], [40.0, 20.0, 25.0, 15.0, 3.0], [25.0, 25.0, 25.0, 25.0, 0.0]]
-    for counts in steps:
+    nothing_routed = [0.0, 0.0, 0.0, 0.0, 12.0]  # every token skipped: no step, the state stays as it is
+    for counts in [nothing_routed, steps[0], steps[1], nothing_routed, steps[2]]:
         router.update_balancing_biases(torch.tensor(counts))
+    assert router.balancing_step.item() == len(steps)
     expected = _adam_reference([c[:4] for c in steps], 0.01, (0.8, 0.99), 1e-6)
     torch.testing.assert_close(router.balancing_biases[:4].double(), torch.tensor(expected, dtype=torch.float64),
                                rtol=1e-5, atol=1e-7)
