@@ -134,9 +134,11 @@ class ZayaRouter(MegatronModule):
         beta1, beta2 = cfg.balancing_betas
         step = self.balancing_step + routed.float()
         m, v = self.balancing_exp_avg[balanced], self.balancing_exp_avg_sq[balanced]  # views
-        new_m = m * beta1 + grad * (1 - beta1)
-        new_v = v * beta2 + grad * grad * (1 - beta2)
-        update = (new_m / (1 - beta1**step)) / ((new_v / (1 - beta2**step)).sqrt() + cfg.balancing_eps)
+        new_m = m.mul(beta1).add_(grad, alpha=1 - beta1)
+        new_v = v.mul(beta2).addcmul_(grad, grad, value=1 - beta2)
+        # bias corrections in float64, rounded once, as Adam's Python-float formula does
+        correction1, correction2 = ((1 - beta ** step.double()).float() for beta in (beta1, beta2))
+        update = (new_m / correction1) / ((new_v / correction2).sqrt() + cfg.balancing_eps)
         self.balancing_step.copy_(step)
         m.copy_(torch.where(routed, new_m, m))
         v.copy_(torch.where(routed, new_v, v))
