@@ -17,6 +17,7 @@ from megatron.training import get_args, get_tokenizer, print_rank_0
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
 from ..config import architecture
+from ..kernels.cross_entropy import IGNORE_INDEX
 from ..model import build_zaya_model
 from .arguments import zaya_config_from_args
 from .balancing import finalize_model_grads_with_balancing
@@ -74,6 +75,10 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator, model):
     """One micro-batch forward: per-token losses and the loss function to reduce them."""
     tokens, labels, loss_mask, position_ids, attention_mask = get_batch(data_iterator, getattr(model, "vp_stage", None))
+    if labels is not None and loss_mask is not None:
+        # Masked tokens (--eod-mask-loss, padding) are ignored by the LM head too: the fused head then sees one
+        # loss gradient for every token it counts and keeps the gradients it computed in its forward.
+        labels = labels.masked_fill(loss_mask == 0, IGNORE_INDEX)
     output = model(tokens, position_ids, attention_mask, labels=labels)
     return output, partial(loss_func, loss_mask)
 

@@ -65,6 +65,31 @@ def test_linear_cross_entropy_forward_backward(dtype, chunks, grad_in_forward, g
         assert_matches_oracle(name, k, o, r)
 
 
+def test_a_loss_mask_given_as_ignored_labels_keeps_the_gradients_of_the_forward(monkeypatch):
+    """What training/steps.py does with Megatron's loss mask: masked tokens become ignored labels, so the loss
+    gradient is one factor for every counted token and d weight needs no recomputation."""
+    def no_recomputation(*args):
+        raise AssertionError("d weight was recomputed")
+
+    monkeypatch.setattr(kernels, "_grad_weight_recomputed", no_recomputation)
+    gen = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(12, 16, generator=gen), 0.5 * torch.randn(VOCAB, 16, generator=gen)
+    labels = torch.randint(0, VOCAB, (12,), generator=gen)
+    mask = (torch.rand(12, generator=gen) > 0.3).float()
+    ignored = labels.masked_fill(mask == 0, kernels.IGNORE_INDEX)
+
+    def megatron_loss(fn, dtype, labels):
+        leaves = [t.to(dtype).requires_grad_() for t in (hidden, weight)]
+        loss = (fn(*leaves, labels) * mask.to(dtype)).sum() / mask.sum()  # loss_func, then the schedule's scale
+        return [loss, *torch.autograd.grad(loss, leaves)]
+
+    kernel = megatron_loss(kernels.linear_cross_entropy, torch.float32, ignored)
+    reference = megatron_loss(kernels.linear_cross_entropy_reference, torch.float32, labels)
+    oracle = megatron_loss(kernels.linear_cross_entropy_reference, torch.float64, labels)
+    for name, k, r, o in zip(["loss", "d_hidden", "d_weight"], kernel, reference, oracle):
+        assert_matches_oracle(name, k, o, r)
+
+
 def test_linear_cross_entropy_with_every_token_ignored_has_zero_gradients():
     hidden, weight = torch.randn(6, 8, requires_grad=True), torch.randn(VOCAB, 8, requires_grad=True)
     labels = torch.full((6,), kernels.IGNORE_INDEX)
