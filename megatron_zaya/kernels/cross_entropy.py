@@ -16,8 +16,9 @@ the fp32 logits of 8192 tokens alone take 8.6 GB, their gradient as much again.
   When gradients are needed, the forward instead takes whole-vocabulary token chunks and computes the
   gradients with a unit loss gradient right away (3 GEMMs per tile instead of 4: no recomputation). The
   backward scales them: d hidden row by row, which is exact for any loss gradient, and d weight by the one
-  factor that Megatron's loss gives every counted token. Should the loss gradients differ between tokens (a
-  loss mask), d weight is recomputed from the saved inputs as above. This holds an fp32 [V, D] d weight from
+  factor that Megatron's loss gives every counted token (training/steps.py turns the loss mask into ignored
+  labels). Should the loss gradients still differ between tokens (per-token loss weights), d weight is
+  recomputed from the saved inputs as above. This holds an fp32 [V, D] d weight from
   forward to backward (2.1 GB at ZAYA1-8B's size).
 
 Labels must lie in [0, V) or equal ``ignore_index`` (loss 0, no gradient). Tensor-parallel vocabularies
