@@ -6,7 +6,9 @@
   reduction, and DP2 with that and the distributed optimizer (``--scaling-layouts`` picks them) on the ZAYA1-8B-width
   model at 8 layers, sequence 4096, global batch 8 x 4096 tokens (the same samples in every layout). Reports
   tokens/s/GPU over the iterations after the 10th and scaling efficiency = tokens/s/GPU / one GPU's.
-* ``context``: the same for CP2 at sequence 32768 (4 layers, global batch 2).
+* ``context``: the same for CP2 at sequence 32768 (4 layers, global batch 2), plain and with the distributed
+  optimizer and overlap (the CP ranks hold replicated weights: their gradients are reduced and their optimizer
+  step repeated, as in DP2).
 * ``references`` then ``match``: loss agreement over 20 steps. Fresh TP and PP runs draw other initial weights
   than one GPU (Megatron seeds model-parallel ranks apart), so every run starts from one checkpoint: one GPU
   trains 2 iterations and saves (4 layers; sequence 4096, and 32768 for CP), then one GPU (the reference) and
@@ -155,8 +157,9 @@ def main() -> None:
             results.append(summary(args.out, name, "one_gpu", 8 * 4096, 2))
     if "context" in parts:
         results.append(summary(args.out, "one_gpu_32k", None, 2 * 32768, 1))
-        run_all([("cp2_32k", long + ["--context-parallel-size", "2"], "0,1", 2)], args.out)
-        results.append(summary(args.out, "cp2_32k", "one_gpu_32k", 2 * 32768, 2))
+        for name, flags in (("cp2_32k", []), ("cp2_32k_distopt", LAYOUTS["dp2_distopt"])):
+            run_all([(name, long + ["--context-parallel-size", "2"] + flags, "0,1", 2)], args.out)
+            results.append(summary(args.out, name, "one_gpu_32k", 2 * 32768, 2))
     if "references" in parts or "match" in parts:
         match = {"4k": MODEL + COMMON + SHORT + MATCH, "32k": MODEL + COMMON + LONG + MATCH}
         base = {shape: args.out / f"base_{shape}" for shape in match}
