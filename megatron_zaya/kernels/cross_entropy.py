@@ -229,20 +229,28 @@ def _matmul_fp32_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accum
         out.copy_(_matmul_fp32(a, b))
 
 
-def _grad_weight_recomputed(hidden, weight, labels, lse, grad_loss, tiles):
-    """d weight from the saved inputs, recomputing each tile's logits (d hidden is not needed)."""
+def _recomputed_grads(hidden, weight, labels, lse, grad_loss, tiles, need_hidden: bool):
+    """(d hidden or None, d weight) from the saved inputs, recomputing each tile's logits."""
     token_ranges, vocab_ranges = tiles
+    grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
     grad_weight = torch.empty_like(weight)
+    one_token_chunk = len(token_ranges) == 1  # then d weight needs no fp32 accumulator: one GEMM per chunk
     for v0, v1 in vocab_ranges:
         w = weight[v0:v1]
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        grad_w = grad_weight[v0:v1] if one_token_chunk else torch.zeros(w.shape, device=w.device)
         for t0, t1 in token_ranges:
             h = hidden[t0:t1]
             grad_logits = torch.empty((t1 - t0, v1 - v0), dtype=hidden.dtype, device=hidden.device)
             _softmax_grad(_matmul_fp32(h, w.t()), labels[t0:t1], v0, lse[t0:t1], grad_loss[t0:t1], grad_logits)
-            _matmul_fp32_into(grad_w, grad_logits.t(), h, accumulate=True)
-        grad_weight[v0:v1] = grad_w
-    return grad_weight
+            if need_hidden:
+                grad_hidden[t0:t1] += _matmul_fp32(grad_logits, w)
+            if one_token_chunk:
+                torch.mm(grad_logits.t(), h, out=grad_w)
+            else:
+                grad_w += _matmul_fp32(grad_logits.t(), h)
+        if not one_token_chunk:
+            grad_weight[v0:v1] = grad_w
+    return grad_hidden, grad_weight
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -250,8 +258,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, ignore_index, token_chunk, vocab_chunk, grad_in_forward):
         ctx.ignore_index = ignore_index
         ctx.tiles = _tiles(hidden.shape[0], weight.shape[0], token_chunk, vocab_chunk)
-        ctx.grad_in_forward = grad_in_forward and any(ctx.needs_input_grad[:2])
-        if ctx.grad_in_forward:
+        if grad_in_forward and any(ctx.needs_input_grad[:2]):
             return _LinearCrossEntropy._forward_with_grads(ctx, hidden, weight, labels, ignore_index, token_chunk)
         token_ranges, vocab_ranges = ctx.tiles
         running_max, running_sum, target = _new_statistics(hidden.shape[0], hidden.device)
@@ -289,33 +296,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_loss = torch.where(ctx.saved_tensors[2] == ctx.ignore_index, 0.0, grad_loss.float())
-        if ctx.grad_in_forward:
-            return _LinearCrossEntropy._scale_forward_grads(ctx, grad_loss)
-        hidden, weight, labels, lse = ctx.saved_tensors
-        token_ranges, vocab_ranges = ctx.tiles
-        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        grad_weight = torch.empty_like(weight)
-        one_token_chunk = len(token_ranges) == 1  # then d weight needs no fp32 accumulator: one GEMM per chunk
-        for v0, v1 in vocab_ranges:
-            w = weight[v0:v1]
-            grad_w = grad_weight[v0:v1] if one_token_chunk else torch.zeros(w.shape, device=w.device)
-            for t0, t1 in token_ranges:
-                h = hidden[t0:t1]
-                grad_logits = torch.empty((t1 - t0, v1 - v0), dtype=hidden.dtype, device=hidden.device)
-                _softmax_grad(_matmul_fp32(h, w.t()), labels[t0:t1], v0, lse[t0:t1], grad_loss[t0:t1], grad_logits)
-                grad_hidden[t0:t1] += _matmul_fp32(grad_logits, w)
-                if one_token_chunk:
-                    torch.mm(grad_logits.t(), h, out=grad_w)
-                else:
-                    grad_w += _matmul_fp32(grad_logits.t(), h)
-            if not one_token_chunk:
-                grad_weight[v0:v1] = grad_w
-        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None
-
-    @staticmethod
-    def _scale_forward_grads(ctx, grad_loss):
-        hidden, weight, labels, lse, unit_grad_hidden, unit_grad_weight = ctx.saved_tensors
+        hidden, weight, labels, lse, *unit_grads = ctx.saved_tensors  # unit_grads: saved by _forward_with_grads
+        grad_loss = torch.where(labels == ctx.ignore_index, 0.0, grad_loss.float())
+        if not unit_grads:
+            grad_hidden, grad_weight = _recomputed_grads(hidden, weight, labels, lse, grad_loss, ctx.tiles, True)
+            return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None
+        unit_grad_hidden, unit_grad_weight = unit_grads
         grad_hidden = (unit_grad_hidden * grad_loss[:, None]).to(hidden.dtype)
         counted = labels != ctx.ignore_index
         scale = torch.where(counted, grad_loss, float("-inf")).amax()
@@ -325,7 +311,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if grad_loss.is_meta or bool(one_factor):
             grad_weight = (unit_grad_weight * scale).to(weight.dtype)
         else:
-            grad_weight = _grad_weight_recomputed(hidden, weight, labels, lse, grad_loss, ctx.tiles)
+            _, grad_weight = _recomputed_grads(hidden, weight, labels, lse, grad_loss, ctx.tiles, False)
         return grad_hidden, grad_weight, None, None, None, None, None
 
 

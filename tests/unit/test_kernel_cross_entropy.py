@@ -71,7 +71,7 @@ def test_a_loss_mask_given_as_ignored_labels_keeps_the_gradients_of_the_forward(
     def no_recomputation(*args):
         raise AssertionError("d weight was recomputed")
 
-    monkeypatch.setattr(kernels, "_grad_weight_recomputed", no_recomputation)
+    monkeypatch.setattr(kernels, "_recomputed_grads", no_recomputation)
     gen = torch.Generator().manual_seed(3)
     hidden, weight = torch.randn(12, 16, generator=gen), 0.5 * torch.randn(VOCAB, 16, generator=gen)
     labels = torch.randint(0, VOCAB, (12,), generator=gen)
