@@ -195,7 +195,7 @@ def test_a_save_failing_mid_training_is_reported_and_the_previous_checkpoint_kep
     _end_job_step(proc)
     output = log.read_text()
     assert code == 3, output[-3000:]
-    error = [line for line in output.splitlines() if line.startswith("zaya-pretrain: error:")][-1]
+    error = _last_error(output)
     assert "saving the checkpoint of iteration 6" in error and "failed" in error, error
     assert "iter_0000003 (iteration 3)" in error, error
     assert latest.read_text() == "3"
