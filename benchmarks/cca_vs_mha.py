@@ -23,13 +23,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from inprocess import DEVICE, DTYPE, GPU, setup_single_process, zaya_cfg
 from timing import call_times
-
-from megatron_zaya.config import zaya_config
-
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
-DTYPE = torch.bfloat16 if GPU else torch.float32
 
 
 class MultiHeadAttentionBlock(torch.nn.Module):
@@ -50,15 +45,10 @@ class MultiHeadAttentionBlock(torch.nn.Module):
 
 def cca_block(smoke: bool, seq: int):
     """Layer 0's CCA module of a one-layer model, and its rotary embedding for ``seq`` positions."""
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
     from megatron_zaya.pretrained import build_single_process_model
-    from megatron_zaya.runtime import ensure_single_process_parallel_state
 
-    ensure_single_process_parallel_state()  # also applies the patches (kernels on GPUs)
-    model_parallel_cuda_manual_seed(1234)
-    cfg = zaya_config("tiny" if smoke else "zaya1-8b-shallow", num_layers=1, max_position_embeddings=seq,
-                      params_dtype=DTYPE, bf16=GPU, use_cpu_initialization=not GPU)
+    setup_single_process()  # also applies the patches (kernels on GPUs)
+    cfg = zaya_cfg(smoke, 1, seq)
     model = build_single_process_model(cfg).to(DEVICE).train()
     return model.decoder.layers[0].self_attention, model.rotary_pos_emb["global"](seq), cfg
 

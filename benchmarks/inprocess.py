@@ -45,7 +45,7 @@ def zaya_cfg(smoke: bool, layers: int, seq: int):
                        moe_token_dispatcher_type="alltoall")
 
 
-def _setup():
+def setup_single_process():
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_zaya.runtime import ensure_single_process_parallel_state
@@ -93,7 +93,7 @@ def eager(args) -> dict:
     del layer, causal
     gc.collect()
 
-    _setup()
+    setup_single_process()
     from megatron_zaya.pretrained import build_single_process_model
 
     model = build_single_process_model(cfg).to(DEVICE).train()
@@ -171,7 +171,7 @@ def run_point(model, kind: str, seq: int, tokens_per_step: int, steps: int) -> d
 
 
 def sweep(args) -> dict:
-    _setup()
+    setup_single_process()
     from megatron_zaya.model.router import ZayaRouter
     from megatron_zaya.pretrained import build_single_process_model
 
