@@ -71,6 +71,11 @@ def cases(s: Shapes, device: str) -> list[Case]:
     angles = torch.cat([angles, angles], dim=-1)
     labels = torch.randint(0, v, (s.ce_tokens,), device=device)
     counts = torch.bincount(torch.randint(0, e, (t,), device=device), minlength=e)  # on the device: no host sync
+
+    def lm_head_inputs():
+        return [randn(s.ce_tokens, d), randn(v, d, scale=0.02)], (labels,)
+
+    lm_head_flops = (2 * s.ce_tokens * v * d, 4 * s.ce_tokens * v * d)
     return [
         Case("rmsnorm", residual_rmsnorm.rms_norm, residual_rmsnorm.rms_norm_reference,
              lambda: ([randn(t, d), randn(d)], (1e-5,)), bytes=(4 * t * d, 6 * t * d)),
@@ -88,12 +93,10 @@ def cases(s: Shapes, device: str) -> list[Case]:
         Case("cross_entropy", cross_entropy.cross_entropy, cross_entropy.cross_entropy_reference,
              lambda: ([randn(s.ce_tokens, v, scale=3)], (labels,)), bytes=(2 * s.ce_tokens * v, 4 * s.ce_tokens * v)),
         Case("linear_cross_entropy", cross_entropy.linear_cross_entropy, cross_entropy.linear_cross_entropy_reference,
-             lambda: ([randn(s.ce_tokens, d), randn(v, d, scale=0.02)], (labels,)),
-             flops=(2 * s.ce_tokens * v * d, 4 * s.ce_tokens * v * d), uniform_grad=True),
+             lm_head_inputs, flops=lm_head_flops, uniform_grad=True),
         Case("linear_ce_recompute", functools.partial(cross_entropy.linear_cross_entropy, grad_in_forward=False),
-             cross_entropy.linear_cross_entropy_reference,
-             lambda: ([randn(s.ce_tokens, d), randn(v, d, scale=0.02)], (labels,)),
-             flops=(2 * s.ce_tokens * v * d, 4 * s.ce_tokens * v * d), compile=False, uniform_grad=True),
+             cross_entropy.linear_cross_entropy_reference, lm_head_inputs, flops=lm_head_flops, compile=False,
+             uniform_grad=True),
         Case("cca_qk", cca.cca_qk, cca.cca_qk_reference,
              lambda: ([randn(s.seq, s.batch, q_ch), randn(s.seq, s.batch, k_ch), randn(q_ch, 2), randn(q_ch),
                        randn(k_ch, 2), randn(k_ch), randn(q_ch, s.head_dim, 2, scale=0.05), randn(q_ch),

@@ -114,11 +114,9 @@ def optimizer_share(out: Path, name: str, gpus: int, first: int = 10) -> dict:
     """Mean optimizer-step ms (slowest rank) and its share of the iteration, iterations after ``first``.
 
     Megatron logs each iteration's timers right after its iteration line, so the k-th block is iteration k's."""
-    text = (out / f"{name}.log").read_text()
-    iterations = [int(i) for i, _, _ in ITERATION.findall(text)]
-    steps = [float(high) for _, high in OPTIMIZER_TIMER.findall(text)]
-    ms = {i: t for i, (t, _) in parse(out, name).items()}
-    timed = [(ms[i], step) for i, step in zip(iterations, steps) if i > first]
+    rows = parse(out, name)  # in log order
+    steps = [float(high) for _, high in OPTIMIZER_TIMER.findall((out / f"{name}.log").read_text())]
+    timed = [(rows[i][0], step) for i, step in zip(rows, steps) if i > first]
     row = {"run": name, "share_gpus": gpus, "iterations": len(timed)}
     if timed:
         row["ms_per_iter"] = statistics.mean(t for t, _ in timed)
