@@ -13,7 +13,10 @@ read of ``h`` and ``res`` and one write of ``normed`` and ``new_res``. The backw
 from the saved ``h`` and ``res`` (it needs them anyway for the scale gradients) and reduces the five [D]
 vector gradients in per-program partial sums (deterministic, no atomics).
 
-``TritonRMSNorm`` is the plain RMSNorm (``weight * rmsnorm(x)``) as a Megatron norm module.
+Two more entry points serve the rest of a ZAYA1 layer (``kernels.zaya_residual`` patch): ``residual_norm``,
+the RMSNorm of the fp32 stream as the layer sees it (``weight * rmsnorm(residual.to(weight.dtype))``, the cast
+folded into the kernel), and ``residual_merge``, the merge alone (a layer's last merge: the next norm belongs
+to the next layer). ``TritonRMSNorm`` is the plain RMSNorm (``weight * rmsnorm(x)``) as a Megatron norm module.
 """
 
 from __future__ import annotations
@@ -58,6 +61,19 @@ def residual_rms_norm_reference(
     return rms_norm_reference(new_residual.to(weight.dtype), weight, eps), new_residual
 
 
+def residual_merge_reference(hidden, residual, hidden_bias, hidden_scale, residual_bias, residual_scale):
+    """The ZAYA residual merge alone: ``[..., D]`` fp32 new residual."""
+    f = torch.float32
+    return (hidden.to(f) + hidden_bias.to(f)) * hidden_scale.to(f) + (residual.to(f) + residual_bias.to(f)) * (
+        residual_scale.to(f)
+    )
+
+
+def residual_norm_reference(residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the residual stream as a ZAYA1 layer feeds it: ``weight * rmsnorm(residual.to(weight.dtype))``."""
+    return rms_norm_reference(residual.to(weight.dtype), weight, eps)
+
+
 # ----------------------------------------------------------------------------------------- kernels
 
 
@@ -76,6 +92,8 @@ def _forward_kernel(
     n_cols,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    HAS_NORM: tl.constexpr,  # False: the residual merge alone (writes new_residual only)
+    ROUND_INPUT: tl.constexpr,  # plain norm of x.to(weight.dtype): x is the fp32 stream, the cast is folded in
     BLOCK: tl.constexpr,
 ):
     row = tl.cast(tl.program_id(0), tl.int64)
@@ -94,13 +112,14 @@ def _forward_kernel(
         norm_dtype = weight_ptr.dtype.element_ty  # the norm sees residual.to(weight.dtype)
         x = new_res.to(norm_dtype).to(tl.float32)
     else:
-        norm_dtype = hidden_ptr.dtype.element_ty
-        x = tl.load(hidden_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    tl.store(rstd_ptr + row, rstd)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    x_hat = (x * rstd).to(norm_dtype).to(tl.float32)  # ZayaRMSNorm rounds before applying the weight
-    tl.store(out_ptr + offsets, (x_hat * w).to(out_ptr.dtype.element_ty), mask=mask)
+        norm_dtype = weight_ptr.dtype.element_ty if ROUND_INPUT else hidden_ptr.dtype.element_ty
+        x = tl.load(hidden_ptr + offsets, mask=mask, other=0.0).to(norm_dtype).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        tl.store(rstd_ptr + row, rstd)
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        x_hat = (x * rstd).to(norm_dtype).to(tl.float32)  # ZayaRMSNorm rounds before applying the weight
+        tl.store(out_ptr + offsets, (x_hat * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -121,6 +140,8 @@ def _backward_kernel(
     n_rows,
     n_cols,
     HAS_RESIDUAL: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    ROUND_INPUT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -135,7 +156,7 @@ def _backward_kernel(
         grad_rb = tl.zeros([BLOCK], dtype=tl.float32)
         grad_rs = tl.zeros([BLOCK], dtype=tl.float32)
     else:
-        norm_dtype = hidden_ptr.dtype.element_ty
+        norm_dtype = weight_ptr.dtype.element_ty if ROUND_INPUT else hidden_ptr.dtype.element_ty
     for row in range(pid, n_rows, programs):
         offsets = tl.cast(row, tl.int64) * n_cols + cols
         # The [D] vectors are re-read per row (they stay in L1/L2) rather than held across the loop: this keeps
@@ -150,13 +171,15 @@ def _backward_kernel(
             res_biased = tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32) + rb
             x = (h_biased * hs + res_biased * rs).to(norm_dtype).to(tl.float32)
         else:
-            x = tl.load(hidden_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row)
-        x_hat = x * rstd
-        grad_out = tl.load(grad_out_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        grad_w += grad_out * x_hat.to(norm_dtype).to(tl.float32)
-        grad_x_hat = grad_out * w
-        grad_x = rstd * (grad_x_hat - x_hat * (tl.sum(grad_x_hat * x_hat, axis=0) / n_cols))
+            x = tl.load(hidden_ptr + offsets, mask=mask, other=0.0).to(norm_dtype).to(tl.float32)
+        grad_x = tl.zeros([BLOCK], dtype=tl.float32)
+        if HAS_NORM:
+            rstd = tl.load(rstd_ptr + row)
+            x_hat = x * rstd
+            grad_out = tl.load(grad_out_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            grad_w += grad_out * x_hat.to(norm_dtype).to(tl.float32)
+            grad_x_hat = grad_out * w
+            grad_x = rstd * (grad_x_hat - x_hat * (tl.sum(grad_x_hat * x_hat, axis=0) / n_cols))
         if HAS_RESIDUAL:
             grad_total = grad_x + tl.load(grad_new_residual_ptr + offsets, mask=mask, other=0.0)
             grad_h = grad_total * hs
@@ -182,21 +205,24 @@ def _backward_kernel(
 # ----------------------------------------------------------------------------------------- autograd
 
 
-def _launch_forward(hidden, residual, vectors, weight, eps, out_dtype):
-    """``vectors`` = the four residual affines, or None for the plain norm (the kernel then ignores them)."""
+def _launch_forward(hidden, residual, vectors, weight, eps, out_dtype, has_norm=True, round_input=False):
+    """``vectors`` = the four residual affines, or None for the plain norm (the kernel then ignores them).
+
+    Without ``has_norm`` (the merge alone) ``weight`` only fills the unused pointer slots."""
     rows, n_cols = hidden.shape
     block, num_warps = row_block(n_cols, MAX_HIDDEN, "rms_norm")
-    out = torch.empty((rows, n_cols), dtype=out_dtype, device=hidden.device)
-    rstd = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+    out = torch.empty((rows, n_cols), dtype=out_dtype, device=hidden.device) if has_norm else None
+    rstd = torch.empty(rows, dtype=torch.float32, device=hidden.device) if has_norm else None
     new_residual = torch.empty((rows, n_cols), dtype=torch.float32, device=hidden.device) if vectors else None
     _forward_kernel[(rows,)](
         hidden, residual, *(vectors or (weight,) * 4), weight, out, new_residual, rstd, n_cols, eps,
-        HAS_RESIDUAL=bool(vectors), BLOCK=block, num_warps=num_warps,
+        HAS_RESIDUAL=bool(vectors), HAS_NORM=has_norm, ROUND_INPUT=round_input, BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
     return out, new_residual, rstd
 
 
-def _launch_backward(grad_out, grad_new_residual, hidden, residual, vectors, weight, rstd):
+def _launch_backward(grad_out, grad_new_residual, hidden, residual, vectors, weight, rstd, round_input=False):
+    """Returns (grad_hidden, grad_residual, partials [weight, *vectors] summed over programs)."""
     rows, n_cols = hidden.shape
     block, num_warps = row_block(n_cols, MAX_HIDDEN, "rms_norm")
     programs = persistent_programs(hidden.device, rows, per_multiprocessor=4)  # more rows in flight per SM
@@ -206,24 +232,30 @@ def _launch_backward(grad_out, grad_new_residual, hidden, residual, vectors, wei
     _backward_kernel[(programs,)](
         grad_out, grad_new_residual, hidden, residual, *(vectors or (weight,) * 4), weight, rstd,
         grad_hidden, grad_residual, partials, rows, n_cols,
-        HAS_RESIDUAL=bool(vectors), BLOCK=block, num_warps=num_warps,
+        HAS_RESIDUAL=bool(vectors), HAS_NORM=grad_out is not None, ROUND_INPUT=round_input, BLOCK=block,
+        num_warps=num_warps,
     )  # fmt: skip
     return grad_hidden, grad_residual, partials.sum(1)
 
 
 class _RMSNorm(torch.autograd.Function):
+    """``weight * rmsnorm(x)``; with ``round_input``, of ``x.to(weight.dtype)`` (the gradient passes the cast)."""
+
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, round_input):
         x2d = flat_rows(x)
-        out, _, rstd = _launch_forward(x2d, None, None, weight, eps, torch.promote_types(x.dtype, weight.dtype))
+        out_dtype = weight.dtype if round_input else torch.promote_types(x.dtype, weight.dtype)
+        out, _, rstd = _launch_forward(x2d, None, None, weight, eps, out_dtype, round_input=round_input)
         ctx.save_for_backward(x2d, weight, rstd)
+        ctx.round_input = round_input
         return out.view(x.shape)
 
     @staticmethod
     def backward(ctx, grad_out):
         x2d, weight, rstd = ctx.saved_tensors
-        grad_x, _, partials = _launch_backward(flat_rows(grad_out), None, x2d, None, None, weight, rstd)
-        return grad_x.view(grad_out.shape), partials[0].to(weight.dtype), None
+        grad_x, _, partials = _launch_backward(flat_rows(grad_out), None, x2d, None, None, weight, rstd,
+                                               round_input=ctx.round_input)
+        return grad_x.view(grad_out.shape), partials[0].to(weight.dtype), None, None
 
 
 class _ResidualRMSNorm(torch.autograd.Function):
@@ -246,6 +278,25 @@ class _ResidualRMSNorm(torch.autograd.Function):
         return grad_h.view(shape), grad_res.view(shape), *grad_vectors, grad_w, None
 
 
+class _ResidualMerge(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, residual, hidden_bias, hidden_scale, residual_bias, residual_scale):
+        vectors = (hidden_bias, hidden_scale, residual_bias, residual_scale)
+        h2d, res2d = flat_rows(hidden), flat_rows(residual)
+        _, new_residual, _ = _launch_forward(h2d, res2d, vectors, hidden_scale, 0.0, None, has_norm=False)
+        ctx.save_for_backward(h2d, res2d, *vectors)
+        return new_residual.view(hidden.shape)
+
+    @staticmethod
+    def backward(ctx, grad_new_residual):
+        h2d, res2d, *vectors = ctx.saved_tensors
+        grad_h, grad_res, partials = _launch_backward(
+            None, flat_rows(grad_new_residual.float()), h2d, res2d, vectors, vectors[1], None
+        )
+        shape = grad_new_residual.shape
+        return grad_h.view(shape), grad_res.view(shape), *(p.to(t.dtype) for p, t in zip(partials[1:], vectors))
+
+
 # ----------------------------------------------------------------------------------------- public API
 
 
@@ -259,7 +310,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check_vector("weight", weight, x.shape[-1])
     if not triton_runs(_forward_kernel, x, weight):
         return rms_norm_reference(x, weight, eps)
-    return _RMSNorm.apply(x, weight, eps)
+    return _RMSNorm.apply(x, weight, eps, False)
+
+
+def residual_norm(residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * rmsnorm(residual.to(weight.dtype))`` in weight's dtype; same contract as
+    :func:`residual_norm_reference`, without materialising the cast."""
+    _check_vector("weight", weight, residual.shape[-1])
+    if not triton_runs(_forward_kernel, residual, weight):
+        return residual_norm_reference(residual, weight, eps)
+    return _RMSNorm.apply(residual, weight, eps, True)
+
+
+def residual_merge(hidden, residual, hidden_bias, hidden_scale, residual_bias, residual_scale) -> torch.Tensor:
+    """Fused ZAYA residual merge; same contract as :func:`residual_merge_reference`."""
+    if hidden.shape != residual.shape:
+        raise ValueError(f"hidden {list(hidden.shape)} and residual {list(residual.shape)} must have one shape")
+    vectors = (hidden_bias, hidden_scale, residual_bias, residual_scale)
+    for name, v in zip(("hidden_bias", "hidden_scale", "residual_bias", "residual_scale"), vectors):
+        _check_vector(name, v, hidden.shape[-1])
+    if not triton_runs(_forward_kernel, hidden, residual, *vectors):
+        return residual_merge_reference(hidden, residual, *vectors)
+    return _ResidualMerge.apply(hidden, residual, *vectors)
 
 
 def residual_rms_norm(

@@ -27,6 +27,21 @@ from ..config import ZayaConfigError
 from .norm import InputScaling, residual_dtype
 
 
+def norm_residual(norm, residual: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A sublayer's input: ``norm`` of the (fp32) residual stream cast to the model ``dtype``."""
+    return norm(residual.to(dtype))
+
+
+def merge_and_norm(merge, norm, hidden: torch.Tensor, residual: torch.Tensor, dtype: torch.dtype):
+    """Merge a sublayer's output into the residual stream and normalise it for the next sublayer.
+
+    Returns ``(next sublayer's input, new residual)``. The ``kernels.zaya_residual`` patch fuses both (and
+    :func:`norm_residual`'s cast) into one Triton pass each way.
+    """
+    residual = merge(hidden, residual)
+    return norm_residual(norm, residual, dtype), residual
+
+
 def stage_tensor_width(config) -> int:
     """Channels of the tensor between pipeline stages: the residual stream, plus the router state under EDA."""
     return config.hidden_size + (config.router_hidden_size if config.router_eda else 0)
@@ -44,10 +59,12 @@ class ZayaTransformerLayer(TransformerLayer):
         dtype = self.config.params_dtype
         residual = hidden_states
         attention_output, _ = self.self_attention(
-            self.input_layernorm(residual.to(dtype)), attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
+            norm_residual(self.input_layernorm, residual, dtype), attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
         )
-        residual = self.self_attn_bda(attention_output, residual)
-        mlp_output, router_state = self.mlp(self.pre_mlp_layernorm(residual.to(dtype)), router_state=router_state)
+        mlp_input, residual = merge_and_norm(self.self_attn_bda, self.pre_mlp_layernorm, attention_output, residual,
+                                             dtype)
+        mlp_output, router_state = self.mlp(mlp_input, router_state=router_state)
         return self.mlp_bda(mlp_output, residual), router_state
 
 
@@ -101,7 +118,7 @@ class ZayaTransformerBlock(TransformerBlock):
         if not self.post_process:
             return self._pack_stage_output(hidden_states, router_state)
         if self.final_layernorm is not None:
-            hidden_states = self.final_layernorm(hidden_states.to(self.config.params_dtype))
+            hidden_states = norm_residual(self.final_layernorm, hidden_states, self.config.params_dtype)
         return hidden_states
 
     def _pack_stage_output(self, hidden_states, router_state):

@@ -26,6 +26,8 @@ def _rmsnorm(k):
     vectors = [_meta(HIDDEN) for _ in range(5)]
     _backward([k.rms_norm(_meta(TOKENS, HIDDEN), vectors[0], 1e-5)])
     _backward(list(k.residual_rms_norm(_meta(TOKENS, HIDDEN), _meta(TOKENS, HIDDEN, dtype=FP32), *vectors, 1e-5)))
+    _backward([k.residual_norm(_meta(TOKENS, HIDDEN, dtype=FP32), vectors[0], 1e-5)])
+    _backward([k.residual_merge(_meta(TOKENS, HIDDEN), _meta(TOKENS, HIDDEN, dtype=FP32), *vectors[:4])])
 
 
 def _swiglu(k):

@@ -5,8 +5,8 @@ import torch
 import megatron_zaya.patches.kernels  # noqa: F401  (registers the group, whichever test runs first)
 from megatron_zaya.patches.registry import REGISTRY, skip_reason
 
-KERNEL_PATCHES = ["kernels.rmsnorm", "kernels.swiglu", "kernels.cross_entropy", "kernels.zaya_router", "kernels.zaya_cca",
-                  "kernels.zaya_lm_head", "kernels.zaya_experts"]
+KERNEL_PATCHES = ["kernels.rmsnorm", "kernels.swiglu", "kernels.cross_entropy", "kernels.zaya_router",
+                  "kernels.zaya_residual", "kernels.zaya_cca", "kernels.zaya_lm_head", "kernels.zaya_experts"]
 
 
 def test_kernel_patches_are_registered_for_gpus_only_with_an_off_switch():

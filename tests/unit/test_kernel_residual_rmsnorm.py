@@ -77,6 +77,60 @@ def test_residual_rms_norm_forward_backward(hidden_dtype):
         assert_matches_oracle(what, kernel[i], runs["oracle"][i], runs["reference"][i])
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_residual_norm_rounds_the_fp32_stream_to_the_weight_dtype(weight_dtype):
+    """``residual_norm(r, w)`` is ``rms_norm(r.to(w.dtype), w)`` with the cast inside the kernel; the gradient
+    reaches the fp32 stream through the cast."""
+    gen = torch.Generator().manual_seed(3)
+    residual = torch.randn(23, 72, generator=gen) * 5  # fp32, many values not representable in bf16
+    weight = (1 + 0.4 * torch.randn(72, generator=gen)).to(weight_dtype)
+    grad = torch.randn(23, 72, generator=gen)
+
+    runs = {}
+    for name, fn, cast in [
+        ("kernel", kernels.residual_norm, None),
+        ("reference", kernels.residual_norm_reference, None),
+        ("oracle", lambda r, w, eps: kernels.rms_norm_reference(r.to(weight_dtype).double(), w, eps), torch.float64),
+    ]:
+        r, w = _leaves(residual, dtype=torch.float32 if cast is None else cast)[0], _leaves(weight, dtype=cast)[0]
+        out = fn(r, w, EPS)
+        runs[name] = (out, *_grads([out], [r, w], [grad]))
+
+    kernel = runs["kernel"]
+    assert kernel[0].dtype == weight_dtype and kernel[1].dtype == torch.float32
+    for i, what in enumerate(["out", "d_residual", "d_weight"]):
+        assert_matches_oracle(what, kernel[i], runs["oracle"][i], runs["reference"][i])
+
+
+@pytest.mark.parametrize("hidden_dtype", [torch.float32, torch.bfloat16])
+def test_residual_merge_forward_backward(hidden_dtype):
+    gen = torch.Generator().manual_seed(4)
+    rows, dim = 31, 56
+    hidden = torch.randn(rows, dim, generator=gen).to(hidden_dtype)
+    residual = torch.randn(rows, dim, generator=gen) * 4
+    vectors = [(0.1 * torch.randn(dim, generator=gen)).to(hidden_dtype), 1 + 0.3 * torch.randn(dim, generator=gen),
+               (0.1 * torch.randn(dim, generator=gen)).to(hidden_dtype),
+               (1 + 0.3 * torch.randn(dim, generator=gen)).to(hidden_dtype)]
+    grad = torch.randn(rows, dim, generator=gen)
+
+    runs = {}
+    for name, fn, cast in [
+        ("kernel", kernels.residual_merge, None),
+        ("reference", kernels.residual_merge_reference, None),
+        ("oracle", kernels.residual_merge_reference, torch.float64),
+    ]:
+        inputs = _leaves(hidden, residual, *vectors, dtype=cast)
+        out = fn(*inputs)
+        runs[name] = (out, *_grads([out], inputs, [grad]))
+
+    kernel = runs["kernel"]
+    assert kernel[0].dtype == torch.float32 and kernel[1].dtype == hidden_dtype
+    names = ["new_residual", "d_hidden", "d_residual", "d_hidden_bias", "d_hidden_scale", "d_residual_bias",
+             "d_residual_scale"]
+    for i, what in enumerate(names):
+        assert_matches_oracle(what, kernel[i], runs["oracle"][i], runs["reference"][i])
+
+
 def test_reference_matches_transformers_zaya_modules():
     """The reference is transformers' ZayaResidualScaling followed by ZayaRMSNorm (fp32 parameters)."""
     from transformers.models.zaya.modeling_zaya import ZayaResidualScaling, ZayaRMSNorm
@@ -94,6 +148,9 @@ def test_reference_matches_transformers_zaya_modules():
     )  # fmt: skip
     torch.testing.assert_close(new_residual, expected_residual)
     torch.testing.assert_close(normed, norm(expected_residual))
+    merged = kernels.residual_merge_reference(hidden, residual, scaling.hidden_states_bias,
+                                              scaling.hidden_states_scale, scaling.residual_bias, scaling.residual_scale)
+    torch.testing.assert_close(merged, expected_residual)
 
 
 def test_triton_rms_norm_module_is_a_megatron_norm():

@@ -12,15 +12,16 @@ from megatron_zaya.pretrained import build_single_process_model
 
 @pytest.fixture
 def patched(monkeypatch):
-    """Apply the four ZAYA kernel patches' functions directly (their platform is GPU), undone afterwards."""
-    from megatron_zaya.model import cca, experts, model, router
+    """Apply the five ZAYA kernel patches' functions directly (their platform is GPU), undone afterwards."""
+    from megatron_zaya.model import cca, experts, layer, model, norm, router
     from megatron_zaya.patches import kernels
 
     for owner, name in ((router, "route_top1"), (cca, "cca_qk"), (model.ZayaModel, "lm_head_loss"),
-                        (experts.ZayaExperts, "forward")):
+                        (experts.ZayaExperts, "forward"), (layer, "norm_residual"), (layer, "merge_and_norm"),
+                        (norm.ResidualScaling, "forward")):
         monkeypatch.setattr(owner, name, getattr(owner, name))  # restored by monkeypatch at teardown
     return lambda: (kernels.use_triton_router(), kernels.use_triton_cca(), kernels.use_fused_lm_head(),
-                    kernels.use_grouped_experts())
+                    kernels.use_grouped_experts(), kernels.use_fused_residual())
 
 
 def test_patched_model_equals_torch_path(patched):
