@@ -7,7 +7,9 @@
 Shapes: T = 8192 tokens (4096 x 2), D = 2048, F = 2048, V = 262272, E = 16, d = 128, nq = 8, nkv = 2,
 bf16 activations. For each kernel and pass (forward; forward + backward) it prints the median time of
 the Triton kernel, of the eager torch reference and of ``torch.compile(reference)``, the kernel's
-throughput and the speed-ups. Throughput is effective GB/s (the bytes a fused implementation has to
+throughput and the speed-ups. Memory-bound cases are timed as CUDA-graph replays (``--timer graph``, the
+default), so that a ~20 µs kernel is not measured as its ~50 µs of Python launch overhead; the GEMM-bound ones,
+and any case whose capture fails, with CUDA events around each call. Throughput is effective GB/s (the bytes a fused implementation has to
 move: inputs read once, outputs written once) for the memory-bound kernels and TFLOP/s (useful FLOPs) for
 the GEMM-bound ones. Anchors measured on an H200: device copy 3.6-4.3 TB/s; eager RMSNorm ~300 GB/s.
 """
@@ -57,6 +59,7 @@ class Case:
     bytes: tuple[float, float] = (0.0, 0.0)  # (forward, backward) bytes moved by a fused implementation
     flops: tuple[float, float] = (0.0, 0.0)  # (forward, backward) useful FLOPs
     compile: bool = True  # also time torch.compile(reference)
+    graph: bool | None = None  # time as CUDA-graph replays; default: the memory-bound cases (``bytes`` given)
     uniform_grad: bool = False  # backward with one gradient for every output element, as Megatron's loss gives
 
 
@@ -117,11 +120,16 @@ def _differentiable(outputs) -> list[torch.Tensor]:
     return [o for o in outputs if o.requires_grad]
 
 
-def _bench(fn: Callable[[], object], device: str) -> float:
-    """Median milliseconds of ``fn``."""
+def _bench(fn: Callable[[], object], device: str, graph: bool = False) -> float:
+    """Median milliseconds of ``fn``: device time of CUDA-graph replays (``graph``) or CUDA events per call."""
     if device == "cuda":
         import triton.testing
 
+        if graph:
+            try:
+                return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+            except RuntimeError as error:  # e.g. a host sync inside fn: time it call by call instead
+                print(f"  (CUDA-graph capture failed, timing with events: {str(error).splitlines()[0][:80]})")
         return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
     times = []
     for _ in range(5):
@@ -132,7 +140,7 @@ def _bench(fn: Callable[[], object], device: str) -> float:
 
 
 def _time_passes(fn: Callable, tensors: list[torch.Tensor], args: tuple, device: str,
-                 uniform_grad: bool = False) -> tuple[float, float, float]:
+                 uniform_grad: bool = False, graph: bool = False) -> tuple[float, float, float]:
     """(forward ms, forward + backward ms, extra peak GiB of forward + backward) of ``fn(*tensors, *args)``."""
     outputs = _differentiable(fn(*tensors, *args))
     grads = [torch.full_like(o, 1 / o.numel()) if uniform_grad else torch.randn_like(o) for o in outputs]
@@ -149,7 +157,7 @@ def _time_passes(fn: Callable, tensors: list[torch.Tensor], args: tuple, device:
         step()
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - before) / 2**30
-    return _bench(lambda: fn(*tensors, *args), device), _bench(step, device), peak
+    return _bench(lambda: fn(*tensors, *args), device, graph), _bench(step, device, graph), peak
 
 
 def _throughput(case: Case, backward: bool, ms: float) -> str:
@@ -159,18 +167,21 @@ def _throughput(case: Case, backward: bool, ms: float) -> str:
     return f"{amount / (ms * 1e-3) / scale:9.1f} {unit}"
 
 
-def run(case: Case, device: str, use_compile: bool) -> None:
+def run(case: Case, device: str, use_compile: bool, timer: str) -> None:
     tensors, args = case.make_inputs()
-    timings = {"triton": _time_passes(case.kernel, tensors, args, device, case.uniform_grad),
-               "eager": _time_passes(case.reference, tensors, args, device, case.uniform_grad)}  # fmt: skip
+    graph = device == "cuda" and timer == "graph" and (case.graph if case.graph is not None else case.bytes != (0.0, 0.0))
+    timings = {"triton": _time_passes(case.kernel, tensors, args, device, case.uniform_grad, graph),
+               "eager": _time_passes(case.reference, tensors, args, device, case.uniform_grad, graph)}  # fmt: skip
     if use_compile and case.compile:
         try:
-            timings["compile"] = _time_passes(torch.compile(case.reference), tensors, args, device, case.uniform_grad)
+            timings["compile"] = _time_passes(torch.compile(case.reference), tensors, args, device,
+                                              case.uniform_grad, graph)
         except Exception as error:  # report and go on: a compile failure is a result, not a crash
             print(f"  {case.name}: torch.compile failed: {type(error).__name__}: {str(error).splitlines()[0][:100]}")
     for index, label in enumerate(("fwd", "fwd+bwd")):
         kernel_ms = timings["triton"][index]
-        line = f"{case.name:22s} {label:8s} {kernel_ms:9.3f} ms {_throughput(case, index == 1, kernel_ms)}"
+        line = (f"{case.name:22s} {label:8s} {kernel_ms:9.3f} ms {_throughput(case, index == 1, kernel_ms)}"
+                f" [{'graph' if graph else 'events'}]")
         for other in ("eager", "compile"):
             if other in timings:
                 line += f" | {other} {timings[other][index]:9.3f} ms  x{timings[other][index] / kernel_ms:5.2f}"
@@ -182,10 +193,14 @@ def run(case: Case, device: str, use_compile: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def copy_anchor(device: str, shapes: Shapes) -> None:
-    x = torch.empty(shapes.tokens * shapes.hidden * 32, dtype=BF16, device=device)
-    ms = _bench(lambda: torch.empty_like(x).copy_(x), device)
-    print(f"{'copy (anchor)':22s} {'':8s} {ms:9.3f} ms {2 * x.numel() * 2 / (ms * 1e-3) / 1e9:9.1f} GB/s")
+def copy_anchor(device: str, shapes: Shapes, graph: bool) -> None:
+    """Device copy rate, large (256 × the [T, D] activation) and at one [T, D] activation (the kernels' size)."""
+    for label, elements in (("copy (anchor)", shapes.tokens * shapes.hidden * 32),
+                            ("copy [T, D] bf16", shapes.tokens * shapes.hidden)):
+        x = torch.empty(elements, dtype=BF16, device=device)
+        y = torch.empty_like(x)
+        ms = _bench(lambda: y.copy_(x), device, graph)
+        print(f"{label:22s} {'':8s} {ms:9.3f} ms {2 * x.numel() * 2 / (ms * 1e-3) / 1e9:9.1f} GB/s")
 
 
 def gemm_anchor(device: str, shapes: Shapes) -> None:
@@ -208,6 +223,8 @@ def main() -> None:
     parser.add_argument("--kernels", help="comma-separated case names (default: all)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the references")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device, to check the script")
+    parser.add_argument("--timer", choices=("graph", "events"), default="graph",
+                        help="memory-bound cases as CUDA-graph replays (default) or CUDA events per call")
     options = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not options.smoke:
@@ -216,13 +233,13 @@ def main() -> None:
     torch.manual_seed(0)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"device {name} | torch {torch.__version__} | tokens {shapes.tokens} | hidden {shapes.hidden}")
-    copy_anchor(device, shapes)
+    copy_anchor(device, shapes, device == "cuda" and options.timer == "graph")
     if device == "cuda":
         gemm_anchor(device, shapes)
     selected = set(options.kernels.split(",")) if options.kernels else None
     for case in cases(shapes, device):
         if selected is None or case.name in selected:
-            run(case, device, use_compile=not options.no_compile and not options.smoke)
+            run(case, device, use_compile=not options.no_compile and not options.smoke, timer=options.timer)
 
 
 if __name__ == "__main__":
