@@ -1,0 +1,81 @@
+"""Where one ZAYA1 decoder layer's forward + backward spends its time, kernel by kernel (issues #6 and #9).
+
+    python benchmarks/profile_layer.py                 # S=4096, B=2, ZAYA1-8B width, one GPU
+    python benchmarks/profile_layer.py --smoke         # tiny widths on any device: checks the script
+
+Builds layer 0 of a one-layer ``zaya1-8b-shallow`` model as training builds it (the kernel patches that apply
+on the device), runs forward + backward on the fp32 residual stream as ``inprocess.py eager`` does, and prints
+
+* wall time per step (CUDA events, no profiler) and the device's busy time per step (the union of kernel
+  intervals under ``torch.profiler``): wall well above busy means the step waits on the host (launches);
+* the kernels by device time per step, with their launch counts, and the torch ops that launched the most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+
+import torch
+
+from inprocess import DEVICE, GPU, setup_single_process, zaya_cfg
+from probe import busy_ms
+from timing import call_times
+
+
+def layer_step(smoke: bool, seq: int, batch: int):
+    from megatron_zaya.pretrained import build_single_process_model
+
+    setup_single_process()
+    cfg = zaya_cfg(smoke, 1, seq)
+    model = build_single_process_model(cfg).to(DEVICE).train()
+    layer, rotary = model.decoder.layers[0], model.rotary_pos_emb["global"](seq)
+    x = torch.randn(seq, batch, cfg.hidden_size, device=DEVICE, requires_grad=True)  # the fp32 residual stream
+    grad = torch.randn_like(x)
+
+    def step():
+        out, _ = layer(x, rotary_pos_emb=rotary)
+        out.backward(grad)
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3, help="profiled steps")
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args()
+    if not GPU and not args.smoke:
+        raise SystemExit("profile_layer.py needs a CUDA or ROCm GPU; use --smoke to check the script on CPU")
+    seq, batch = (64, 2) if args.smoke else (args.seq, args.batch)
+    step = layer_step(args.smoke, seq, batch)
+    wall = statistics.median(call_times(step, warmup=3, iters=10))
+
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if GPU else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            step()
+        if GPU:
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_kernel = defaultdict(lambda: [0.0, 0])
+    for event in kernels:
+        per_kernel[event.name][0] += event.device_time / args.steps / 1e3
+        per_kernel[event.name][1] += 1
+    busy = busy_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / args.steps
+    total = sum(ms for ms, _ in per_kernel.values())
+    print(f"one ZAYA1 layer fwd+bwd, S={seq} B={batch}: wall {wall:.3f} ms/step, device busy {busy:.3f} ms/step, "
+          f"kernels {total:.3f} ms/step, {len(kernels) // args.steps} launches/step")
+    print(f"{'ms/step':>9s} {'share':>6s} {'calls':>5s}  kernel")
+    for name, (ms, calls) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[: args.top]:
+        print(f"{ms:9.3f} {ms / max(total, 1e-9):6.1%} {calls // args.steps:5d}  {name[:150]}")
+    sort_key = "self_device_time_total" if GPU else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort_key, row_limit=args.top, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()
