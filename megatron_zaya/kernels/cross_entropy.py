@@ -29,14 +29,13 @@ for TP > 1 (see patches/kernels.py).
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .utils import flat_rows, triton_runs
+from .utils import flat_rows, matmul_fp32, matmul_fp32_into, triton_runs
 
 IGNORE_INDEX = -100
 BLOCK_V = 4096  # vocab columns per program iteration
@@ -183,22 +182,6 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int 
 # ----------------------------------------------------------------------------------------- linear_cross_entropy
 
 
-_FP32_OUT_GEMM = {"supported": True}
-
-
-def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` accumulated and returned in fp32 without upcasting bf16/fp16 inputs (vendor GEMM)."""
-    if a.dtype == torch.float32 or not a.is_cuda:
-        return a.float() @ b.float()
-    if _FP32_OUT_GEMM["supported"]:
-        try:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, NotImplementedError) as error:  # e.g. a ROCm build without the dtype overload
-            _FP32_OUT_GEMM["supported"] = False
-            warnings.warn(f"torch.mm(out_dtype=float32) unavailable ({error}); LM head GEMMs upcast to fp32")
-    return a.float() @ b.float()
-
-
 def _chunks(n: int, size: int) -> list[tuple[int, int]]:
     """Split range(n) into equal chunks of at most ``size``."""
     count = triton.cdiv(n, size)
@@ -210,23 +193,6 @@ def _tiles(tokens: int, vocab: int, token_chunk: int | None, vocab_chunk: int | 
     token_chunk = token_chunk or min(tokens, 8192)
     vocab_chunk = vocab_chunk or max(256, TILE_ELEMENTS // token_chunk)
     return _chunks(tokens, token_chunk), _chunks(vocab, vocab_chunk)
-
-
-def _matmul_fp32_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool = False) -> None:
-    """``out (+)= a @ b`` into an fp32 ``out``, without an fp32 temporary where the vendor GEMM allows."""
-    if a.is_cuda and a.dtype != torch.float32 and _FP32_OUT_GEMM["supported"]:
-        try:
-            if accumulate:
-                torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-            else:
-                torch.mm(a, b, out_dtype=torch.float32, out=out)
-            return
-        except (RuntimeError, NotImplementedError, TypeError):  # no fp32-output overload: one temporary
-            pass
-    if accumulate:
-        out += _matmul_fp32(a, b)
-    else:
-        out.copy_(_matmul_fp32(a, b))
 
 
 def _recomputed_grads(hidden, weight, labels, lse, grad_loss, tiles, need_hidden: bool):
@@ -241,13 +207,13 @@ def _recomputed_grads(hidden, weight, labels, lse, grad_loss, tiles, need_hidden
         for t0, t1 in token_ranges:
             h = hidden[t0:t1]
             grad_logits = torch.empty((t1 - t0, v1 - v0), dtype=hidden.dtype, device=hidden.device)
-            _softmax_grad(_matmul_fp32(h, w.t()), labels[t0:t1], v0, lse[t0:t1], grad_loss[t0:t1], grad_logits)
+            _softmax_grad(matmul_fp32(h, w.t()), labels[t0:t1], v0, lse[t0:t1], grad_loss[t0:t1], grad_logits)
             if need_hidden:
-                grad_hidden[t0:t1] += _matmul_fp32(grad_logits, w)
+                grad_hidden[t0:t1] += matmul_fp32(grad_logits, w)
             if one_token_chunk:
                 torch.mm(grad_logits.t(), h, out=grad_w)
             else:
-                grad_w += _matmul_fp32(grad_logits.t(), h)
+                grad_w += matmul_fp32(grad_logits.t(), h)
         if not one_token_chunk:
             grad_weight[v0:v1] = grad_w
     return grad_hidden, grad_weight
@@ -264,7 +230,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         running_max, running_sum, target = _new_statistics(hidden.shape[0], hidden.device)
         for v0, v1 in vocab_ranges:
             for t0, t1 in token_ranges:
-                logits = _matmul_fp32(hidden[t0:t1], weight[v0:v1].t())
+                logits = matmul_fp32(hidden[t0:t1], weight[v0:v1].t())
                 _accumulate_logsumexp(logits, labels[t0:t1], v0, running_max[t0:t1], running_sum[t0:t1],
                                       target[t0:t1])  # fmt: skip
         loss, lse = _loss(running_max, running_sum, target, labels, ignore_index)
@@ -282,14 +248,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for t0, t1 in _chunks(tokens, token_chunk):
             h, rows = hidden[t0:t1], slice(t0, t1)
-            logits = _matmul_fp32(h, weight.t())
+            logits = matmul_fp32(h, weight.t())
             _accumulate_logsumexp(logits, labels[rows], 0, running_max[rows], running_sum[rows], target[rows])
             lse = running_max[rows] + torch.log(running_sum[rows])
             grad_logits = _softmax_grad(logits, labels[rows], 0, lse, unit[rows],
                                         torch.empty((t1 - t0, vocab), dtype=hidden.dtype, device=hidden.device))
             del logits
-            _matmul_fp32_into(grad_hidden[rows], grad_logits, weight)
-            _matmul_fp32_into(grad_weight, grad_logits.t(), h, accumulate=True)
+            matmul_fp32_into(grad_hidden[rows], grad_logits, weight)
+            matmul_fp32_into(grad_weight, grad_logits.t(), h, accumulate=True)
         loss, lse = _loss(running_max, running_sum, target, labels, ignore_index)
         ctx.save_for_backward(hidden, weight, labels, lse, grad_hidden, grad_weight)
         return loss

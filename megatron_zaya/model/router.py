@@ -29,6 +29,12 @@ from torch import nn
 from .norm import rms_norm
 
 
+def router_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The router's first layer in fp32, ``x.float() Wᵀ + b`` (``kernels.zaya_router`` runs it as a bf16 GEMM
+    with fp32 output: the same products)."""
+    return F.linear(x.float(), weight.float(), bias.float())
+
+
 def route_top1(logits: torch.Tensor, biases: torch.Tensor, num_experts: int):
     """Top-1 routing on biased probabilities.
 
@@ -101,8 +107,7 @@ class ZayaRouter(MegatronModule):
     def forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None):
         if padding_mask is not None:
             raise NotImplementedError("ZAYA1 pretraining packs sequences without padding; padding_mask unsupported")
-        x = hidden_states.float()
-        u = F.linear(x, self.down_proj.weight.float(), self.down_proj.bias.float())
+        u = router_projection(hidden_states, self.down_proj.weight, self.down_proj.bias)
         if self.eda_scale is not None:
             # The first MoE layer's incoming state is zero. Its scale still joins the graph (zero gradient): Megatron's
             # overlapped gradient reduction waits for every trainable parameter, and its optimizer checkpoints

@@ -74,6 +74,29 @@ def test_swiglu(weighted):
              [_randn(TOKENS, FFN, gen=gen)])  # fmt: skip
 
 
+def test_router_projection():
+    gen = torch.Generator("cuda").manual_seed(8)
+    x, weight, bias = _randn(TOKENS, HIDDEN, gen=gen), _randn(256, HIDDEN, scale=0.02, gen=gen), _randn(256, gen=gen)
+    grad = torch.randn(TOKENS, 256, device="cuda", generator=gen)
+    _compare(["out", "d_x", "d_weight", "d_bias"], router.router_projection, router.router_projection_reference,
+             [x, weight, bias], [grad])
+
+
+def test_residual_norm_and_merge():
+    gen = torch.Generator("cuda").manual_seed(9)
+    residual = _randn(TOKENS, HIDDEN, scale=4, dtype=torch.float32, gen=gen)
+    weight = 1 + _randn(HIDDEN, scale=0.3, gen=gen)
+    grad = torch.randn(TOKENS, HIDDEN, device="cuda", generator=gen)
+    _compare(["out", "d_residual", "d_weight"], residual_rmsnorm.residual_norm,
+             residual_rmsnorm.residual_norm_reference, [residual, weight], [grad], 1e-5)
+    hidden = _randn(TOKENS, HIDDEN, gen=gen)
+    vectors = [_randn(HIDDEN, scale=0.1, gen=gen), 1 + _randn(HIDDEN, scale=0.3, dtype=torch.float32, gen=gen),
+               _randn(HIDDEN, scale=0.1, gen=gen), 1 + _randn(HIDDEN, scale=0.3, gen=gen)]
+    _compare(["new_residual", "d_hidden", "d_residual", "d_hidden_bias", "d_hidden_scale", "d_residual_bias",
+              "d_residual_scale"], residual_rmsnorm.residual_merge, residual_rmsnorm.residual_merge_reference,
+             [hidden, residual, *vectors], [grad])
+
+
 def test_route_top1():
     gen = torch.Generator("cuda").manual_seed(3)
     logits = _randn(TOKENS, EXPERTS + 1, scale=2, dtype=torch.float32, gen=gen).requires_grad_()

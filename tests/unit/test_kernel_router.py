@@ -66,3 +66,26 @@ def test_bad_inputs_raise_clear_errors():
         kernels.route_top1(torch.randn(4, EXPERTS), torch.zeros(EXPERTS + 1), EXPERTS)
     with pytest.raises(ValueError, match="balancing biases"):
         kernels.route_top1(torch.randn(4, EXPERTS + 1), torch.zeros(EXPERTS), EXPERTS)
+
+
+def test_router_projection_is_the_fp32_linear_of_bf16_inputs():
+    """Forward: the fp32 products of bf16 values, i.e. the fp32 reference up to summation order. Backward: bf16
+    GEMMs of the rounded output gradient, within bf16 rounding of float64."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 37, 64, generator=gen).to(torch.bfloat16)
+    weight = (0.1 * torch.randn(24, 64, generator=gen)).to(torch.bfloat16)
+    bias = (0.1 * torch.randn(24, generator=gen)).to(torch.bfloat16)
+    grad = torch.randn(3, 37, 24, generator=gen)
+
+    runs = {}
+    for name, fn, cast in [("kernel", kernels.router_projection, None),
+                           ("reference", kernels.router_projection_reference, None),
+                           ("oracle", kernels.router_projection_reference, torch.float64)]:  # fmt: skip
+        leaves = [t.detach().to(cast or t.dtype).requires_grad_() for t in (x, weight, bias)]
+        out = fn(*leaves)
+        runs[name] = (out, *torch.autograd.grad(out, leaves, grad.to(out.dtype)))
+    kernel = runs["kernel"]
+    assert kernel[0].dtype == torch.float32 and [g.dtype for g in kernel[1:]] == [torch.bfloat16] * 3
+    torch.testing.assert_close(kernel[0], runs["oracle"][0].float(), rtol=1e-6, atol=1e-6)  # exact products
+    for i, what in enumerate(["out", "d_x", "d_weight", "d_bias"]):
+        assert_matches_oracle(what, kernel[i], runs["oracle"][i], runs["reference"][i])

@@ -16,7 +16,7 @@ def patched(monkeypatch):
     from megatron_zaya.model import cca, experts, layer, model, norm, router
     from megatron_zaya.patches import kernels
 
-    for owner, name in ((router, "route_top1"), (cca, "cca_qk"), (model.ZayaModel, "lm_head_loss"),
+    for owner, name in ((router, "route_top1"), (router, "router_projection"), (cca, "cca_qk"), (model.ZayaModel, "lm_head_loss"),
                         (experts.ZayaExperts, "forward"), (layer, "norm_residual"), (layer, "merge_and_norm"),
                         (norm.ResidualScaling, "forward")):
         monkeypatch.setattr(owner, name, getattr(owner, name))  # restored by monkeypatch at teardown
