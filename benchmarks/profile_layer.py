@@ -8,7 +8,9 @@ on the device), runs forward + backward on the fp32 residual stream as ``inproce
 
 * wall time per step (CUDA events, no profiler) and the device's busy time per step (the union of kernel
   intervals under ``torch.profiler``): wall well above busy means the step waits on the host (launches);
-* the kernels by device time per step, with their launch counts, and the torch ops that launched the most.
+* the kernels by device time per step, with their launch counts, and the torch ops that launched the most;
+* with ``--cprofile``, the host side: Python functions by own time and by cumulative time per step
+  (``cProfile``), to find where a host-bound step spends its launches.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3, help="profiled steps")
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--cprofile", action="store_true", help="also print the host-side Python profile")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     if not GPU and not args.smoke:
@@ -75,6 +78,31 @@ def main() -> None:
         print(f"{ms:9.3f} {ms / max(total, 1e-9):6.1%} {calls // args.steps:5d}  {name[:150]}")
     sort_key = "self_device_time_total" if GPU else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort_key, row_limit=args.top, max_name_column_width=70))
+    if args.cprofile:
+        host_profile(step, args.steps, args.top)
+
+
+def host_profile(step, steps: int, top: int) -> None:
+    """Python functions by own and cumulative host time, ms per step."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    if GPU:
+        torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    total = sum(entry[2] for entry in stats.stats.values())  # own time of every function
+    print(f"host: {1e3 * total / steps:.3f} ms/step of Python and C calls under cProfile")
+    for key in ("tottime", "cumulative"):
+        print(f"{'own ms' if key == 'tottime' else 'cum ms':>9s} {'calls':>6s}  function  (sorted by {key})")
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2 if key == "tottime" else 3])[:top]
+        for (path, line, name), (_, calls, own, cumulative, _) in rows:
+            ms = (own if key == "tottime" else cumulative) * 1e3 / steps
+            print(f"{ms:9.3f} {calls // steps:6d}  {name} ({path.split('site-packages/')[-1][-60:]}:{line})")
 
 
 if __name__ == "__main__":
