@@ -316,20 +316,22 @@ def use_grouped_experts() -> None:
     Off: leave ``kernels.zaya_experts`` out of ``--zaya-patches``.
     """
     import torch
-    from megatron.core.transformer.moe.experts import SequentialMLP
 
     from megatron_zaya.kernels.grouped_gemm import grouped_gemm
     from megatron_zaya.kernels.swiglu import swiglu
     from megatron_zaya.model.experts import ZayaExperts
 
+    reference = ZayaExperts.forward
+
     def grouped_forward(self, hidden, tokens_per_expert, probs):
         cfg = self.config
         if cfg.fp8 or cfg.fp4 or cfg.moe_apply_probs_on_input or self.tp_group.size() > 1 or cfg.add_bias_linear:
-            return SequentialMLP.forward(self, hidden, tokens_per_expert, probs)
+            return reference(self, hidden, tokens_per_expert, probs)
         counts = tokens_per_expert.to(device=hidden.device, dtype=torch.int64)
         fc1 = torch.stack([expert.linear_fc1.weight for expert in self.local_experts])  # [E, 2F, D]
         fc2 = torch.stack([expert.linear_fc2.weight for expert in self.local_experts])  # [E, D, F]
-        intermediate = swiglu(grouped_gemm(hidden, fc1, counts), weights=probs.unsqueeze(-1))
-        return grouped_gemm(intermediate.to(hidden.dtype), fc2, counts), None
+        # padded_rows: ZayaMoELayer's single-rank dispatch hands over all tokens, the skip class's last
+        intermediate = swiglu(grouped_gemm(hidden, fc1, counts, padded_rows=True), weights=probs.unsqueeze(-1))
+        return grouped_gemm(intermediate.to(hidden.dtype), fc2, counts, padded_rows=True), None
 
     replace_attr(ZayaExperts, "forward", grouped_forward)

@@ -10,6 +10,10 @@ the device from the counts, so there is no host sync), so a tile never straddles
 with few tokens cost a partial tile, not a padded [capacity, K] block. The backward uses the same kernel for
 d x = d out @ weight[e] and a second kernel for d weight[e] = d out[rows of e].T @ x[rows of e], which walks
 the expert's rows. bf16/fp16 inputs use the tensor cores with fp32 accumulation; fp32 inputs use IEEE fp32.
+
+With ``padded_rows`` the counts may cover fewer rows than x has: a static-size buffer whose tail (tokens routed
+to no expert) is left out of every GEMM, so its output rows and gradients are zero. This is what lets the
+single-rank MoE dispatch (``model/moe.py``) run without learning the routed count on the host.
 """
 
 from __future__ import annotations
@@ -23,10 +27,17 @@ from .utils import is_interpreted, triton_runs
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64  # output tile (rows x columns) and contraction step
 
 
-def grouped_gemm_reference(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """x [N, K] sorted by expert, weight [E, M, K], tokens_per_expert [E] -> [N, M] in x's dtype."""
-    pieces = x.split(tokens_per_expert.tolist())
-    return torch.cat([piece @ weight[e].t() for e, piece in enumerate(pieces)])
+def grouped_gemm_reference(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
+                           padded_rows: bool = False) -> torch.Tensor:
+    """x [N, K] sorted by expert, weight [E, M, K], tokens_per_expert [E] -> [N, M] in x's dtype.
+
+    ``padded_rows``: the counts may sum to less than N; the remaining rows of the output are zero.
+    """
+    counts = tokens_per_expert.tolist()
+    tail = x.shape[0] - sum(counts) if padded_rows else 0
+    pieces = x.split([*counts, tail])
+    out = [piece @ weight[e].t() for e, piece in enumerate(pieces[: len(counts)])]
+    return torch.cat([*out, x.new_zeros(tail, weight.shape[1])])
 
 
 @triton.jit
@@ -115,10 +126,12 @@ def _row_tiles(tokens_per_expert: torch.Tensor, n_rows: int):
     return torch.where(expert < n_experts, clamped, -1), first_row, row_end, row_start
 
 
-def _grouped_matmul(a, b, b_strides, n_out, tiles):
-    """For each expert e: c[rows of e] = a[rows of e] @ B_e, B_e[k, n] = b[e + k * stride_k + n * stride_n]."""
+def _grouped_matmul(a, b, b_strides, n_out, tiles, padded_rows=False):
+    """For each expert e: c[rows of e] = a[rows of e] @ B_e, B_e[k, n] = b[e + k * stride_k + n * stride_n].
+
+    Rows of no expert are zero with ``padded_rows`` (else every row belongs to an expert)."""
     tile_expert, tile_row, tile_row_end, _ = tiles
-    c = torch.empty((a.shape[0], n_out), dtype=a.dtype, device=a.device)
+    c = (torch.zeros if padded_rows else torch.empty)((a.shape[0], n_out), dtype=a.dtype, device=a.device)
     grid = (tile_expert.numel(), triton.cdiv(n_out, BLOCK_N))
     _grouped_matmul_kernel[grid](
         a, b, c, tile_expert, tile_row, tile_row_end, n_out, a.shape[1], a.stride(0), *b_strides, c.stride(0),
@@ -136,38 +149,42 @@ def _num_stages() -> int:
 
 class _GroupedGemm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, tokens_per_expert):
+    def forward(ctx, x, weight, tokens_per_expert, padded_rows):
         tiles = _row_tiles(tokens_per_expert, x.shape[0])
         w_strides = (weight.stride(0), weight.stride(2), weight.stride(1))  # B_e = weight[e].T
-        out = _grouped_matmul(x, weight, w_strides, weight.shape[1], tiles)
+        out = _grouped_matmul(x, weight, w_strides, weight.shape[1], tiles, padded_rows)
         ctx.save_for_backward(x, weight, tokens_per_expert, *tiles)
+        ctx.padded_rows = padded_rows
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, tokens_per_expert, *tiles = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        grad_x = _grouped_matmul(grad_out, weight, tuple(weight.stride()), weight.shape[2], tiles)  # B_e = weight[e]
+        grad_x = _grouped_matmul(grad_out, weight, tuple(weight.stride()), weight.shape[2], tiles,  # B_e = weight[e]
+                                 ctx.padded_rows)
         n_experts, m_dim, k_dim = weight.shape
         grad_w = torch.empty_like(weight)
         grid = (n_experts, triton.cdiv(m_dim, BLOCK_M), triton.cdiv(k_dim, BLOCK_N))
         _weight_grad_kernel[grid](grad_out, x, grad_w, tiles[3], tokens_per_expert, m_dim, k_dim,
                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_K, num_warps=8,
                                   num_stages=_num_stages())  # fmt: skip
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
-def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
+                 padded_rows: bool = False) -> torch.Tensor:
     """Grouped GEMM over experts; same contract as :func:`grouped_gemm_reference`."""
     if x.dim() != 2 or weight.dim() != 3 or weight.shape[2] != x.shape[1]:
         raise ValueError(f"need x [N, K] and weight [E, M, K]; got x {list(x.shape)}, weight {list(weight.shape)}")
     if tokens_per_expert.shape != (weight.shape[0],):
         raise ValueError(f"tokens_per_expert must have shape [{weight.shape[0]}], got {list(tokens_per_expert.shape)}")
-    if tokens_per_expert.device.type == "cpu" and int(tokens_per_expert.sum()) != x.shape[0]:
+    if tokens_per_expert.device.type == "cpu" and (int(tokens_per_expert.sum()) > x.shape[0] or (
+            not padded_rows and int(tokens_per_expert.sum()) != x.shape[0])):
         raise ValueError(f"tokens_per_expert sums to {int(tokens_per_expert.sum())}, but x has {x.shape[0]} rows")
     if x.dtype != weight.dtype:
         raise ValueError(f"x ({x.dtype}) and weight ({weight.dtype}) must share a dtype")
     if not triton_runs(_grouped_matmul_kernel, x, weight):
-        return grouped_gemm_reference(x, weight, tokens_per_expert)
+        return grouped_gemm_reference(x, weight, tokens_per_expert, padded_rows)
     counts = tokens_per_expert.to(device=x.device, dtype=torch.int64)
-    return _GroupedGemm.apply(x.contiguous(), weight.contiguous(), counts)
+    return _GroupedGemm.apply(x.contiguous(), weight.contiguous(), counts, padded_rows)

@@ -1,10 +1,15 @@
 """ZAYA1's experts: Megatron's ``SequentialMLP`` of SwiGLU MLPs (one ``linear_fc1`` [2F, D] holding gate then up
 rows, one ``linear_fc2`` [D, F] per expert), under a name of its own so that the ``kernels.zaya_experts``
 patch can run them as two grouped GEMMs without touching the experts of other Megatron models. Parameters
-and checkpoint layout are ``SequentialMLP``'s either way."""
+and checkpoint layout are ``SequentialMLP``'s either way.
+
+The tokens may come in a static-size buffer whose tail belongs to no expert (``ZayaMoELayer``'s single-rank
+dispatch: the tokens of the skip class); their output rows are zero.
+"""
 
 from __future__ import annotations
 
+import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 
@@ -20,3 +25,10 @@ class ZayaExperts(SequentialMLP):
         # the data-parallel group, so the gradients are reduced over the same ranks either way.)
         for param in self.parameters():
             param.allreduce = False
+
+    def forward(self, permuted_hidden: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor):
+        routed = int(tokens_per_expert.sum())  # the per-expert loop needs host counts anyway
+        if routed == permuted_hidden.shape[0]:
+            return super().forward(permuted_hidden, tokens_per_expert, permuted_probs)
+        output, bias = super().forward(permuted_hidden[:routed], tokens_per_expert, permuted_probs[:routed])
+        return torch.cat([output, output.new_zeros(permuted_hidden.shape[0] - routed, output.shape[-1])]), bias

@@ -18,9 +18,9 @@ def small_tiles(monkeypatch):
         monkeypatch.setattr(kernels, name, 16)  # several tiles per expert, ragged edges, several K steps
 
 
-def _run(fn, x, weight, counts, grad, dtype=None):
+def _run(fn, x, weight, counts, grad, dtype=None, **kwargs):
     leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in (x, weight)]
-    out = fn(*leaves, counts)
+    out = fn(*leaves, counts, **kwargs)
     return [out, *torch.autograd.grad(out, leaves, grad.to(out.dtype))]
 
 
@@ -40,6 +40,24 @@ def test_grouped_gemm_forward_backward(dtype):
     assert (kernel[2][1] == 0).all()  # the idle expert gets a zero gradient
     for name, k, r, o in zip(["out", "d_x", "d_weight"], kernel, reference, oracle):
         assert_matches_oracle(name, k, o, r)
+
+
+def test_padded_rows_are_left_out_with_zero_outputs_and_gradients():
+    """A static-size buffer: 11 rows after the experts' 37 belong to no expert (tokens of the skip class)."""
+    gen = torch.Generator().manual_seed(1)
+    counts = torch.tensor([5, 0, 23, 9])
+    rows, k_dim, m_dim = int(counts.sum()) + 11, 40, 24
+    x = torch.randn(rows, k_dim, generator=gen)
+    weight = 0.2 * torch.randn(len(counts), m_dim, k_dim, generator=gen)
+    grad = torch.randn(rows, m_dim, generator=gen)
+
+    kernel = _run(kernels.grouped_gemm, x, weight, counts, grad, padded_rows=True)
+    oracle = _run(kernels.grouped_gemm_reference, x[:37], weight, counts, grad[:37], torch.float64)
+    assert (kernel[0][37:] == 0).all() and (kernel[1][37:] == 0).all()
+    for name, k, o in zip(["out", "d_x", "d_weight"], kernel, oracle):
+        assert_matches_oracle(name, k[:37] if name != "d_weight" else k, o)
+    with pytest.raises(ValueError, match="sums to 37, but x has 48 rows"):
+        kernels.grouped_gemm(x, weight, counts)
 
 
 def test_row_tiles_never_straddle_experts():
