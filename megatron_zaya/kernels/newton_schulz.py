@@ -16,8 +16,48 @@ triangle of tiles of ``alpha·Y Yᵀ + beta·Aux`` and mirrors each off-diagonal
 plain batched GEMM (``torch.baddbmm`` also fuses the ``a·X +``). All kernels are batched over a leading
 axis, so the 16 expert slices of a ZAYA1 MoE layer run in one launch.
 
+Gram Newton–Schulz. Every ``A`` of the iteration is a polynomial in ``A₀ = X₀X₀ᵀ``, and so is the
+accumulated left factor ``Q`` with ``X = Q·X₀``. For a wide matrix (m < n) the steps can therefore run on
+m×m matrices only, touching the m×n operand just twice (Dao AI Lab, *Gram Newton–Schulz*, 2026):
+
+    A = X₀ X₀ᵀ                 # the one m×m×n product that reads X₀
+    P = a·I + b·A + c·A·A      # per step; P, A and Q commute, so every product below is symmetric
+    Q = P·Q                    # (Q = P at the first step)
+    A = P·A·P                  # = X_{k+1} X_{k+1}ᵀ, skipped after the last step
+    X = Q · X₀                 # one general m×m·m×n GEMM
+
+With symmetric kernels a segment of L steps costs 3m²n + (4L − 3)m³ FLOPs against L·(3m²n + m³) for the
+standard iteration: fewer as soon as n > m, none for square matrices (``gram_is_cheaper`` is the rule).
+
+The trade-off is numerical. The standard iteration recomputes ``A`` from ``X`` at every step, so its rounding
+errors do not accumulate; the Gram form carries ``A`` and ``Q`` along instead, and in half precision:
+
+* rounding makes tiny eigenvalues of ``A₀`` slightly negative, and the quintic map grows a negative eigenvalue
+  without bound (−10⁻³ reaches −2.6 in three steps and explodes in the fourth);
+* ``Q`` has a wide spectrum (≈ ∏a_k ≈ 41 after three steps on directions with tiny σ, ≈ 1 on the top ones),
+  so its rounding error, relative to its largest entries, leaks into the top directions.
+
+Hence two measures, both needed (``tests/unit/test_muon_orthogonalisation.py`` fails without either):
+
+* **one restart**: ``A`` is recomputed from ``X = Q·X₀`` once ``∏|a_k|`` of a segment would pass
+  ``GRAM_MAX_GAIN``, i.e. after step 3 of 5. It costs 3m²n − 3m³ FLOPs: at n = 2m the Gram form then needs
+  1.35× fewer FLOPs than the symmetric standard iteration instead of 1.52×;
+* **fp16**: whenever a 16-bit dtype is asked for, the Gram form works in fp16 (3 more mantissa bits than bf16,
+  the same tensor-core rate; the input is normalised to Frobenius norm 1, so nothing overflows, and what
+  underflows is below 6·10⁻⁸) and casts its result. fp32 would do too, but at half the rate (TF32) or a
+  sixteenth (IEEE), which undoes the saving.
+
+Measured against the float64 SVD oracle (singular values along the input's directions with σ̂ ≥ 10⁻³ in
+the band φ([σ̂_min, 1]); spectral distance to U·φ(Σ̂)·Vᵀ), on random, condition-10⁶, power-law and
+rank-4-plus-noise matrices of 24×40 to 2048×4096: fp16 with the restart stays in the band (within 10⁻³) at a
+distance of 0.0025–0.06, where the standard iteration in bf16 stays in it (within 5·10⁻³) at 0.02–0.8. The
+Gram form in bf16 with the restart is 6–10× further off than in fp16, and without a restart it leaves the
+band (singular values of 900 and more in bf16, up to 2.9 in fp16, at condition 10⁶).
+
 ``newton_schulz`` picks the backend: Triton on a GPU (or under ``TRITON_INTERPRET=1``), the torch
-reference elsewhere or when Triton is absent.
+reference elsewhere or when Triton is absent; and the iteration: Gram for 16-bit dtypes on GPU tensors
+where it saves at least ``GRAM_MIN_SAVING`` of the FLOPs, the standard one otherwise (CPUs have no fast
+fp16 GEMM; for fp32 and fp64 the self-correcting standard iteration is the accurate choice).
 """
 
 from __future__ import annotations
@@ -42,6 +82,13 @@ DEFAULT_STEPS = 5
 TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 Coefficients = Sequence[tuple[float, float, float]]
+
+#: Gram Newton–Schulz restarts (recomputes A from X) before a segment's gain on tiny singular values,
+#: ∏|a_k|, would pass this: 3 of Keller Jordan's steps (3.4445³ ≈ 41) are validated in fp16, 4 (≈ 141) are not.
+GRAM_MAX_GAIN = 48.0
+#: Gram Newton–Schulz is chosen only where it saves at least this fraction of the FLOPs: a margin for its
+#: m×m products running at a lower FLOP rate than the m×n ones (a guess; ``bench_newton_schulz.py`` measures).
+GRAM_MIN_SAVING = 0.1
 
 
 def _normalise(G: torch.Tensor, dtype: torch.dtype, eps: float) -> tuple[torch.Tensor, bool]:
@@ -72,18 +119,98 @@ def newton_schulz_reference(
     return X.mT if transposed else X
 
 
+def gram_segments(coefficients: Coefficients) -> tuple[int, ...]:
+    """Steps per segment of Gram Newton–Schulz: a restart starts a new segment before ∏|a_k| passes
+    ``GRAM_MAX_GAIN`` (|a| bounds what a step multiplies tiny singular values by). Quintic ×5: (3, 2)."""
+    segments: list[int] = []
+    gain = float("inf")
+    for a, _, _ in coefficients:
+        if segments and gain * abs(a) <= GRAM_MAX_GAIN:
+            segments[-1] += 1
+            gain *= abs(a)
+        else:
+            segments.append(1)
+            gain = abs(a)
+    return tuple(segments)
+
+
+def newton_schulz_flops(m: int, n: int, steps: int, *, symmetric: bool) -> float:
+    """FLOPs of ``steps`` standard steps on an m×n matrix (either orientation): X·Xᵀ, A·A, B·X.
+
+    ``symmetric``: X·Xᵀ and b·A + c·A·A compute one triangle (the Triton path), else all are general GEMMs.
+    """
+    m, n = sorted((m, n))
+    return steps * ((3.0 * m * m * n + m**3) if symmetric else (4.0 * m * m * n + 2.0 * m**3))
+
+
+def gram_newton_schulz_flops(m: int, n: int, segments: Sequence[int], *, symmetric: bool) -> float:
+    """FLOPs of Gram Newton–Schulz on an m×n matrix (either orientation), with ``segments`` steps between restarts.
+
+    A segment of L steps: X·Xᵀ (m²n), L × A·A, L − 1 × P·A·P (two products) and P·Q, then Q·X (2m²n, always
+    general). With ``symmetric`` kernels the m×m products and X·Xᵀ cost half: 3m²n + (4L − 3)m³ per segment,
+    else 4m²n + (8L − 6)m³.
+    """
+    m, n = sorted((m, n))
+    if symmetric:
+        return sum(3.0 * m * m * n + (4 * length - 3) * m**3 for length in segments)
+    return sum(4.0 * m * m * n + (8 * length - 6) * m**3 for length in segments)
+
+
+def gram_is_cheaper(
+    m: int, n: int, coefficients: Coefficients, *, symmetric: bool, min_saving: float = GRAM_MIN_SAVING
+) -> bool:
+    """The shape rule: whether Gram Newton–Schulz needs fewer than ``1 − min_saving`` of the standard FLOPs.
+
+    With symmetric kernels and one restart, Gram is cheaper exactly when the long side exceeds the short
+    one; the 10 % margin asks for n ≥ 1.27m (ZAYA1-8B: q, k, o and the 4096×2048 expert fc1 qualify, the
+    square expert fc2 does not). With general GEMMs (torch) it asks for n ≥ 1.9m.
+    """
+    standard = newton_schulz_flops(m, n, len(coefficients), symmetric=symmetric)
+    ours = gram_newton_schulz_flops(m, n, gram_segments(coefficients), symmetric=symmetric)
+    return ours < (1.0 - min_saving) * standard
+
+
+def _gram_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Gram Newton–Schulz's working dtype: fp16 for 16-bit requests (bf16 is too coarse, see above), else ``dtype``."""
+    return torch.float16 if dtype.itemsize == 2 else dtype
+
+
+def gram_newton_schulz_reference(
+    G: torch.Tensor, coefficients: Coefficients, eps: float = 1e-7, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Plain-torch Gram Newton–Schulz: ``G`` [..., m, n] -> [..., m, n] in ``dtype`` (computed in fp16 for
+    16-bit ``dtype``s). Same result as ``newton_schulz_reference`` in exact arithmetic."""
+    work = _gram_dtype(dtype)
+    X, transposed = _normalise(G, work, eps)
+    eye = torch.eye(X.shape[-2], dtype=work, device=X.device)
+    steps = iter(coefficients)
+    for length in gram_segments(coefficients):
+        A = X @ X.mT
+        for k in range(length):
+            a, b, c = next(steps)
+            P = a * eye + b * A + c * (A @ A)
+            Q = P if k == 0 else P @ Q
+            if k + 1 < length:
+                A = P @ A @ P
+        X = Q @ X
+    X = X.to(dtype)
+    return X.mT if transposed else X
+
+
 if HAVE_TRITON:
 
     @triton.jit
     def _gram_kernel(
-        Y, OUT, AUX, M, K,
+        Y, Z, OUT, AUX, M, K,
         stride_yb, stride_ym, stride_yk,
+        stride_zb, stride_zm, stride_zk,
         stride_ob, stride_om, stride_on,
         stride_ab, stride_am, stride_an,
-        alpha, beta,
-        HAS_AUX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        alpha, beta, diag,
+        HAS_AUX: tl.constexpr, HAS_DIAG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """OUT[b] = alpha·Y[b]·Y[b]ᵀ (+ beta·AUX[b]) for Y [B, M, K]; one program per lower-triangle tile.
+        """OUT[b] = alpha·Y[b]·Z[b]ᵀ (+ beta·AUX[b]) (+ diag·I) for Y, Z [B, M, K], a product known to be
+        symmetric (Z = Y, or commuting symmetric Y and Z); one program per lower-triangle tile.
 
         Grid: (T·(T+1)/2, B) with T = cdiv(M, BLOCK_M). Program ``pid`` owns tile (i, j), j <= i, where
         pid = i·(i+1)/2 + j; it writes the tile and, off the diagonal, its transpose at (j, i).
@@ -99,6 +226,7 @@ if HAVE_TRITON:
         cols = j * BLOCK_M + tl.arange(0, BLOCK_M)
         ks = tl.arange(0, BLOCK_K)
         y = Y + batch * stride_yb
+        z = Z + batch * stride_zb
         acc = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + ks
@@ -107,8 +235,8 @@ if HAVE_TRITON:
                 mask=(rows[:, None] < M) & (kk[None, :] < K),
                 other=0.0,
             )
-            right_t = tl.load(  # Y[cols, kk]ᵀ, loaded as [BLOCK_K, BLOCK_M]
-                y + cols[None, :] * stride_ym + kk[:, None] * stride_yk,
+            right_t = tl.load(  # Z[cols, kk]ᵀ, loaded as [BLOCK_K, BLOCK_M]
+                z + cols[None, :] * stride_zm + kk[:, None] * stride_zk,
                 mask=(cols[None, :] < M) & (kk[:, None] < K),
                 other=0.0,
             )
@@ -121,6 +249,8 @@ if HAVE_TRITON:
                 other=0.0,
             )
             acc += beta * aux.to(tl.float32)
+        if HAS_DIAG:  # only diagonal tiles have rows == cols
+            acc += tl.where(rows[:, None] == cols[None, :], diag, 0.0)
         tile = acc.to(OUT.dtype.element_ty)
         out = OUT + batch * stride_ob
         tl.store(
@@ -159,27 +289,35 @@ def gram(
     alpha: float = 1.0,
     aux: torch.Tensor | None = None,
     beta: float = 0.0,
+    other: torch.Tensor | None = None,
+    diag: float = 0.0,
     block_m: int | None = None,
     block_k: int | None = None,
 ) -> torch.Tensor:
-    """Triton: ``alpha·Y Yᵀ + beta·aux`` for Y [B, M, K] (aux [B, M, M] symmetric) -> [B, M, M] in Y's dtype.
+    """Triton: ``alpha·Y Zᵀ + beta·aux + diag·I`` for Y [B, M, K] (aux [B, M, M] symmetric) -> [B, M, M] in Y's
+    dtype, with Z = ``other`` or Y. ``other`` is for products that are symmetric without being a Gram matrix:
+    P·A with P, A symmetric polynomials in one matrix (then P·Aᵀ = P·A).
 
-    Only the lower triangle of tiles is computed; the upper one is its mirror image.
+    Only the lower triangle of tiles is computed; the upper one is its mirror image. ``out`` must not alias an
+    input.
     """
     if not HAVE_TRITON:
         raise RuntimeError("newton_schulz.gram needs Triton; install triton or use backend='torch'")
     if Y.dim() != 3:
         raise ValueError(f"gram expects Y of shape [batch, M, K], got {tuple(Y.shape)}")
+    Z = Y if other is None else other
+    if Z.shape != Y.shape or Z.dtype != Y.dtype:
+        raise ValueError(f"gram: other {tuple(Z.shape)} {Z.dtype} must match Y {tuple(Y.shape)} {Y.dtype}")
     batch, M, K = Y.shape
     out = torch.empty(batch, M, M, device=Y.device, dtype=Y.dtype) if out is None else out
     block_m, block_k, num_warps = _tile_sizes(Y, block_m, block_k)
     tiles = triton.cdiv(M, block_m)
     aux_t = aux if aux is not None else out  # never read when HAS_AUX is False
     _gram_kernel[(tiles * (tiles + 1) // 2, batch)](
-        Y, out, aux_t, M, K,
-        *Y.stride(), *out.stride(), *aux_t.stride(),
-        alpha, beta,
-        HAS_AUX=aux is not None, BLOCK_M=block_m, BLOCK_K=block_k,
+        Y, Z, out, aux_t, M, K,
+        *Y.stride(), *Z.stride(), *out.stride(), *aux_t.stride(),
+        alpha, beta, diag,
+        HAS_AUX=aux is not None, HAS_DIAG=diag != 0.0, BLOCK_M=block_m, BLOCK_K=block_k,
         num_warps=num_warps, num_stages=3,
     )  # fmt: skip
     return out
@@ -208,9 +346,66 @@ def newton_schulz_triton(
     return X.squeeze(0) if squeeze else X
 
 
+def gram_newton_schulz_triton(
+    G: torch.Tensor,
+    coefficients: Coefficients,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    block_m: int | None = None,
+    block_k: int | None = None,
+) -> torch.Tensor:
+    """Gram Newton–Schulz with the symmetric Triton kernels: ``G`` [m, n] or [B, m, n] -> same shape in ``dtype``.
+
+    Works in ``_gram_dtype(dtype)``; per batch, four m×m buffers besides X.
+    """
+    squeeze = G.dim() == 2
+    X, transposed = _normalise(G.unsqueeze(0) if squeeze else G, _gram_dtype(dtype), eps)
+    A, P, Q, free = (torch.empty(X.shape[0], X.shape[1], X.shape[1], device=X.device, dtype=X.dtype) for _ in range(4))
+    tiles = dict(block_m=block_m, block_k=block_k)
+    steps = iter(coefficients)
+    for length in gram_segments(coefficients):
+        gram(X, A, **tiles)  # A = X Xᵀ
+        for k in range(length):
+            a, b, c = next(steps)
+            step = Q if k == 0 else P  # the first step's P is the segment's Q
+            gram(A, step, alpha=c, aux=A, beta=b, diag=a, **tiles)  # P = a·I + b·A + c·A·A
+            if k > 0:
+                gram(P, free, other=Q, **tiles)  # Q = P·Q
+                Q, free = free, Q
+            if k + 1 < length:
+                gram(step, free, other=A, **tiles)  # free = P·A
+                gram(free, A, other=step, **tiles)  # A = P·A·P
+        X = torch.bmm(Q, X)
+    X = X.to(dtype)
+    X = X.mT if transposed else X
+    return X.squeeze(0) if squeeze else X
+
+
 def triton_usable(G: torch.Tensor) -> bool:
     """Whether the Triton path can run on ``G``: Triton installed and a GPU tensor (or interpreter mode)."""
     return HAVE_TRITON and (G.is_cuda or TRITON_INTERPRETED)
+
+
+def newton_schulz_path(
+    G: torch.Tensor,
+    coefficients: Coefficients,
+    dtype: torch.dtype = torch.bfloat16,
+    backend: str = "auto",
+    min_triton_dim: int = 512,
+    iteration: str = "auto",
+) -> tuple[bool, bool]:
+    """``(triton, gram)``: whether ``newton_schulz`` runs the Triton kernels and the Gram form on ``G``."""
+    use_triton = backend == "triton" or (
+        backend == "auto" and HAVE_TRITON and G.is_cuda and min(G.shape[-2:]) >= min_triton_dim and G.dim() <= 3
+    )
+    use_gram = iteration == "gram" or (
+        iteration == "auto"
+        and G.is_cuda
+        and dtype.itemsize == 2
+        and gram_is_cheaper(*G.shape[-2:], coefficients, symmetric=use_triton)
+    )
+    return use_triton, use_gram
 
 
 def newton_schulz(
@@ -220,22 +415,26 @@ def newton_schulz(
     dtype: torch.dtype = torch.bfloat16,
     backend: str = "auto",
     min_triton_dim: int = 512,
+    iteration: str = "auto",
 ) -> torch.Tensor:
     """Orthogonalise ``G`` [..., m, n] with ``len(coefficients)`` quintic steps; returns ``dtype``.
 
     ``backend``: ``torch`` (reference), ``triton`` (symmetric kernels, [m, n] or [B, m, n]; an error if
     unusable), or ``auto``: Triton for GPU tensors with min(m, n) >= ``min_triton_dim``, else torch (for
     small matrices cuBLAS is expected to win; check with ``benchmarks/bench_newton_schulz.py``).
+
+    ``iteration``: ``standard``, ``gram`` (Gram Newton–Schulz, see the module docstring), or ``auto``: Gram for
+    GPU tensors in a 16-bit ``dtype`` where ``gram_is_cheaper`` (with the chosen backend's kernels), else standard.
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown Newton–Schulz backend {backend!r}; use auto, torch or triton")
+    if iteration not in ("auto", "standard", "gram"):
+        raise ValueError(f"unknown Newton–Schulz iteration {iteration!r}; use auto, standard or gram")
     if backend == "triton" and not triton_usable(G):
         raise RuntimeError("Newton–Schulz backend 'triton' needs Triton and a GPU tensor (or TRITON_INTERPRET=1)")
     if backend == "triton" and G.dim() > 3:
         raise ValueError(f"Newton–Schulz backend 'triton' takes [m, n] or [batch, m, n], got {tuple(G.shape)}")
-    use_triton = backend == "triton" or (
-        backend == "auto" and HAVE_TRITON and G.is_cuda and min(G.shape[-2:]) >= min_triton_dim and G.dim() <= 3
-    )
+    use_triton, use_gram = newton_schulz_path(G, coefficients, dtype, backend, min_triton_dim, iteration)
     if use_triton:
-        return newton_schulz_triton(G, coefficients, eps, dtype)
-    return newton_schulz_reference(G, coefficients, eps, dtype)
+        return (gram_newton_schulz_triton if use_gram else newton_schulz_triton)(G, coefficients, eps, dtype)
+    return (gram_newton_schulz_reference if use_gram else newton_schulz_reference)(G, coefficients, eps, dtype)

@@ -1,4 +1,5 @@
-"""The symmetric Newton–Schulz Triton kernels vs plain float64 (issue #5, kernels), without a GPU.
+"""The symmetric Newton–Schulz Triton kernels (standard and Gram iterations) vs plain float64 (issue #5,
+kernels), without a GPU.
 
 * Interpreted (``TRITON_INTERPRET=1`` via ``kernels.testing.load_kernel_module``, fp32: the interpreter's
   bf16 ``tl.dot`` is wrong) on small ragged shapes, so the masks, triangle indexing and mirroring run.
@@ -46,6 +47,44 @@ def test_fused_polynomial_step(interpreted, batch, m, block):
     ref = b * A.double() + c * A.double() @ A.double()
     assert torch.allclose(out.double(), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
     assert torch.equal(out, out.mT)
+
+
+@pytest.mark.parametrize("batch,m,block", [(2, 37, 16), (1, 40, 32)])
+def test_gram_step_products(interpreted, batch, m, block):
+    """The Gram iteration's products: P = a·I + b·A + c·A·A in one pass, and P·A, whose symmetry (P and A
+    commute) lets one triangle stand for the whole."""
+    X = torch.randn(batch, m, m + 9, generator=torch.Generator().manual_seed(m)) / m
+    A = X @ X.mT
+    a, b, c = 3.4445, -4.7750, 2.0315
+    P = interpreted.gram(A, alpha=c, aux=A, beta=b, diag=a, block_m=block, block_k=16)
+    A64 = A.double()
+    ref = a * torch.eye(m, dtype=torch.float64) + b * A64 + c * A64 @ A64
+    assert torch.allclose(P.double(), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+    PA = interpreted.gram(P, other=A, block_m=block, block_k=16)
+    ref = P.double() @ A64
+    assert torch.allclose(PA.double(), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+    tile = torch.arange(m) // block  # off the diagonal tiles, the upper triangle is the mirrored lower one
+    mirrored = tile[:, None] != tile[None, :]
+    assert torch.equal(PA[:, mirrored], PA.mT[:, mirrored])
+    with pytest.raises(ValueError, match="must match Y"):
+        interpreted.gram(P, other=A[:, :-1])
+
+
+@pytest.mark.parametrize("shape", [(2, 24, 40), (40, 24), (3, 17, 50)])
+def test_gram_newton_schulz_triton(interpreted, shape):
+    """In fp32 the Gram iteration meets the float64 standard iteration (the same map in exact arithmetic); asked
+    for bf16 it works in fp16 and stays within two bf16 steps of its torch reference and 1e-2 of float64."""
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(6))
+    coefficients = (interpreted.QUINTIC_COEFFICIENTS,) * 5
+    ref = torch.from_numpy(_numpy_newton_schulz(G.double().numpy(), coefficients))
+    out = interpreted.newton_schulz(G, coefficients, dtype=torch.float32, backend="triton", iteration="gram")
+    assert out.shape == G.shape and out.dtype == torch.float32
+    assert (out.double() - ref).abs().max() <= 2e-5
+    out = interpreted.newton_schulz(G, coefficients, dtype=torch.bfloat16, backend="triton", iteration="gram")
+    assert out.shape == G.shape and out.dtype == torch.bfloat16
+    torch_gram = interpreted.gram_newton_schulz_reference(G, coefficients, dtype=torch.bfloat16)
+    assert (out.double() - torch_gram.double()).abs().max() <= 2 * 2**-8
+    assert (out.double() - ref).abs().max() <= 1e-2
 
 
 @pytest.mark.parametrize("shape", [(2, 24, 40), (40, 24)])
@@ -112,7 +151,9 @@ def test_kernels_compile_for_gpus_at_zaya_shapes(target_name):
             A = torch.empty(batch, m, m, dtype=torch.bfloat16, device="meta")
             module.gram(X)
             module.gram(A, alpha=2.0, aux=A, beta=-4.0)
-    assert len(compiled) >= 2  # X·Xᵀ and the fused step (equal specialisations are compiled once)
+            # the Gram iteration, in fp16: X·Xᵀ, a·I + b·A + c·A·A, P·A and P·Q
+            module.gram_newton_schulz_triton(X, (module.QUINTIC_COEFFICIENTS,) * 5)
+    assert len(compiled) >= 5  # bf16: X·Xᵀ, the fused step; fp16: the same, a·I + ... (equal ones compile once)
     for kernel in compiled:
         assert register_spills(kernel, target_name, module.triton) == 0, f"{kernel.name} spills on {target_name}"
         assert kernel.metadata.shared <= SHARED_LIMIT[target_name], f"{kernel.name} shared memory on {target_name}"
