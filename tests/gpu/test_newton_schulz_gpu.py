@@ -14,6 +14,8 @@ import torch
 from megatron_zaya.kernels.newton_schulz import (
     QUINTIC_COEFFICIENTS,
     gram,
+    gram_newton_schulz_reference,
+    gram_newton_schulz_triton,
     newton_schulz,
     newton_schulz_reference,
     newton_schulz_triton,
@@ -66,23 +68,50 @@ def test_newton_schulz_triton_matches_torch(batch, m, n):
     assert (torch.linalg.svdvals(ours[:2].double()) - expected).abs().max() <= 0.05
 
 
-def test_auto_backend_picks_triton_for_large_matrices(monkeypatch):
+def test_auto_backend_and_iteration(monkeypatch):
+    """Triton from 512 rows and columns, torch below; the Gram form for wide bf16 matrices where it saves FLOPs."""
     import megatron_zaya.kernels.newton_schulz as ns
 
     calls = []
-    monkeypatch.setattr(ns, "newton_schulz_triton", lambda *a, **k: calls.append(a[0].shape) or a[0])
+    for name in ("newton_schulz_triton", "gram_newton_schulz_triton", "newton_schulz_reference",
+                 "gram_newton_schulz_reference"):  # fmt: skip
+        monkeypatch.setattr(ns, name, lambda *a, name=name, **k: calls.append((name, a[0].shape[-2:])) or a[0])
     G = _randn(4, 1024, 2048, dtype=torch.float32)
     ns.newton_schulz(G, QUINTIC)
-    ns.newton_schulz(G[:, :256], QUINTIC)  # below min_triton_dim: torch
-    assert calls == [G.shape]
+    ns.newton_schulz(G, QUINTIC, iteration="standard")
+    ns.newton_schulz(G, QUINTIC, dtype=torch.float32)  # fp32: the self-correcting standard iteration
+    ns.newton_schulz(G[:, :, :1024], QUINTIC)  # square: no FLOPs saved
+    ns.newton_schulz(G[:, :256], QUINTIC)  # below min_triton_dim: torch, 256×2048 saves FLOPs even there
+    ns.newton_schulz(G[:, :256, :384], QUINTIC)  # ... 256×384 does not with general GEMMs
+    assert calls == [("gram_newton_schulz_triton", (1024, 2048)), ("newton_schulz_triton", (1024, 2048)),
+                     ("newton_schulz_triton", (1024, 2048)), ("newton_schulz_triton", (1024, 1024)),
+                     ("gram_newton_schulz_reference", (256, 2048)), ("newton_schulz_reference", (256, 384))]
+
+
+@pytest.mark.parametrize("batch,m,n", [s for s in SHAPES if s[1] != s[2]])
+def test_gram_newton_schulz_at_zaya_shapes(batch, m, n):
+    """The Gram form (fp16, one restart) against float64: as close as the standard bf16 torch path, within
+    two bf16 steps of its own torch reference, singular values where φ puts them."""
+    G = _randn(batch, n, m, dtype=torch.float32, seed=2)  # rows > cols: the transposed path
+    oracle = newton_schulz_reference(G.double(), QUINTIC, dtype=torch.float64)
+    ours = gram_newton_schulz_triton(G, QUINTIC, dtype=torch.bfloat16)
+    assert_matches_oracle("gram newton_schulz", ours, oracle, newton_schulz_reference(G, QUINTIC, dtype=torch.bfloat16))
+    torch_gram = gram_newton_schulz_reference(G, QUINTIC, dtype=torch.bfloat16)
+    assert (ours.double() - torch_gram.double()).abs().max() <= 2**-7
+    G2 = G[:2].double()
+    sigma_hat = torch.linalg.svdvals(G2) / torch.linalg.matrix_norm(G2).unsqueeze(-1)
+    expected = phi(sigma_hat).sort(dim=-1, descending=True).values
+    assert (torch.linalg.svdvals(ours[:2].double()) - expected).abs().max() <= 0.02
 
 
 def test_zaya_muon_step_with_triton_is_as_accurate_as_torch():
-    """ZayaMuon updates on ZAYA1-8B shapes: bf16 Triton within twice the bf16 torch path's error (fp32 oracle)."""
+    """ZayaMuon updates on ZAYA1-8B shapes: bf16 Triton (Gram form where chosen) within twice the bf16 standard
+    torch path's error (fp32 oracle)."""
     shapes = [(1024, 2048), (256, 2048), (2048, 1024), (4, 4096, 2048)]
     updates = {}
     for name, config in [("oracle", MuonConfig(ns_dtype=torch.float32, backend="torch")),
-                         ("torch", MuonConfig(backend="torch")), ("triton", MuonConfig(backend="triton"))]:
+                         ("torch", MuonConfig(backend="torch", ns_gram="off")),
+                         ("triton", MuonConfig(backend="triton"))]:  # fmt: skip
         params = [torch.nn.Parameter(_randn(*s, dtype=torch.float32, seed=i)) for i, s in enumerate(shapes)]
         start = [p.detach().clone() for p in params]
         layouts = {params[1]: MatrixLayout(row_blocks=2)}  # like linear_v's two halves
