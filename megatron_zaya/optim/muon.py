@@ -7,6 +7,10 @@ For every matrix ``W`` [rows, cols] with gradient ``G`` (Liu et al., *Muon is sc
     O ← NewtonSchulz(U)                           # quintic, on the full (TP-gathered) matrix
     W ← W·(1 − lr·wd) − lr · 0.2·√max(rows, cols) · O
 
+On GPUs with a 16-bit ``ns_dtype``, wide matrices (with the Triton kernels: long side ≥ 1.27× the short one)
+take the Gram form of Newton–Schulz (fewer FLOPs, see ``kernels.newton_schulz``) unless ``--zaya-muon-ns-gram
+off``.
+
 ``lr`` and ``wd`` are read from each param group at every step, so Megatron's LR / WD schedule drives
 them. With a data-parallel group, each matrix's Newton–Schulz runs on exactly one rank (see ``plan``);
 the owners all-gather their ``O`` (in the Newton–Schulz dtype, in windows of bounded size) and every rank
@@ -44,6 +48,7 @@ class MuonConfig:
     ns_dtype: torch.dtype = torch.bfloat16
     update_rms: float = 0.2
     backend: str = "auto"
+    ns_gram: str = "auto"
     split_gate_up: bool = False
     gather_numel: int = 1 << 28
 
@@ -57,6 +62,8 @@ class MuonConfig:
             raise ValueError(f"--zaya-muon-gather-numel must be positive, got {self.gather_numel}")
         if self.backend not in ("auto", "torch", "triton"):
             raise ValueError(f"--zaya-muon-kernel must be auto, torch or triton, got {self.backend!r}")
+        if self.ns_gram not in ("auto", "off"):
+            raise ValueError(f"--zaya-muon-ns-gram must be auto or off, got {self.ns_gram!r}")
 
 
 class ZayaMuon(torch.optim.Optimizer):
@@ -151,7 +158,8 @@ class ZayaMuon(torch.optim.Optimizer):
         for (rows, cols), items in by_shape.items():
             for batch in _batches(items, max(1, NS_BATCH_NUMEL // (rows * cols))):
                 blocks = torch.cat([self._update_blocks(item) for item in batch])
-                results = newton_schulz(blocks, cfg.coefficients, cfg.eps, cfg.ns_dtype, cfg.backend)
+                results = newton_schulz(blocks, cfg.coefficients, cfg.eps, cfg.ns_dtype, cfg.backend,
+                                        iteration="standard" if cfg.ns_gram == "off" else "auto")
                 for item, result in zip(batch, results.split([i.layout.row_blocks for i in batch])):
                     yield item, self._local_update(item, result)
 

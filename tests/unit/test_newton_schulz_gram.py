@@ -1,5 +1,6 @@
-"""Gram Newton–Schulz: its FLOP counts and shape rule, and the iteration ``newton_schulz`` picks (issue #5).
-Its numerics are in test_muon_orthogonalisation.py, its Triton kernels in test_muon_kernels.py.
+"""Gram Newton–Schulz: its FLOP counts and shape rule, the iteration ``newton_schulz`` picks, and the
+``--zaya-muon-ns-gram`` flag (issue #5). Its numerics are in test_muon_orthogonalisation.py, its Triton
+kernels in test_muon_kernels.py.
 
 The FLOP formulas are checked against counts of the operations the implementations run: torch's
 ``FlopCounterMode`` for the plain-torch references (general GEMMs), and for the Triton paths a stand-in
@@ -8,12 +9,16 @@ for the symmetric kernel that computes in NumPy and counts half a GEMM per call.
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import megatron_zaya.kernels.newton_schulz as ns
+import megatron_zaya.optim.muon as muon_module
+from megatron_zaya.optim import MuonConfig, ZayaMuon, add_muon_args, muon_config_from_args
 
 QUINTIC = (ns.QUINTIC_COEFFICIENTS,) * 5
 BATCH = 2  # the counts cover a batch of two matrices; the formulas are per matrix
@@ -118,3 +123,28 @@ def test_iteration_choice_without_a_gpu():
     assert not torch.equal(forced, auto)
     with pytest.raises(ValueError, match="unknown Newton–Schulz iteration"):
         ns.newton_schulz(G, QUINTIC, iteration="fast")
+
+
+def test_gram_flag_reaches_the_optimizer(monkeypatch):
+    parser = argparse.ArgumentParser()
+    add_muon_args(parser)
+    assert muon_config_from_args(parser.parse_args([])).ns_gram == "auto"
+    assert muon_config_from_args(parser.parse_args(["--zaya-muon-ns-gram", "off"])).ns_gram == "off"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--zaya-muon-ns-gram", "on"])
+    with pytest.raises(ValueError, match="--zaya-muon-ns-gram must be auto or off"):
+        MuonConfig(ns_gram="always")
+
+    iterations = []
+    original = muon_module.newton_schulz
+
+    def recording(*args, **kwargs):
+        iterations.append(kwargs.get("iteration"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(muon_module, "newton_schulz", recording)
+    for flag in ("auto", "off"):
+        param = torch.nn.Parameter(torch.randn(8, 24))
+        param.grad = torch.randn(8, 24)
+        ZayaMuon([param], config=muon_config_from_args(parser.parse_args(["--zaya-muon-ns-gram", flag]))).step()
+    assert iterations == ["auto", "standard"]
