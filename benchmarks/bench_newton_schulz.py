@@ -10,13 +10,19 @@ router matrices. 5 quintic steps in bf16. For each shape it prints the median ti
 * ``torch loop``: one plain-torch Newton–Schulz per matrix (what Megatron's Muon does per expert),
 * ``torch batched``: our torch reference on the stacked matrices,
 * ``triton``: our symmetric kernels (X·Xᵀ and b·A + c·A·A on one triangle) on the stacked matrices,
+* ``gram``: the Gram form (iterating on the m×m X·Xᵀ in fp16, one restart) with the same kernels, on every
+  shape, also where it is not chosen (the torch Gram reference where Triton is off),
+* ``ours``: what ``newton_schulz`` picks (backend and iteration ``auto``: what ZayaMuon runs), named in the
+  ``path`` column,
 * ``megatron``: Megatron's own Muon orthogonalisation, ``emerging_optimizers``' ``newton_schulz`` (fp32 in,
   bf16 matmuls: Megatron's default ``fp32_matmul_prec="medium"``), one call per matrix as Megatron's Muon
   makes them; present when ``emerging-optimizers`` (and ``absl-py``) is importable, e.g.
   ``pip install --target /tmp/eo emerging-optimizers absl-py`` and ``PYTHONPATH=/tmp/eo`` for this script only,
 
-the ratios, the TFLOP/s of the Triton path (counting the full 4m²n + 2m³ FLOPs per step), and the
-relative error of each path against float64. Then the layer totals, and the Newton–Schulz time per rank
+the ratios over ``ours``, the FLOP ratio of the loop over ``ours`` (general GEMMs, 4m²n + 2m³ per step, against
+what ``ours`` computes: the bound its kernels would reach at cuBLAS's FLOP rate), the TFLOP/s of ``ours``
+counting the loop's FLOPs, and the relative error of each path against float64. Then the layer totals
+(loop/ours of the notes §11 set is issue #5's 1.6× target), and the Newton–Schulz time per rank
 of a whole 40-layer ZAYA1-8B step when ZayaMuon spreads the matrices over DP ranks (FLOP-balanced owners;
 Megatron's non-layer-wise Muon runs all of them on every rank). Reference point (notes §11, H200, torch
 2.11): plain torch 26.0 ms per layer; emerging_optimizers 22.1 ms; its Triton SYRK path 41.6 ms.
@@ -33,6 +39,13 @@ from timing import call_times
 
 from megatron_zaya.kernels.newton_schulz import (
     QUINTIC_COEFFICIENTS,
+    gram_newton_schulz_flops,
+    gram_newton_schulz_reference,
+    gram_newton_schulz_triton,
+    gram_segments,
+    newton_schulz,
+    newton_schulz_flops,
+    newton_schulz_path,
     newton_schulz_reference,
     newton_schulz_triton,
     triton_usable,
@@ -53,7 +66,7 @@ LAYER = [  # (name, count, rows, cols) of one ZAYA1-8B layer
     ("experts fc2", 16, 2048, 2048),
 ]
 NOTES_SET = {"q", "k", "o", "experts fc1", "experts fc2"}  # the matrices timed in the notes
-SMOKE_LAYER = [("q", 1, 64, 96), ("experts fc1", 4, 96, 48), ("experts fc2", 4, 48, 48)]
+SMOKE_LAYER = [("q", 1, 64, 96), ("k", 1, 16, 96), ("experts fc1", 4, 96, 48), ("experts fc2", 4, 48, 48)]
 
 
 def _megatron_newton_schulz():
@@ -88,19 +101,29 @@ def relative_error(result: torch.Tensor, oracle: torch.Tensor) -> float:
     return ((result.double() - oracle).norm() / oracle.norm()).item()
 
 
-def flops(count: int, rows: int, cols: int) -> float:
-    m, n = sorted((rows, cols))
-    return count * len(COEFFICIENTS) * (4.0 * m * m * n + 2.0 * m**3)
+def flops(count: int, rows: int, cols: int, triton: bool = False, gram: bool = False) -> float:
+    """FLOPs of ``count`` matrices: general GEMMs (the loop) by default, else the path ``(triton, gram)``."""
+    if gram:
+        return count * gram_newton_schulz_flops(rows, cols, gram_segments(COEFFICIENTS), symmetric=triton)
+    return count * newton_schulz_flops(rows, cols, len(COEFFICIENTS), symmetric=triton)
 
 
 def bench_shape(name, count, rows, cols, device, repeats, use_triton, tiles=()) -> dict:
     G = torch.randn(count, rows, cols, device=device)
     oracle = newton_schulz_reference(G[:1].double(), COEFFICIENTS, dtype=torch.float64)
-    row = {"name": name, "count": count, "shape": f"{rows}x{cols}", "flops": flops(count, rows, cols)}
+    triton, gram = newton_schulz_path(G, COEFFICIENTS)
+    row = {"name": name, "count": count, "shape": f"{rows}x{cols}", "flops": flops(count, rows, cols),
+           "path": ("triton" if triton else "torch") + ("+gram" if gram else ""),
+           "flops_ours": flops(count, rows, cols, triton, gram)}  # fmt: skip
     row["loop"] = timed(lambda: [newton_schulz_reference(g, COEFFICIENTS, dtype=torch.bfloat16) for g in G],
                         repeats)  # fmt: skip
     row["batched"] = timed(lambda: newton_schulz_reference(G, COEFFICIENTS, dtype=torch.bfloat16), repeats)
     row["err_torch"] = relative_error(newton_schulz_reference(G[:1], COEFFICIENTS, dtype=torch.bfloat16), oracle)
+    gram_path = gram_newton_schulz_triton if use_triton else gram_newton_schulz_reference
+    row["gram"] = timed(lambda: gram_path(G, COEFFICIENTS, dtype=torch.bfloat16), repeats)
+    row["err_gram"] = relative_error(gram_path(G[:1], COEFFICIENTS, dtype=torch.bfloat16), oracle)
+    row["ours"] = timed(lambda: newton_schulz(G, COEFFICIENTS), repeats)
+    row["err_ours"] = relative_error(newton_schulz(G[:1], COEFFICIENTS), oracle)
     if megatron_newton_schulz is not None:
         row["megatron"] = timed(lambda: [megatron_newton_schulz(g) for g in G], repeats)
         row["err_megatron"] = relative_error(megatron_newton_schulz(G[0])[None], oracle)
@@ -151,32 +174,34 @@ def main() -> None:
           f"5 quintic steps, bf16; Triton {'on' if use_triton else 'off (torch only)'}")  # fmt: skip
     header = f"{'matrices':16s} {'n':>3s} {'shape':>10s} {'torch loop':>11s} {'batched':>9s}"
     header += f" {'megatron':>9s}" if megatron_newton_schulz else ""
-    header += f" {'triton':>8s} {'loop/triton':>12s} {'batch/triton':>13s} {'TFLOP/s':>8s}" if use_triton else ""
-    print(header + f" {'err torch':>10s}" + (f" {'err triton':>11s}" if use_triton else ""))
+    header += f" {'triton':>8s}" if use_triton else ""
+    header += f" {'gram':>8s} {'ours':>8s} {'path':>12s} {'loop/ours':>10s} {'batch/ours':>11s} {'FLOPs l/o':>10s}"
+    header += f" {'TFLOP/s':>8s} {'err torch':>10s}" + (f" {'err triton':>11s}" if use_triton else "")
+    print(header + f" {'err gram':>9s} {'err ours':>9s}")
     rows = []
     for name, count, r, c in layer:
         row = bench_shape(name, count, r, c, device, args.repeats, use_triton, tiles)
         rows.append(row)
         line = f"{name:16s} {count:3d} {row['shape']:>10s} {row['loop']:9.2f}ms {row['batched']:7.2f}ms"
         line += f" {row['megatron']:7.2f}ms" if megatron_newton_schulz else ""
-        if use_triton:
-            line += (f" {row['triton']:6.2f}ms {row['loop'] / row['triton']:11.2f}x "
-                     f"{row['batched'] / row['triton']:12.2f}x {row['flops'] / row['triton'] / 1e9:8.1f}")  # fmt: skip
-        line += f" {row['err_torch']:10.2e}" + (f" {row['err_triton']:11.2e}" if use_triton else "")
+        line += f" {row['triton']:6.2f}ms" if use_triton else ""
+        line += (f" {row['gram']:6.2f}ms {row['ours']:6.2f}ms {row['path']:>12s} {row['loop'] / row['ours']:9.2f}x"
+                 f" {row['batched'] / row['ours']:10.2f}x {row['flops'] / row['flops_ours']:9.2f}x"
+                 f" {row['flops'] / row['ours'] / 1e9:8.1f} {row['err_torch']:10.2e}")  # fmt: skip
+        line += f" {row['err_triton']:11.2e}" if use_triton else ""
+        line += f" {row['err_gram']:9.2e} {row['err_ours']:9.2e}"
         line += f" err megatron {row['err_megatron']:.2e}" if megatron_newton_schulz else ""
         if row.get("tiles"):
             line += "  tiles: " + ", ".join(f"{bm}x{bk} {ms:.2f}ms" for (bm, bk), ms in row["tiles"].items())
         print(line)
 
     paths = ["loop", "batched"] + (["megatron"] if megatron_newton_schulz else []) + (["triton"] if use_triton else [])
+    paths += ["gram", "ours"]
     for label, subset in (("notes §11 set", [r for r in rows if r["name"] in NOTES_SET]), ("whole layer", rows)):
         totals = {p: sum(r[p] for r in subset) for p in paths}
         text = ", ".join(f"{p} {t:.2f} ms" for p, t in totals.items())
-        if use_triton:
-            text += f"; loop/triton {totals['loop'] / totals['triton']:.2f}x, batched/triton " \
-                    f"{totals['batched'] / totals['triton']:.2f}x"
-            if megatron_newton_schulz:
-                text += f", megatron/triton {totals['megatron'] / totals['triton']:.2f}x"
+        text += "; " + ", ".join(f"{p}/ours {totals[p] / totals['ours']:.2f}x" for p in paths if p != "ours")
+        text += f"; FLOPs loop/ours {sum(r['flops'] for r in subset) / sum(r['flops_ours'] for r in subset):.2f}x"
         print(f"per layer ({label}): {text}")
 
     best = min(paths, key=lambda p: sum(r[p] for r in rows))
