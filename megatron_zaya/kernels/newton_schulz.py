@@ -11,10 +11,11 @@ few steps push all singular values into a band around 1 (Jordan et al., *Muon*, 
 *Muon is scalable*, 2025).
 
 The two kernels exploit the symmetry of ``A`` and ``B``: ``_gram_kernel`` computes only the lower
-triangle of tiles of ``alpha·Y Yᵀ + beta·Aux`` and mirrors each off-diagonal tile, which serves both for
-``X Xᵀ`` (Y = X) and for the fused ``b·A + c·A·A`` (Y = A, Aux = A, since A·A = A·Aᵀ). ``B·X`` stays a
-plain batched GEMM (``torch.baddbmm`` also fuses the ``a·X +``). All kernels are batched over a leading
-axis, so the 16 expert slices of a ZAYA1 MoE layer run in one launch.
+triangle of tiles of ``alpha·Y Zᵀ + beta·Aux (+ diag·I)`` and mirrors each off-diagonal tile, which serves
+both for ``X Xᵀ`` (Y = Z = X) and for the fused ``b·A + c·A·A`` (Y = Z = A, Aux = A, since A·A = A·Aᵀ); the
+Gram form below also uses it for ``a·I + b·A + c·A·A`` and for products of commuting symmetric matrices
+(Z ≠ Y). ``B·X`` stays a plain batched GEMM (``torch.baddbmm`` also fuses the ``a·X +``). All kernels are
+batched over a leading axis, so the 16 expert slices of a ZAYA1 MoE layer run in one launch.
 
 Gram Newton–Schulz. Every ``A`` of the iteration is a polynomial in ``A₀ = X₀X₀ᵀ``, and so is the
 accumulated left factor ``Q`` with ``X = Q·X₀``. For a wide matrix (m < n) the steps can therefore run on
