@@ -83,7 +83,7 @@ class ZayaMoELayer(MoELayer):
         routed = routing_map.any(dim=-1)
         expert = torch.where(routed, routing_map.byte().argmax(dim=-1), self.num_local_experts)
         order = torch.argsort(expert, stable=True)  # Megatron's order: by expert, then by token
-        counts = torch.bincount(expert, minlength=self.num_local_experts + 1)[: self.num_local_experts]
+        counts = routing_map.sum(dim=0)  # not torch.bincount: on GPUs it syncs to size its output
         output, bias = self.experts(tokens.index_select(0, order), counts, probs.sum(dim=-1).index_select(0, order))
         assert bias is None
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
