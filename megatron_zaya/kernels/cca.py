@@ -12,7 +12,8 @@ From the pre-conv projections q0 [S, B, nq*d] and k0 [S, B, nkv*d] (g = nq / nkv
 3. L2 norm of each head to sqrt(d) (norm clamped at finfo(dtype).eps), then k *= temp[j];
 4. rotary embedding (NeoX rotate-half) on dims [0, rot) of every head; dims [rot, d) carry no position.
 
-The convolutions stay in torch (cuDNN / MIOpen). The Triton kernels fuse everything after them, steps 2-4,
+The convolutions stay in torch (a batched GEMM, ``causal_qk_convs_gemm``). The Triton kernels fuse everything
+after them, steps 2-4,
 forward and backward: one read of conv(q0), conv(k0), q0, k0 and one write of q, k per token, with every
 head of a token in one program (the k skip term needs all g query heads of its group). In fp32 internally.
 
@@ -52,6 +53,40 @@ def causal_qk_convs(x: torch.Tensor, depthwise_w, depthwise_b, grouped_w, groupe
     y = F.conv1d(y, depthwise_w.unsqueeze(1), depthwise_b, groups=channels)
     y = F.conv1d(y, grouped_w, grouped_b, groups=heads)
     return y.view(chunks, batch, channels, -1).permute(0, 3, 1, 2).reshape(seq, batch, channels)
+
+
+def causal_qk_convs_gemm(x: torch.Tensor, depthwise_w, depthwise_b, grouped_w, grouped_b, heads: int,
+                         history: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`causal_qk_convs` in the time-major layout, for GPUs: the depthwise taps as fp32 multiply-adds and
+    the grouped conv as one batched GEMM over heads (a head's taps stacked on the contraction dim).
+
+    cuDNN runs the two ``conv1d`` calls in [B, C, S] with NCHW <-> NHWC conversions around each: ~90 launches per
+    layer forward + backward on an H200, in a step that is bound by its host's launches. Rounding points are
+    the reference's: the depthwise output once to x's dtype, the grouped conv (with its bias) once.
+    """
+    t0, t1 = depthwise_w.shape[-1], grouped_w.shape[-1]
+    pad = (t0 - 1) + (t1 - 1)
+    seq, batch, channels = x.shape
+    head_dim = channels // heads
+    if history is None:
+        padded = F.pad(x, (0, 0, 0, 0, pad, 0)).unsqueeze(0)  # [1, pad + S, B, C]: left zeros, causal
+    else:
+        chunks = history.shape[0]
+        padded = torch.cat([history.to(x.dtype), x.view(chunks, seq // chunks, batch, channels)], dim=1)
+    length = padded.shape[1] - pad  # positions per chunk
+    inner = length + t1 - 1  # depthwise outputs the grouped conv reads (the padding's included)
+    accumulate = torch.promote_types(x.dtype, torch.float32)
+    w1, b1 = depthwise_w.to(accumulate), depthwise_b.to(accumulate)
+    y = torch.addcmul(b1, padded[:, :inner], w1[:, 0])
+    for tap in range(1, t0):
+        y = torch.addcmul(y, padded[:, tap:tap + inner], w1[:, tap])
+    y = y.to(x.dtype).view(*y.shape[:-1], heads, head_dim)  # [n, inner, B, H, d]
+    windows = torch.stack([y[:, tap:tap + length] for tap in range(t1)], dim=-2)  # [n, S/n, B, H, t1, d]
+    windows = windows.view(-1, heads, t1 * head_dim).transpose(0, 1)  # [H, N, t1·d]
+    weight = grouped_w.view(heads, head_dim, head_dim, t1).permute(0, 3, 2, 1).reshape(heads, t1 * head_dim,
+                                                                                       head_dim)
+    out = torch.baddbmm(grouped_b.view(heads, 1, head_dim).to(x.dtype), windows, weight.to(x.dtype))  # [H, N, d]
+    return out.transpose(0, 1).reshape(seq, batch, channels)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -338,7 +373,7 @@ def cca_qk(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin, histo
     head_dim, n_kv = wq2.shape[1], temp.numel()
     n_q = q0.shape[-1] // head_dim
     q_history, k_history = _split_history(history, q0.shape[-1])
-    q_conv = causal_qk_convs(q0, wq1, bq1, wq2, bq2, n_q, q_history)
-    k_conv = causal_qk_convs(k0, wk1, bk1, wk2, bk2, n_kv, k_history)
+    q_conv = causal_qk_convs_gemm(q0, wq1, bq1, wq2, bq2, n_q, q_history)
+    k_conv = causal_qk_convs_gemm(k0, wk1, bk1, wk2, bk2, n_kv, k_history)
     q, k = _QKEpilogue.apply(q_conv, k_conv, q0, k0, temp, cos, sin, head_dim)
     return q.view(seq, batch, n_q, head_dim), k.view(seq, batch, n_kv, head_dim)

@@ -119,3 +119,27 @@ def test_chunks_with_history_equal_the_whole_sequence(fn):
                                    torch.cat([sin[half:], sin[:half]]), history.flip(0))
     for got, want in zip(chunked, whole, strict=True):
         torch.testing.assert_close(torch.cat([got[half:], got[:half]]), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("taps", [(2, 2), (3, 2), (2, 3)])
+@pytest.mark.parametrize("with_history", [False, True])
+def test_convolutions_as_a_batched_gemm_equal_conv1d(taps, with_history):
+    """The GPU path's convolutions (fp32 taps, one batched GEMM over heads) equal torch's conv1d in float64."""
+    gen = torch.Generator().manual_seed(7)
+    t0, t1 = taps
+    seq, batch, heads, d = 12, 3, 4, 8
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+
+    args = [randn(seq, batch, heads * d), randn(heads * d, t0), randn(heads * d), randn(heads * d, d, t1),
+            randn(heads * d)]
+    history = torch.randn(2, t0 + t1 - 2, batch, heads * d, generator=gen, dtype=torch.float64) if with_history \
+        else None
+    grad = torch.randn(seq, batch, heads * d, generator=gen, dtype=torch.float64)
+    outputs = []
+    for fn in (kernels.causal_qk_convs_gemm, kernels.causal_qk_convs):
+        out = fn(*args, heads, history)
+        outputs.append([out, *torch.autograd.grad(out, args, grad)])
+    for name, ours, reference in zip(["out", "d_x", "d_dw", "d_db", "d_gw", "d_gb"], *outputs):
+        torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-12, msg=name)
