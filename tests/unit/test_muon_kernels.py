@@ -70,7 +70,7 @@ def test_gram_step_products(interpreted, batch, m, block):
         interpreted.gram(P, other=A[:, :-1])
 
 
-@pytest.mark.parametrize("shape", [(2, 24, 40), (40, 24), (3, 17, 50)])
+@pytest.mark.parametrize("shape", [(40, 24), (3, 17, 50)])
 def test_gram_newton_schulz_triton(interpreted, shape):
     """In fp32 the Gram iteration meets the float64 standard iteration (the same map in exact arithmetic); asked
     for bf16 it works in fp16 and stays within two bf16 steps of its torch reference and 1e-2 of float64."""
