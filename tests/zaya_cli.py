@@ -15,10 +15,12 @@ QUICK = ["--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size",
          "--eval-iters", "0", "--log-interval", "1"]
 
 
-def pretrain(args: list[str], cwd: Path, timeout: int = 600, extra_env: dict | None = None):
+def pretrain(args: list[str], cwd: Path, timeout: int = 600, extra_env: dict | None = None, nproc: int = 1):
+    """``zaya-pretrain ARGS`` in a subprocess; with ``nproc`` > 1 under torchrun (gloo on CPU)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "megatron_zaya.pretrain", *args], cwd=cwd, env=env,
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
+    return subprocess.run([sys.executable, *launcher, "-m", "megatron_zaya.pretrain", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -100,8 +100,13 @@ def muon_config_from_args(args: argparse.Namespace) -> MuonConfig:
 def use_own_data_parallel_sharding(args: argparse.Namespace) -> bool:
     """After Megatron's ``validate_args``: ``--use-distributed-optimizer`` with ``--optimizer zaya_muon``
     means ZayaMuon's own sharding. Turns Megatron's layer-wise optimizer off (its DDP layout would
-    reduce-scatter gradients to owners of its choosing) and returns whether it was on."""
+    reduce-scatter gradients to owners of its choosing) and returns whether it was on.
+
+    ``--overlap-param-gather`` goes off with it: every rank keeps whole parameters and ZayaMuon sends the
+    updates itself, so there is no parameter all-gather to overlap (left on, Megatron's DDP hook looks for
+    the layer-wise buffers and fails in the first forward)."""
     if args.optimizer != OPTIMIZER_NAME or not getattr(args, "use_layer_wise_distributed_optimizer", False):
         return False
     args.use_layer_wise_distributed_optimizer = False
+    args.overlap_param_gather = False
     return True

@@ -161,8 +161,10 @@ def test_megatron_accepts_optimizer_zaya_muon(monkeypatch):
 def test_distributed_optimizer_flag_means_zaya_muon_sharding():
     from megatron_zaya.optim.args import use_own_data_parallel_sharding
 
-    args = argparse.Namespace(optimizer="zaya_muon", use_layer_wise_distributed_optimizer=True)
+    args = argparse.Namespace(optimizer="zaya_muon", use_layer_wise_distributed_optimizer=True,
+                              overlap_param_gather=True)
     assert use_own_data_parallel_sharding(args) and not args.use_layer_wise_distributed_optimizer
+    assert not args.overlap_param_gather
     assert not use_own_data_parallel_sharding(args)  # already off: nothing to do
     other = argparse.Namespace(optimizer="muon", use_layer_wise_distributed_optimizer=True)
     assert not use_own_data_parallel_sharding(other) and other.use_layer_wise_distributed_optimizer
