@@ -19,7 +19,7 @@ batched over a leading axis, so the 16 expert slices of a ZAYA1 MoE layer run in
 
 Gram Newton–Schulz. Every ``A`` of the iteration is a polynomial in ``A₀ = X₀X₀ᵀ``, and so is the
 accumulated left factor ``Q`` with ``X = Q·X₀``. For a wide matrix (m < n) the steps can therefore run on
-m×m matrices only, touching the m×n operand just twice (Dao AI Lab, *Gram Newton–Schulz*, 2026):
+m×m matrices only, touching the m×n operand just twice:
 
     A = X₀ X₀ᵀ                 # the one m×m×n product that reads X₀
     P = a·I + b·A + c·A·A      # per step; P, A and Q commute, so every product below is symmetric
