@@ -40,6 +40,14 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * normalized.to(x.dtype)
 
 
+def residual_merge_reference(hidden, residual, hidden_bias, hidden_scale, residual_bias, residual_scale):
+    """The ZAYA residual merge: hidden, residual [..., D], the four vectors [D] -> ``[..., D]`` fp32 new residual."""
+    f = torch.float32
+    return (hidden.to(f) + hidden_bias.to(f)) * hidden_scale.to(f) + (residual.to(f) + residual_bias.to(f)) * (
+        residual_scale.to(f)
+    )
+
+
 def residual_rms_norm_reference(
     hidden: torch.Tensor,
     residual: torch.Tensor,
@@ -54,19 +62,8 @@ def residual_rms_norm_reference(
 
     Returns (normed [..., D] in weight's dtype, new_residual [..., D] fp32).
     """
-    f = torch.float32
-    new_residual = (hidden.to(f) + hidden_bias.to(f)) * hidden_scale.to(f) + (
-        residual.to(f) + residual_bias.to(f)
-    ) * residual_scale.to(f)
+    new_residual = residual_merge_reference(hidden, residual, hidden_bias, hidden_scale, residual_bias, residual_scale)
     return rms_norm_reference(new_residual.to(weight.dtype), weight, eps), new_residual
-
-
-def residual_merge_reference(hidden, residual, hidden_bias, hidden_scale, residual_bias, residual_scale):
-    """The ZAYA residual merge alone: ``[..., D]`` fp32 new residual."""
-    f = torch.float32
-    return (hidden.to(f) + hidden_bias.to(f)) * hidden_scale.to(f) + (residual.to(f) + residual_bias.to(f)) * (
-        residual_scale.to(f)
-    )
 
 
 def residual_norm_reference(residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -305,6 +302,14 @@ def _check_vector(name: str, v: torch.Tensor, n: int) -> None:
         raise ValueError(f"{name} must have shape [{n}] (the hidden size), got {list(v.shape)}")
 
 
+def _check_residual_args(hidden, residual, vectors) -> None:
+    """One shape for hidden and residual; ``vectors`` (the four affines, then the norm weight if any) [D]."""
+    if hidden.shape != residual.shape:
+        raise ValueError(f"hidden {list(hidden.shape)} and residual {list(residual.shape)} must have one shape")
+    for name, v in zip(("hidden_bias", "hidden_scale", "residual_bias", "residual_scale", "weight"), vectors):
+        _check_vector(name, v, hidden.shape[-1])
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * rmsnorm(x)``: x [..., D], weight [D] -> [..., D] in promote(x, weight) dtype."""
     _check_vector("weight", weight, x.shape[-1])
@@ -324,11 +329,8 @@ def residual_norm(residual: torch.Tensor, weight: torch.Tensor, eps: float) -> t
 
 def residual_merge(hidden, residual, hidden_bias, hidden_scale, residual_bias, residual_scale) -> torch.Tensor:
     """Fused ZAYA residual merge; same contract as :func:`residual_merge_reference`."""
-    if hidden.shape != residual.shape:
-        raise ValueError(f"hidden {list(hidden.shape)} and residual {list(residual.shape)} must have one shape")
     vectors = (hidden_bias, hidden_scale, residual_bias, residual_scale)
-    for name, v in zip(("hidden_bias", "hidden_scale", "residual_bias", "residual_scale"), vectors):
-        _check_vector(name, v, hidden.shape[-1])
+    _check_residual_args(hidden, residual, vectors)
     if not triton_runs(_forward_kernel, hidden, residual, *vectors):
         return residual_merge_reference(hidden, residual, *vectors)
     return _ResidualMerge.apply(hidden, residual, *vectors)
@@ -345,12 +347,8 @@ def residual_rms_norm(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused ZAYA residual merge + RMSNorm; same contract as :func:`residual_rms_norm_reference`."""
-    if hidden.shape != residual.shape:
-        raise ValueError(f"hidden {list(hidden.shape)} and residual {list(residual.shape)} must have one shape")
-    names = ("hidden_bias", "hidden_scale", "residual_bias", "residual_scale", "weight")
     vectors = (hidden_bias, hidden_scale, residual_bias, residual_scale, weight)
-    for name, v in zip(names, vectors):
-        _check_vector(name, v, hidden.shape[-1])
+    _check_residual_args(hidden, residual, vectors)
     args = (hidden, residual, *vectors)
     if not triton_runs(_forward_kernel, *args):
         return residual_rms_norm_reference(*args, eps)
