@@ -59,7 +59,6 @@ class Case:
     bytes: tuple[float, float] = (0.0, 0.0)  # (forward, backward) bytes moved by a fused implementation
     flops: tuple[float, float] = (0.0, 0.0)  # (forward, backward) useful FLOPs
     compile: bool = True  # also time torch.compile(reference)
-    graph: bool | None = None  # time as CUDA-graph replays; default: the memory-bound cases (``bytes`` given)
     uniform_grad: bool = False  # backward with one gradient for every output element, as Megatron's loss gives
 
 
@@ -174,7 +173,7 @@ def _throughput(case: Case, backward: bool, ms: float) -> str:
 
 def run(case: Case, device: str, use_compile: bool, timer: str) -> None:
     tensors, args = case.make_inputs()
-    graph = device == "cuda" and timer == "graph" and (case.graph if case.graph is not None else case.bytes != (0.0, 0.0))
+    graph = device == "cuda" and timer == "graph" and case.bytes != (0.0, 0.0)  # memory-bound: graph replays
     timings = {"triton": _time_passes(case.kernel, tensors, args, device, case.uniform_grad, graph),
                "eager": _time_passes(case.reference, tensors, args, device, case.uniform_grad, graph)}  # fmt: skip
     if use_compile and case.compile:

@@ -179,9 +179,10 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch
         raise ValueError(f"need x [N, K] and weight [E, M, K]; got x {list(x.shape)}, weight {list(weight.shape)}")
     if tokens_per_expert.shape != (weight.shape[0],):
         raise ValueError(f"tokens_per_expert must have shape [{weight.shape[0]}], got {list(tokens_per_expert.shape)}")
-    if tokens_per_expert.device.type == "cpu" and (int(tokens_per_expert.sum()) > x.shape[0] or (
-            not padded_rows and int(tokens_per_expert.sum()) != x.shape[0])):
-        raise ValueError(f"tokens_per_expert sums to {int(tokens_per_expert.sum())}, but x has {x.shape[0]} rows")
+    if tokens_per_expert.device.type == "cpu":
+        routed = int(tokens_per_expert.sum())
+        if routed > x.shape[0] or (not padded_rows and routed != x.shape[0]):
+            raise ValueError(f"tokens_per_expert sums to {routed}, but x has {x.shape[0]} rows")
     if x.dtype != weight.dtype:
         raise ValueError(f"x ({x.dtype}) and weight ({weight.dtype}) must share a dtype")
     if not triton_runs(_grouped_matmul_kernel, x, weight):

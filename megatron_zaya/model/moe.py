@@ -72,9 +72,10 @@ class ZayaMoELayer(MoELayer):
 
     def _dispatches_locally(self) -> bool:
         cfg = self.config
-        return (self.ep_group.size() == 1 and self.tp_group.size() == 1 and self.attn_tp_group.size() == 1
-                and self.experts.tp_group.size() == 1 and cfg.moe_router_topk == 1 and self.shared_experts is None and not cfg.moe_layer_recompute
-                and not cfg.moe_apply_probs_on_input)
+        every_expert_local = all(group.size() == 1 for group in
+                                 (self.ep_group, self.tp_group, self.attn_tp_group, self.experts.tp_group))
+        return (every_expert_local and cfg.moe_router_topk == 1 and self.shared_experts is None
+                and not cfg.moe_layer_recompute and not cfg.moe_apply_probs_on_input)
 
     def _local_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Route, sort the tokens by expert (skip class last), run the experts, unsort. No host sync."""
