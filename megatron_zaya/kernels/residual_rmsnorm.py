@@ -25,9 +25,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import flat_rows, persistent_programs, row_block, triton_runs
+from .utils import flat_rows, persistent_programs, platform, row_block, triton_runs
 
 MAX_HIDDEN = 16384  # one row lives in registers
+MAX_TILE = 8192  # elements per tensor of one backward iteration (rows x BLOCK) held in registers
+
+#: Backward launch per platform (``utils.platform()``): rows per iteration, persistent programs per SM/CU, and
+#: warps (None: from the row width). Tuned on an H200 with ``benchmarks/tune_norm_backward.py``; run it on a
+#: new platform and add its row here.
+BACKWARD_TUNING = {
+    "cuda": {"rows": 1, "programs_per_sm": 4, "num_warps": None},
+    "rocm": {"rows": 1, "programs_per_sm": 4, "num_warps": None},
+    "cpu": {"rows": 2, "programs_per_sm": 4, "num_warps": None},  # the interpreter: exercises the row tiles
+}
 
 
 # ----------------------------------------------------------------------------------------- references
@@ -139,12 +149,13 @@ def _backward_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_NORM: tl.constexpr,
     ROUND_INPUT: tl.constexpr,
+    ROWS: tl.constexpr,  # rows per loop iteration: more loads in flight per program
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
+    col_mask = cols < n_cols
     grad_w = tl.zeros([BLOCK], dtype=tl.float32)
     if HAS_RESIDUAL:
         norm_dtype = weight_ptr.dtype.element_ty
@@ -154,49 +165,52 @@ def _backward_kernel(
         grad_rs = tl.zeros([BLOCK], dtype=tl.float32)
     else:
         norm_dtype = weight_ptr.dtype.element_ty if ROUND_INPUT else hidden_ptr.dtype.element_ty
-    for row in range(pid, n_rows, programs):
-        offsets = tl.cast(row, tl.int64) * n_cols + cols
-        # The [D] vectors are re-read per row (they stay in L1/L2) rather than held across the loop: this keeps
-        # the residual variant at ~127 registers on sm_90, so two programs fit on an SM.
-        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    for first in range(pid * ROWS, n_rows, programs * ROWS):
+        rows = first + tl.arange(0, ROWS)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        offsets = tl.cast(rows, tl.int64)[:, None] * n_cols + cols[None, :]
+        # The [D] vectors are re-read per iteration (they stay in L1/L2) rather than held across the loop: this
+        # keeps the residual variant's registers low enough for two programs per SM.
+        w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         if HAS_RESIDUAL:
-            hb = tl.load(hidden_bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            hs = tl.load(hidden_scale_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            rb = tl.load(residual_bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            rs = tl.load(residual_scale_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            hb = tl.load(hidden_bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            hs = tl.load(hidden_scale_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            rb = tl.load(residual_bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            rs = tl.load(residual_scale_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
             h_biased = tl.load(hidden_ptr + offsets, mask=mask, other=0.0).to(tl.float32) + hb
             res_biased = tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32) + rb
             x = (h_biased * hs + res_biased * rs).to(norm_dtype).to(tl.float32)
         else:
             x = tl.load(hidden_ptr + offsets, mask=mask, other=0.0).to(norm_dtype).to(tl.float32)
-        grad_x = tl.zeros([BLOCK], dtype=tl.float32)
+        grad_x = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         if HAS_NORM:
-            rstd = tl.load(rstd_ptr + row)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
             x_hat = x * rstd
             grad_out = tl.load(grad_out_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            grad_w += grad_out * x_hat.to(norm_dtype).to(tl.float32)
+            grad_w += tl.sum(grad_out * x_hat.to(norm_dtype).to(tl.float32), axis=0)
             grad_x_hat = grad_out * w
-            grad_x = rstd * (grad_x_hat - x_hat * (tl.sum(grad_x_hat * x_hat, axis=0) / n_cols))
+            grad_x = rstd * (grad_x_hat - x_hat * (tl.sum(grad_x_hat * x_hat, axis=1) / n_cols)[:, None])
         if HAS_RESIDUAL:
             grad_total = grad_x + tl.load(grad_new_residual_ptr + offsets, mask=mask, other=0.0)
             grad_h = grad_total * hs
             grad_res = grad_total * rs
             tl.store(grad_hidden_ptr + offsets, grad_h.to(grad_hidden_ptr.dtype.element_ty), mask=mask)
             tl.store(grad_residual_ptr + offsets, grad_res.to(grad_residual_ptr.dtype.element_ty), mask=mask)
-            grad_hb += grad_h
-            grad_hs += grad_total * h_biased
-            grad_rb += grad_res
-            grad_rs += grad_total * res_biased
+            grad_hb += tl.sum(grad_h, axis=0)
+            grad_hs += tl.sum(grad_total * h_biased, axis=0)
+            grad_rb += tl.sum(grad_res, axis=0)
+            grad_rs += tl.sum(grad_total * res_biased, axis=0)
         else:
             tl.store(grad_hidden_ptr + offsets, grad_x.to(grad_hidden_ptr.dtype.element_ty), mask=mask)
     stride = programs * n_cols
     partial = partials_ptr + pid * n_cols + cols
-    tl.store(partial, grad_w, mask=mask)
+    tl.store(partial, grad_w, mask=col_mask)
     if HAS_RESIDUAL:
-        tl.store(partial + stride, grad_hb, mask=mask)
-        tl.store(partial + 2 * stride, grad_hs, mask=mask)
-        tl.store(partial + 3 * stride, grad_rb, mask=mask)
-        tl.store(partial + 4 * stride, grad_rs, mask=mask)
+        tl.store(partial + stride, grad_hb, mask=col_mask)
+        tl.store(partial + 2 * stride, grad_hs, mask=col_mask)
+        tl.store(partial + 3 * stride, grad_rb, mask=col_mask)
+        tl.store(partial + 4 * stride, grad_rs, mask=col_mask)
 
 
 # ----------------------------------------------------------------------------------------- autograd
@@ -222,15 +236,17 @@ def _launch_backward(grad_out, grad_new_residual, hidden, residual, vectors, wei
     """Returns (grad_hidden, grad_residual, partials [weight, *vectors] summed over programs)."""
     rows, n_cols = hidden.shape
     block, num_warps = row_block(n_cols, MAX_HIDDEN, "rms_norm")
-    programs = persistent_programs(hidden.device, rows, per_multiprocessor=4)  # more rows in flight per SM
+    tuning = BACKWARD_TUNING[platform(hidden.device)]
+    tile_rows = tuning["rows"] if block * tuning["rows"] <= MAX_TILE else 1
+    programs = persistent_programs(hidden.device, triton.cdiv(rows, tile_rows), tuning["programs_per_sm"])
     grad_hidden = torch.empty_like(hidden)
     grad_residual = torch.empty_like(residual) if vectors else None
     partials = torch.empty((5 if vectors else 1, programs, n_cols), dtype=torch.float32, device=hidden.device)
     _backward_kernel[(programs,)](
         grad_out, grad_new_residual, hidden, residual, *(vectors or (weight,) * 4), weight, rstd,
         grad_hidden, grad_residual, partials, rows, n_cols,
-        HAS_RESIDUAL=bool(vectors), HAS_NORM=grad_out is not None, ROUND_INPUT=round_input, BLOCK=block,
-        num_warps=num_warps,
+        HAS_RESIDUAL=bool(vectors), HAS_NORM=grad_out is not None, ROUND_INPUT=round_input, ROWS=tile_rows,
+        BLOCK=block, num_warps=tuning["num_warps"] or num_warps,
     )  # fmt: skip
     return grad_hidden, grad_residual, partials.sum(1)
 

@@ -34,6 +34,13 @@ def _multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def platform(device: torch.device) -> str:
+    """``cuda``, ``rocm`` or ``cpu`` (interpreted kernels): the key of the per-platform launch tables."""
+    if device.type != "cuda":
+        return "cpu"
+    return "rocm" if torch.version.hip else "cuda"
+
+
 def persistent_programs(device: torch.device, work_items: int, per_multiprocessor: int = 2) -> int:
     """Grid size for a kernel whose programs loop over ``work_items``: a few per SM/CU, never more than items."""
     if device.type == "cuda":

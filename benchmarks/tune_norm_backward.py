@@ -1,0 +1,72 @@
+"""Tune the RMSNorm / residual kernels' backward launch (``residual_rmsnorm.BACKWARD_TUNING``) on this GPU.
+
+    python benchmarks/tune_norm_backward.py            # CUDA or ROCm GPU, about a minute
+    python benchmarks/tune_norm_backward.py --smoke    # tiny shapes, any device: checks the script runs
+
+For every (rows per iteration, programs per SM, warps) it times forward + backward of the four norm cases of
+``bench_kernels.py`` (rmsnorm, residual_rmsnorm, residual_norm, residual_merge at T = 8192, D = 2048) as
+CUDA-graph replays, prints their effective bandwidth as a share of a [T, D] copy timed the same way, and
+the configuration with the best geometric mean over the four. Copy that row into ``BACKWARD_TUNING``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_kernels import SMOKE, Shapes, _bench, _time_passes, cases  # noqa: E402
+
+from megatron_zaya.kernels import residual_rmsnorm  # noqa: E402
+from megatron_zaya.kernels.utils import platform  # noqa: E402
+
+NORM_CASES = ("rmsnorm", "residual_rmsnorm", "residual_norm", "residual_merge")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--rows", default="1,2,4")
+    parser.add_argument("--programs-per-sm", default="2,4,8")
+    parser.add_argument("--warps", default="0,4,8,16", help="0: the kernel's default from the row width")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.smoke:
+        raise SystemExit("tune_norm_backward needs a GPU; use --smoke to check the script")
+    shapes = SMOKE if args.smoke else Shapes()
+    graph = device == "cuda"
+    key = platform(torch.empty(0, device=device).device)
+    x = torch.randn(shapes.tokens, shapes.hidden, device=device).to(torch.bfloat16)
+    y = torch.empty_like(x)
+    copy_gbs = 4 * x.numel() / _bench(lambda: y.copy_(x), device, graph) / 1e6
+    print(f"platform {key}; copy [T, D] bf16: {copy_gbs:.0f} GB/s; current {residual_rmsnorm.BACKWARD_TUNING[key]}")
+    chosen = {c.name: c for c in cases(shapes, device) if c.name in NORM_CASES}
+    inputs = {name: case.make_inputs() for name, case in chosen.items()}
+    original = dict(residual_rmsnorm.BACKWARD_TUNING[key])
+    results = []
+    grid = itertools.product(*(map(int, a.split(",")) for a in (args.rows, args.programs_per_sm, args.warps)))
+    for rows, per_sm, warps in grid:
+        residual_rmsnorm.BACKWARD_TUNING[key] = {"rows": rows, "programs_per_sm": per_sm, "num_warps": warps or None}
+        shares = {}
+        for name, case in chosen.items():
+            tensors, extra = inputs[name]
+            _, ms, _ = _time_passes(case.kernel, tensors, extra, device, graph=graph)
+            shares[name] = sum(case.bytes) / ms / 1e6 / copy_gbs
+        mean = math.exp(sum(map(math.log, shares.values())) / len(shares))
+        results.append((mean, rows, per_sm, warps, shares))
+        print(f"rows {rows} programs/SM {per_sm} warps {warps or 'auto':>4}: "
+              + " ".join(f"{n} {s:6.1%}" for n, s in shares.items()) + f" | geo-mean {mean:6.1%}", flush=True)
+    residual_rmsnorm.BACKWARD_TUNING[key] = original
+    mean, rows, per_sm, warps, shares = max(results, key=lambda r: r[0])
+    print(f"best: {{'rows': {rows}, 'programs_per_sm': {per_sm}, 'num_warps': {warps or None}}} "
+          f"geo-mean {mean:.1%} of copy (fwd+bwd): " + ", ".join(f"{n} {s:.1%}" for n, s in shares.items()))
+
+
+if __name__ == "__main__":
+    main()
