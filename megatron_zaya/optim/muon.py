@@ -135,11 +135,13 @@ class ZayaMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:  # decoupled weight decay first; the updates are added to it
-            for param in group["params"]:
-                param.mul_(1.0 - group["lr"] * group["weight_decay"])
+            if group["params"] and group["weight_decay"]:
+                torch._foreach_mul_(group["params"], 1.0 - group["lr"] * group["weight_decay"])
         if self.dp_size == 1:
+            updates = _Updates(self)
             for item, update in self._orthogonalised_owned():
-                self._apply(item, update.view(-1), 0, item.numel)
+                updates.add(item, update.view(-1), 0, item.numel)
+            updates.apply()
         else:
             updates = dict(self._orthogonalised_owned())
             self._exchange_and_apply([updates[item] for item in self.owned])
@@ -157,28 +159,38 @@ class ZayaMuon(torch.optim.Optimizer):
             by_shape[item.block_shape].append(item)
         for (rows, cols), items in by_shape.items():
             for batch in _batches(items, max(1, NS_BATCH_NUMEL // (rows * cols))):
-                blocks = torch.cat([self._update_blocks(item) for item in batch])
+                blocks = torch.cat(self._update_blocks(batch))
                 results = newton_schulz(blocks, cfg.coefficients, cfg.eps, cfg.ns_dtype, cfg.backend,
                                         iteration="standard" if cfg.ns_gram == "off" else "auto")
                 for item, result in zip(batch, results.split([i.layout.row_blocks for i in batch])):
                     yield item, self._local_update(item, result)
 
-    def _update_blocks(self, item: WorkItem) -> torch.Tensor:
-        """Momentum step of ``item``; its Nesterov update, TP-gathered, as [row_blocks, rows, cols] fp32."""
-        param, mu = self._param(item), self.config.momentum
-        if param.grad is None:
-            raise RuntimeError(
-                f"ZayaMuon: a parameter of shape {tuple(param.shape)} has no gradient; every Muon parameter "
-                "needs one at each step (leave frozen parameters out of the optimizer)"
-            )
-        grad = self._slice(param.grad, item).float()
-        momentum = self._momentum(item).mul_(mu).add_(grad)
-        update = grad.add(momentum, alpha=mu) if self.config.nesterov else momentum
-        tp_group = self._tp[item.layout.expert]
-        tp_size, _ = _size_and_rank(tp_group)
-        if item.tp_dim is not None:
-            update = _all_gather_cat(update, item.tp_dim, tp_group, tp_size)
-        return _to_blocks(update, item, tp_size)
+    def _update_blocks(self, batch: list[WorkItem]) -> list[torch.Tensor]:
+        """Momentum step of each item; its Nesterov update, TP-gathered, as [row_blocks, rows, cols] fp32.
+
+        The momentum arithmetic runs as one foreach kernel per operation for the whole batch."""
+        mu = self.config.momentum
+        grads = []
+        for item in batch:
+            param = self._param(item)
+            if param.grad is None:
+                raise RuntimeError(
+                    f"ZayaMuon: a parameter of shape {tuple(param.shape)} has no gradient; every Muon parameter "
+                    "needs one at each step (leave frozen parameters out of the optimizer)"
+                )
+            grads.append(self._slice(param.grad, item).float())
+        momenta = [self._momentum(item) for item in batch]
+        torch._foreach_mul_(momenta, mu)
+        torch._foreach_add_(momenta, grads)
+        updates = torch._foreach_add(grads, momenta, alpha=mu) if self.config.nesterov else momenta
+        blocks = []
+        for item, update in zip(batch, updates):
+            tp_group = self._tp[item.layout.expert]
+            tp_size, _ = _size_and_rank(tp_group)
+            if item.tp_dim is not None:
+                update = _all_gather_cat(update, item.tp_dim, tp_group, tp_size)
+            blocks.append(_to_blocks(update, item, tp_size))
+        return blocks
 
     def _local_update(self, item: WorkItem, blocks: torch.Tensor) -> torch.Tensor:
         """Orthogonalised [row_blocks, rows, cols] -> this rank's TP shard of the slice, contiguous."""
@@ -205,21 +217,40 @@ class ZayaMuon(torch.optim.Optimizer):
             chunk = stream[start : start + window]
             send[: chunk.numel()] = chunk
             send[chunk.numel() :] = 0
-            dist.all_gather(list(received.unbind(0)), send, group=self.dp_group)
+            dist.all_gather_into_tensor(received.view(-1), send, group=self.dp_group)
+            pending = _Updates(self)
             for rank, entries in enumerate(self._streams):
                 first = max(bisect.bisect_right(self._stream_offsets[rank], start) - 1, 0)
+                values = None
                 for item, offset in entries[first:]:
                     if offset >= start + window:
                         break
                     lo, hi = max(start, offset), min(start + window, offset + item.numel)
                     if lo < hi:
-                        self._apply(item, received[rank, lo - start : hi - start], lo - offset, hi - offset)
+                        values = received[rank].float() if values is None else values
+                        pending.add(item, values[lo - start : hi - start], lo - offset, hi - offset)
+            pending.apply()  # before the next window overwrites ``received``
 
-    def _apply(self, item: WorkItem, values: torch.Tensor, lo: int, hi: int) -> None:
-        """param[slice].flat[lo:hi] -= lr · scale · values."""
-        group = self.param_groups[item.group]
-        target = self._slice(self._param(item), item).view(-1)[lo:hi]
-        target.add_(values.to(target.dtype), alpha=-group["lr"] * item.update_scale(self.config.update_rms))
+
+class _Updates:
+    """``param[slice].flat[lo:hi] -= lr · scale · values`` for many items, as one foreach add per (lr, scale)."""
+
+    def __init__(self, muon: ZayaMuon):
+        self.muon = muon
+        self.by_alpha: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = defaultdict(lambda: ([], []))
+
+    def add(self, item: WorkItem, values: torch.Tensor, lo: int, hi: int) -> None:
+        muon = self.muon
+        target = muon._slice(muon._param(item), item).view(-1)[lo:hi]
+        alpha = -muon.param_groups[item.group]["lr"] * item.update_scale(muon.config.update_rms)
+        targets, sources = self.by_alpha[alpha]
+        targets.append(target)
+        sources.append(values if values.dtype == target.dtype else values.to(target.dtype))
+
+    def apply(self) -> None:
+        for alpha, (targets, sources) in self.by_alpha.items():
+            torch._foreach_add_(targets, sources, alpha=alpha)
+        self.by_alpha.clear()
 
 
 def _batches(items: list[WorkItem], max_matrices: int) -> Iterator[list[WorkItem]]:
