@@ -82,3 +82,37 @@ def zaya_muon_sharding() -> None:
         return result
 
     replace_attr(arguments, "validate_args", validate_args)
+
+
+def _megatron_uses_torch_adam() -> str | None:
+    import megatron.core.optimizer as megatron_optimizer
+
+    if not megatron_optimizer.USING_PYTORCH_OPTIMIZER:
+        return "Megatron uses Transformer Engine's or apex's FusedAdam"
+    return None
+
+
+@register("optim.fused_torch_adam", target="megatron.core.optimizer._get_megatron_optimizer_based_on_param_groups",
+          platforms=("cuda", "rocm"), requires=_megatron_uses_torch_adam)
+def fused_torch_adam() -> None:
+    """Run Megatron's torch Adam fallback as torch's fused kernel (``fused=True``) on GPUs.
+
+    Without Transformer Engine or apex, Megatron builds ``torch.optim.AdamW`` with its default, the foreach
+    implementation: about ten multi-tensor passes over the fp32 state per step. ``fused=True`` does one pass
+    (one read of parameter, gradient and both moments, one write), the same update up to fp32 rounding. The
+    wrapper (``optim.megatron.wrap_get_optimizer_based_on_param_groups``) switches the optimizer Megatron's
+    factory returns before its first step; it covers ``--optimizer adam`` and the AdamW half of
+    ``--optimizer zaya_muon``, with or without the distributed optimizer. A checkpoint keeps the flag it was
+    saved with (torch restores param groups whole), so a run resumed from an unfused checkpoint stays unfused.
+    Skipped when TE/apex provide FusedAdam (Megatron uses theirs) and on CPU.
+
+    Off: leave ``optim.fused_torch_adam`` out of ``--zaya-patches``/``ZAYA_PATCHES`` (``zaya-patches list``
+    prints the ids).
+    """
+    import megatron.core.optimizer as megatron_optimizer
+
+    from megatron_zaya.optim.megatron import wrap_get_optimizer_based_on_param_groups
+
+    original = megatron_optimizer._get_megatron_optimizer_based_on_param_groups
+    replace_attr(megatron_optimizer, "_get_megatron_optimizer_based_on_param_groups",
+                 wrap_get_optimizer_based_on_param_groups(original))

@@ -23,11 +23,8 @@ from itertools import chain
 import torch
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
-from megatron.core.optimizer import (
-    _get_megatron_optimizer_based_on_param_groups,
-    _get_param_groups,
-    get_standard_config_overrides,
-)
+import megatron.core.optimizer as megatron_optimizer
+from megatron.core.optimizer import _get_param_groups, get_standard_config_overrides
 from megatron.core.optimizer.optimizer import ChainedOptimizer, Float16OptimizerWithFloat16Params, FP32Optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import log_single_rank
@@ -124,7 +121,7 @@ def _wrap_muon(muon: ZayaMuon, config, stats_group, pg):
 def _adamw(config, model_chunks, groups, stats_group, pg):
     adam_config = copy.copy(config)
     adam_config.optimizer, adam_config.use_distributed_optimizer = "adam", False
-    optimizer = _get_megatron_optimizer_based_on_param_groups(
+    optimizer = megatron_optimizer._get_megatron_optimizer_based_on_param_groups(  # patched: optim.fused_torch_adam
         config=adam_config, model_chunks=model_chunks, param_groups=groups,
         model_parallel_group=stats_group, pg_collection=pg,
     )  # fmt: skip
@@ -246,6 +243,38 @@ def _momentum_shard(model_sh, data: torch.Tensor, item: WorkItem, is_slice: bool
         global_offset=tuple(offset), axis_fragmentations=tuple(fragments), replica_id=replica_id,
         prepend_axis_num=axis + 1,
     )  # fmt: skip
+
+
+def fuse_torch_adam(optimizer) -> bool:
+    """Switch the torch Adam/AdamW inside a Megatron optimizer to torch's fused kernel, before its first step.
+
+    Returns whether it did: not for other optimizers (TE/apex FusedAdam, SGD, ...), an Adam that has stepped,
+    or parameters the fused kernel does not take (non-float, or devices other than one CUDA/ROCm or CPU).
+    """
+    inner = getattr(optimizer, "optimizer", None)
+    if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) or any("step" in s for s in inner.state.values()):
+        return False
+    params = [p for group in inner.param_groups for p in group["params"]]
+    if not params or not all(p.is_floating_point() for p in params) or len({p.device for p in params}) != 1:
+        return False
+    for group in [*inner.param_groups, inner.defaults]:
+        group.update(fused=True, foreach=False)
+    inner._step_supports_amp_scaling = True  # as torch's constructor sets it with fused=True
+    return True
+
+
+def wrap_get_optimizer_based_on_param_groups(original):
+    """Megatron's optimizer factory with :func:`fuse_torch_adam` applied to what it returns."""
+
+    def get_optimizer_based_on_param_groups(*args, **kwargs):
+        optimizer = original(*args, **kwargs)
+        if isinstance(optimizer, tuple):  # skip_megatron_wrapping=True: (torch optimizer, init_state_fn)
+            return optimizer
+        fuse_torch_adam(optimizer)
+        return optimizer
+
+    get_optimizer_based_on_param_groups.__wrapped__ = original
+    return get_optimizer_based_on_param_groups
 
 
 def wrap_get_megatron_optimizer(original):
