@@ -50,6 +50,7 @@ from megatron_zaya.kernels.newton_schulz import (
     newton_schulz_triton,
     triton_usable,
 )
+from megatron_zaya.optim.muon import MuonConfig, ZayaMuon
 from megatron_zaya.optim.plan import WorkItem, assign_owners
 from megatron_zaya.optim.roles import MatrixLayout
 
@@ -154,11 +155,72 @@ def per_rank_model_time(rows: list[dict], layers: int, dp: int, best: str) -> fl
     return max(load)
 
 
+def step_parameters(layer_spec, layers: int, device: str):
+    """fp32 parameters (with gradients) of ``layers`` layers as the model holds them: one 2-D parameter per
+    matrix, but the value halves in one parameter of two row blocks. Returns (params, layouts, block counts)."""
+    params, layouts, blocks = [], {}, []
+    for _ in range(layers):
+        for name, count, rows, cols in layer_spec:
+            pieces = [(count, rows * count)] if name == "v halves" else [(1, rows)] * count
+            for row_blocks, total_rows in pieces:
+                param = torch.nn.Parameter(torch.randn(total_rows, cols, device=device) * 0.02)
+                param.grad = torch.randn_like(param)
+                params.append(param)
+                blocks.append(row_blocks)
+                if row_blocks > 1:
+                    layouts[param] = MatrixLayout(row_blocks=row_blocks)
+    return params, layouts, blocks
+
+
+def reference_muon_step(params, blocks, momenta, orthogonalise, mu: float = 0.95, lr: float = 1e-6) -> None:
+    """A per-matrix Muon step in plain torch: Nesterov momentum, ``orthogonalise`` each matrix, update."""
+    for param, row_blocks, momentum in zip(params, blocks, momenta):
+        momentum.mul_(mu).add_(param.grad)
+        update = param.grad + mu * momentum
+        for rows, block in zip(param.data.chunk(row_blocks), update.chunk(row_blocks)):
+            rows.add_(orthogonalise(block).to(rows.dtype), alpha=-lr * 0.2 * max(block.shape) ** 0.5)
+
+
+def bench_step(layer_spec, layers: int, repeats: int, device: str) -> None:
+    """Whole Muon steps over ``layers`` layers: ZayaMuon (equal shapes batched across layers) vs per-matrix loops;
+    then the Newton–Schulz (+ momentum) work of the busiest data-parallel rank under ZayaMuon's owners."""
+    params, layouts, blocks = step_parameters(layer_spec, layers, device)
+    muon = ZayaMuon(params, lr=1e-6, layouts=layouts, config=MuonConfig(coefficients=COEFFICIENTS))
+    muon.step()  # creates the momentum
+    times = {"zaya_muon": timed(muon.step, repeats)}
+    momenta = [torch.zeros_like(p) for p in params]
+    times["torch loop"] = timed(lambda: reference_muon_step(
+        params, blocks, momenta, lambda g: newton_schulz_reference(g, COEFFICIENTS, dtype=torch.bfloat16)), repeats)
+    if megatron_newton_schulz is not None:
+        times["megatron loop"] = timed(lambda: reference_muon_step(params, blocks, momenta, megatron_newton_schulz),
+                                       repeats)
+    per_layer = ", ".join(f"{k} {v / layers:.2f} ms" for k, v in times.items())
+    ratios = ", ".join(f"{k}/zaya_muon {v / times['zaya_muon']:.2f}x" for k, v in times.items() if k != "zaya_muon")
+    print(f"whole Muon step over {layers} layers ({len(muon.items)} items), per layer: {per_layer}; {ratios}")
+    all_items = muon.items
+    for dp in (1, 2, 4, 8):
+        owners = assign_owners(all_items, dp, len(COEFFICIENTS))
+        load = [0.0] * dp
+        for item in owners:
+            load[item.owner] += item.flops(len(COEFFICIENTS))
+        busiest = max(range(dp), key=lambda r: load[r])
+        # What ZayaMuon's rank ``busiest`` runs at this DP size (one GPU plays that rank; no exchange).
+        muon.owned = [item for item in owners if item.owner == busiest]
+        ms = timed(lambda: [None for _ in muon._orthogonalised_owned()], repeats)
+        if dp == 1:
+            single = ms
+        print(f"  DP={dp}: busiest rank's momentum + Newton–Schulz {ms:8.2f} ms ({single / ms:.2f}x less than DP=1;"
+              f" {max(load) / 1e9:.1f} GFLOP)")
+    muon.owned = [item for item in all_items if item.owner == 0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--layers", type=int, default=40, help="layers of the model for the per-rank estimate")
+    parser.add_argument("--step-layers", type=int, default=8,
+                        help="layers of the whole-step measurement (0: skip it; ~2.5 GB of GPU memory per layer)")
     parser.add_argument("--tiles", default="", help="also time these Triton tiles, e.g. 64x64,128x64,128x32 "
                                                      "(BLOCK_M x BLOCK_K; the default is the built-in heuristic)")
     args = parser.parse_args()
@@ -211,6 +273,8 @@ def main() -> None:
     for dp in (1, 2, 4, 8, 16, 64):
         ms = per_rank_model_time(rows, args.layers, dp, best)
         print(f"  DP={dp:3d}: {ms:9.1f} ms   ({redundant / ms:6.1f}x less than the redundant loop)")
+    if args.step_layers:
+        bench_step(layer, 2 if args.smoke else args.step_layers, args.repeats, device)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,10 @@
   the loss-curve CSVs. ``references`` runs on ``--reference-gpu`` only, so it can share the machine.
 * ``optimizer``: the optimizer step's share of a training step, and its 1/DP scaling: one GPU and DP2 with
   ``--optimizer zaya_muon`` (``--share-optimizers`` lists others, e.g. ``adam``), the distributed optimizer
-  and overlapped reduction, at the scaling part's model and batch; Megatron's ``optimizer`` timer
-  (``--timing-log-level 1``, slowest rank) over ``elapsed time per iteration``, iterations after the 10th.
+  and overlapped reduction, the scaling part's model, micro-batch ``--share-mbs`` and each global batch of
+  ``--share-gbs``; Megatron's ``optimizer`` timer (slowest rank) over ``elapsed time per iteration`` after
+  ``--share-warmup`` iterations, its sub-timers (``--timing-log-level 2``), and one iteration under
+  ``probe.py``: the optimizer phase's wall and device-busy time and its largest ops.
 * ``resume``: DP2 with ``--use-distributed-optimizer --deterministic-mode``: 10 iterations saving at 5, then a
   second launch that loads iteration 5 and trains 6-10; the resumed losses must equal the uninterrupted ones.
 
@@ -28,6 +30,7 @@ One-GPU references run alone on GPU 0 (or two at once, one per GPU, when both ar
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -35,9 +38,11 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 OPTIMIZER_TIMER = re.compile(r"^\s+optimizer \.+: \(([0-9.]+), ([0-9.]+)\)", re.M)  # (min, max) over ranks
+OPTIMIZER_SUBTIMER = re.compile(r"^\s+(optimizer-[a-z-]+) \.+: \([0-9.]+, ([0-9.]+)\)", re.M)
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+).*?"
                        r"lm loss: ([0-9.E+-]+)")
 MODEL = ["--zaya-preset", "zaya1-8b-shallow", "--vocab-size", "262271"]
@@ -63,20 +68,25 @@ LAYOUTS = {"dp2": [], "ep2": ["--expert-model-parallel-size", "2"],
            "dp2_distopt": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]}
 
 
-def launch(name: str, flags: list[str], out: Path, gpus: str, nproc: int = 1) -> subprocess.Popen:
+def launch(name: str, flags: list[str], out: Path, gpus: str, nproc: int = 1, profile: str | None = None):
+    """Start ``zaya-pretrain`` on ``gpus``; with ``profile`` (FIRST:COUNT) under ``probe.py``, into OUT/<name>/."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus, "PYTHONUNBUFFERED": "1"}
+    entry = ["-m", "megatron_zaya.pretrain"]
+    if profile:
+        env.update(ZAYA_BENCH_OUT=str(out / name), ZAYA_BENCH_PROFILE=profile)
+        entry = [str(Path(__file__).resolve().parent / "probe.py"), *entry]
     if nproc == 1:
-        command = [sys.executable, "-m", "megatron_zaya.pretrain", *flags]
+        command = [sys.executable, *entry, *flags]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                   "-m", "megatron_zaya.pretrain", *flags]
+                   *entry, *flags]
     print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(command[1:])}", flush=True)
     return subprocess.Popen(command, stdout=(out / f"{name}.log").open("w"), stderr=subprocess.STDOUT, env=env)
 
 
-def run_all(jobs: list[tuple[str, list[str], str, int]], out: Path) -> None:
-    """Run the jobs together (each on its own GPUs) and wait for all."""
-    procs = [(name, launch(name, flags, out, gpus, nproc)) for name, flags, gpus, nproc in jobs]
+def run_all(jobs: list[tuple], out: Path) -> None:
+    """Run the jobs (name, flags, gpus, nproc[, profile]) together, each on its own GPUs, and wait for all."""
+    procs = [(job[0], launch(*job[:2], out, *job[2:])) for job in jobs]
     for name, proc in procs:
         code = proc.wait()
         print(f"[{time.strftime('%H:%M:%S')}] {name}: exit {code}", flush=True)
@@ -110,18 +120,31 @@ def summary(out: Path, name: str, reference: str | None, tokens_per_iter: int, g
     return row
 
 
-def optimizer_share(out: Path, name: str, gpus: int, first: int = 10) -> dict:
-    """Mean optimizer-step ms (slowest rank) and its share of the iteration, iterations after ``first``.
+def optimizer_share(out: Path, name: str, gpus: int, first: int, last: int) -> dict:
+    """Mean optimizer-step ms (slowest rank) and its share of the iteration, iterations first+1..last; the
+    optimizer's sub-timers (``--timing-log-level 2``) and the probe's profile of the optimizer phase (rank 0).
 
     Megatron logs each iteration's timers right after its iteration line, so the k-th block is iteration k's."""
     rows = parse(out, name)  # in log order
-    steps = [float(high) for _, high in OPTIMIZER_TIMER.findall((out / f"{name}.log").read_text())]
-    timed = [(rows[i][0], step) for i, step in zip(rows, steps) if i > first]
+    text = (out / f"{name}.log").read_text()
+    steps = [float(high) for _, high in OPTIMIZER_TIMER.findall(text)]
+    timed = [(rows[i][0], step) for i, step in zip(rows, steps) if first < i <= last]
     row = {"run": name, "share_gpus": gpus, "iterations": len(timed)}
     if timed:
         row["ms_per_iter"] = statistics.mean(t for t, _ in timed)
         row["optimizer_ms"] = statistics.mean(s for _, s in timed)
         row["optimizer_share"] = row["optimizer_ms"] / row["ms_per_iter"]
+        sub = defaultdict(list)
+        for timer, high in OPTIMIZER_SUBTIMER.findall(text):
+            sub[timer].append(float(high))
+        row["optimizer_subtimers_ms"] = {k: statistics.median(v) for k, v in sub.items()}
+    profile = out / name / "profile.json"
+    if profile.is_file():
+        data = json.loads(profile.read_text())
+        row["profile"] = {k: data.get(k) for k in ("optimizer_phase_wall_ms_per_step",
+                                                    "optimizer_phase_busy_ms_per_step",
+                                                    "optimizer_top_ops_ms_per_step")}
+        row["profile"]["optimizer_device_ms"] = data["ms_per_step"].get("optimizer")
     return row
 
 
@@ -134,6 +157,10 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(MATCH_LAYOUTS), help="the match part's layouts")
     parser.add_argument("--scaling-layouts", default="dp2,ep2,tp2", help="the scaling part's layouts")
     parser.add_argument("--share-optimizers", default="zaya_muon", help="the optimizer part's optimizers")
+    parser.add_argument("--share-gbs", default="8", help="the optimizer part's global batch sizes, e.g. 8,128")
+    parser.add_argument("--share-mbs", default="2", help="the optimizer part's micro-batch size")
+    parser.add_argument("--share-iters", type=int, default=14, help="iterations of each optimizer-part run")
+    parser.add_argument("--share-warmup", type=int, default=8, help="iterations left out of its timings")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     parts = set(args.parts.split(","))
@@ -184,13 +211,18 @@ def main() -> None:
                             "reference": [reference[i] for i in common], "losses": [ours[i] for i in common]})
     if "optimizer" in parts:
         sharded = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-                   "--timing-log-level", "1"]
-        for optimizer in args.share_optimizers.split(","):
-            flags = short + sharded + ["--optimizer", optimizer] + (["--lr", "0.02", "--min-lr", "0.002"]
-                                                                  if optimizer == "zaya_muon" else [])
-            for name, gpus, nproc in ((f"{optimizer}_one_gpu", "0", 1), (f"{optimizer}_dp2", "0,1", 2)):
-                run_all([(name, flags, gpus, nproc)], args.out)
-                results.append(optimizer_share(args.out, name, nproc))
+                   "--timing-log-level", "2"]
+        for gbs, optimizer in itertools.product(args.share_gbs.split(","), args.share_optimizers.split(",")):
+            iters = args.share_iters
+            flags = MODEL + COMMON + sharded + [
+                "--seq-length", "4096", "--max-position-embeddings", "4096", "--micro-batch-size", args.share_mbs,
+                "--global-batch-size", gbs, "--train-iters", str(iters), "--optimizer", optimizer,
+            ] + (["--lr", "0.02", "--min-lr", "0.002"] if optimizer == "zaya_muon" else [])
+            for gpus, nproc in (("0", 1), ("0,1", 2)):
+                name = f"{optimizer}_gbs{gbs}_{'one_gpu' if nproc == 1 else 'dp2'}"
+                # the profiler takes iteration iters - 2; the timing leaves it and everything after out
+                run_all([(name, flags, gpus, nproc, f"{iters - 2}:1")], args.out)
+                results.append(optimizer_share(args.out, name, nproc, first=args.share_warmup, last=iters - 3))
     if "resume" in parts:
         ckpt = args.out / "ckpt"
         resume = MODEL + COMMON + SHORT + MATCH + ["--use-distributed-optimizer", "--deterministic-mode",
@@ -220,7 +252,9 @@ def main() -> None:
     for r in results:
         if "optimizer_share" in r:
             print(f"{r['run']}: {r['ms_per_iter']:.1f} ms/iter, optimizer step {r['optimizer_ms']:.1f} ms "
-                  f"({r['optimizer_share']:.1%})")
+                  f"({r['optimizer_share']:.1%}); sub-timers {r['optimizer_subtimers_ms']}")
+            if "profile" in r:
+                print(f"  profiled: {json.dumps(r['profile'])}")
         if r["run"].startswith("match_"):
             print(f"{r['run']}: {len(r['compared_iterations'])} iterations, max |loss - one GPU| = "
                   f"{r['max_abs_loss_diff']}")

@@ -168,10 +168,11 @@ def breakdown(events, steps: int, device: bool) -> dict:
     backward_ends = [e.time_range.end for e in cpu if e.name.startswith(BACKWARD)]
     # The optimizer phase of each step: from its last backward op to the next step's first forward.
     phases = []
+    trace_end = max((e.time_range.end for e in events), default=0.0)
     for start, end in zip(step_starts, step_starts[1:]):
         last = max((t for t in backward_ends if start <= t < end), default=None)
         if last is not None:
-            phases.append((last, end))
+            phases.append((last, min(end, trace_end)))
     forward_component = {}  # (thread, sequence number) of a forward op -> component
     component_of = {}
 
@@ -192,15 +193,15 @@ def breakdown(events, steps: int, device: bool) -> dict:
         component_of[id(event)] = found
         return found
 
-    totals, other_ops = defaultdict(float), defaultdict(float)
+    totals, top_ops = defaultdict(float), {"other": defaultdict(float), "optimizer": defaultdict(float)}
     for event in cpu:
         kind = component(event)
         if event.sequence_nr >= 0 and not event.name.startswith(BACKWARD):
             forward_component.setdefault((event.thread, event.sequence_nr), kind)
         micros = event.self_device_time_total if device else event.self_cpu_time_total
         totals[kind] += micros
-        if kind == "other" and micros:
-            other_ops[event.name] += micros
+        if kind in top_ops and micros:
+            top_ops[kind][event.name] += micros
     # Device-side copies of CPU ranges (record_function's gpu_user_annotation: our bench:: ranges, torch's
     # Optimizer.step#...) span kernels, they are not kernels: counting them would count those kernels twice.
     ranges = {e.name for e in cpu}
@@ -216,11 +217,18 @@ def breakdown(events, steps: int, device: bool) -> dict:
         for kernel in getattr(e, "kernels", ()):
             unlinked[kernel.name] -= kernel.duration
     per_step = {k: v / 1e3 / steps for k, v in sorted(totals.items(), key=lambda kv: -kv[1]) if v}
-    top_other = sorted(other_ops.items(), key=lambda kv: -kv[1])[:10]
+    top = {kind: {k: v / 1e3 / steps for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:12]}
+           for kind, ops in top_ops.items()}
+    # The optimizer phase on the host clock, and the device's busy time in it: a gap means the host is the limit.
+    in_phase = [(e.time_range.start, e.time_range.end) for e in kernels
+                if any(a <= e.time_range.start < b for a, b in phases)]
     return {"time": "device" if device else "cpu", "ms_per_step": per_step,
             "busy_ms_per_step": busy_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / steps
             if device else sum(per_step.values()),
-            "other_top_ops_ms_per_step": {k: v / 1e3 / steps for k, v in top_other},
+            "optimizer_phase_wall_ms_per_step": sum(b - a for a, b in phases) / 1e3 / max(len(phases), 1),
+            "optimizer_phase_busy_ms_per_step": busy_ms(in_phase) / max(len(phases), 1),
+            "other_top_ops_ms_per_step": top["other"],
+            "optimizer_top_ops_ms_per_step": top["optimizer"],
             "unattributed_top_kernels_ms_per_step": {k: v / 1e3 / steps for k, v in
                                                      sorted(unlinked.items(), key=lambda kv: -kv[1])[:15] if v > 0}}
 
