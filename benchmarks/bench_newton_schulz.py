@@ -12,8 +12,8 @@ router matrices. 5 quintic steps in bf16. For each shape it prints the median ti
 * ``triton``: our symmetric kernels (X·Xᵀ and b·A + c·A·A on one triangle) on the stacked matrices,
 * ``gram``: the Gram form (iterating on the m×m X·Xᵀ in fp16, one restart) with the same kernels, on every
   shape, also where it is not chosen (the torch Gram reference where Triton is off),
-* ``ours``: what ``newton_schulz`` picks (backend and iteration ``auto``: what ZayaMuon runs), named in the
-  ``path`` column,
+* ``ours``: what ZayaMuon runs: ``newton_schulz`` with backend and iteration ``auto`` (named in the ``path``
+  column) and ``graphed=True`` (batches of at most 2^23 elements replay a CUDA graph of the same kernels),
 * ``megatron``: Megatron's own Muon orthogonalisation, ``emerging_optimizers``' ``newton_schulz`` (fp32 in,
   bf16 matmuls: Megatron's default ``fp32_matmul_prec="medium"``), one call per matrix as Megatron's Muon
   makes them; present when ``emerging-optimizers`` (and ``absl-py``) is importable, e.g.
@@ -26,6 +26,11 @@ counting the loop's FLOPs, and the relative error of each path against float64. 
 of a whole 40-layer ZAYA1-8B step when ZayaMuon spreads the matrices over DP ranks (FLOP-balanced owners;
 Megatron's non-layer-wise Muon runs all of them on every rank). Reference point (notes §11, H200, torch
 2.11): plain torch 26.0 ms per layer; emerging_optimizers 22.1 ms; its Triton SYRK path 41.6 ms.
+
+Last, ``--step-layers`` layers (default 8) as whole optimizer steps on fp32 parameters with gradients: a real
+``ZayaMuon.step()`` (equal shapes batched across layers) against a per-matrix torch Muon step written here
+(momentum, the torch loop's or Megatron's orthogonalisation, update), per layer; then the momentum and
+Newton–Schulz of the busiest rank under ZayaMuon's owners at DP = 1, 2, 4, 8, measured on this one GPU.
 """
 
 from __future__ import annotations
@@ -123,8 +128,8 @@ def bench_shape(name, count, rows, cols, device, repeats, use_triton, tiles=()) 
     gram_path = gram_newton_schulz_triton if use_triton else gram_newton_schulz_reference
     row["gram"] = timed(lambda: gram_path(G, COEFFICIENTS, dtype=torch.bfloat16), repeats)
     row["err_gram"] = relative_error(gram_path(G[:1], COEFFICIENTS, dtype=torch.bfloat16), oracle)
-    row["ours"] = timed(lambda: newton_schulz(G, COEFFICIENTS), repeats)
-    row["err_ours"] = relative_error(newton_schulz(G[:1], COEFFICIENTS), oracle)
+    row["ours"] = timed(lambda: newton_schulz(G, COEFFICIENTS, graphed=True), repeats)
+    row["err_ours"] = relative_error(newton_schulz(G[:1], COEFFICIENTS, graphed=True), oracle)
     if megatron_newton_schulz is not None:
         row["megatron"] = timed(lambda: [megatron_newton_schulz(g) for g in G], repeats)
         row["err_megatron"] = relative_error(megatron_newton_schulz(G[0])[None], oracle)

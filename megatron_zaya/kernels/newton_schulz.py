@@ -87,6 +87,9 @@ Coefficients = Sequence[tuple[float, float, float]]
 #: Gram Newton–Schulz restarts (recomputes A from X) before a segment's gain on tiny singular values,
 #: ∏|a_k|, would pass this: 3 of Keller Jordan's steps (3.4445³ ≈ 41) are validated in fp16, 4 (≈ 141) are not.
 GRAM_MAX_GAIN = 48.0
+#: ``newton_schulz(graphed=True)`` replays a CUDA graph for inputs of at most this many elements (a ZAYA1-8B
+#: q, k, o, value or router matrix, alone or a few stacked); larger batches keep the GPU busy between launches.
+GRAPH_MAX_NUMEL = 1 << 23
 #: Gram Newton–Schulz is chosen only where it saves at least this fraction of the FLOPs: a margin for its
 #: m×m products running at a lower FLOP rate than the m×n ones (a guess; ``bench_newton_schulz.py`` measures).
 GRAM_MIN_SAVING = 0.1
@@ -409,6 +412,30 @@ def newton_schulz_path(
     return use_triton, use_gram
 
 
+class _GraphedNewtonSchulz:
+    """One Newton–Schulz call captured as a CUDA graph for inputs of one shape: replays copy the input into a
+    static buffer and return a copy of the static output (so earlier results survive later replays)."""
+
+    def __init__(self, G: torch.Tensor, run):
+        self.static_input = G.clone()
+        side = torch.cuda.Stream(G.device)
+        side.wait_stream(torch.cuda.current_stream(G.device))
+        with torch.cuda.stream(side):
+            run(self.static_input)  # compiles the Triton kernels and picks cuBLAS algorithms outside the capture
+        torch.cuda.current_stream(G.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.static_output = run(self.static_input)
+
+    def __call__(self, G: torch.Tensor) -> torch.Tensor:
+        self.static_input.copy_(G)
+        self.graph.replay()
+        return self.static_output.clone()
+
+
+_GRAPHS: dict[tuple, _GraphedNewtonSchulz] = {}
+
+
 def newton_schulz(
     G: torch.Tensor,
     coefficients: Coefficients,
@@ -417,6 +444,7 @@ def newton_schulz(
     backend: str = "auto",
     min_triton_dim: int = 512,
     iteration: str = "auto",
+    graphed: bool = False,
 ) -> torch.Tensor:
     """Orthogonalise ``G`` [..., m, n] with ``len(coefficients)`` quintic steps; returns ``dtype``.
 
@@ -426,6 +454,10 @@ def newton_schulz(
 
     ``iteration``: ``standard``, ``gram`` (Gram Newton–Schulz, see the module docstring), or ``auto``: Gram for
     GPU tensors in a 16-bit ``dtype`` where ``gram_is_cheaper`` (with the chosen backend's kernels), else standard.
+
+    ``graphed``: on a CUDA/ROCm device, run inputs of at most ``GRAPH_MAX_NUMEL`` elements as a replay of a CUDA
+    graph captured at the first call for their shape (the same kernels; one graph, and its memory, is kept per
+    shape and settings). Small matrices are bound by the host's ~40–70 launches per call, not by the GPU.
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown Newton–Schulz backend {backend!r}; use auto, torch or triton")
@@ -437,5 +469,17 @@ def newton_schulz(
         raise ValueError(f"Newton–Schulz backend 'triton' takes [m, n] or [batch, m, n], got {tuple(G.shape)}")
     use_triton, use_gram = newton_schulz_path(G, coefficients, dtype, backend, min_triton_dim, iteration)
     if use_triton:
-        return (gram_newton_schulz_triton if use_gram else newton_schulz_triton)(G, coefficients, eps, dtype)
-    return (gram_newton_schulz_reference if use_gram else newton_schulz_reference)(G, coefficients, eps, dtype)
+        implementation = gram_newton_schulz_triton if use_gram else newton_schulz_triton
+    else:
+        implementation = gram_newton_schulz_reference if use_gram else newton_schulz_reference
+    coefficients = tuple(tuple(c) for c in coefficients)
+
+    def run(X: torch.Tensor) -> torch.Tensor:
+        return implementation(X, coefficients, eps, dtype)
+
+    if graphed and G.is_cuda and G.numel() <= GRAPH_MAX_NUMEL and not torch.cuda.is_current_stream_capturing():
+        key = (tuple(G.shape), G.dtype, G.device, coefficients, eps, dtype, implementation)
+        if key not in _GRAPHS:
+            _GRAPHS[key] = _GraphedNewtonSchulz(G, run)
+        return _GRAPHS[key](G)
+    return run(G)

@@ -48,6 +48,10 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "uses it on GPUs with a 16-bit --zaya-muon-ns-dtype for matrices where it saves at least "
                             "10%% of the FLOPs (with the Triton kernels: long side >= 1.27x the short one); off keeps "
                             "the standard iteration everywhere.")
+    group.add_argument("--zaya-muon-ns-graphs", choices=["auto", "off"], default="auto",
+                       help="auto: on GPUs, Newton–Schulz of small batches of matrices (at most 2^23 elements: "
+                            "attention and router matrices) replays a CUDA graph captured at the first step, "
+                            "instead of launching its ~50 kernels one by one; off: plain launches.")
     group.add_argument("--zaya-muon-split-gate-up", action="store_true",
                        help="Orthogonalise the gate and up halves of each expert's fc1 separately.")
     group.add_argument("--zaya-muon-gather-numel", type=int, default=1 << 28,
@@ -92,6 +96,7 @@ def muon_config_from_args(args: argparse.Namespace) -> MuonConfig:
         update_rms=args.zaya_muon_update_rms,
         backend=args.zaya_muon_kernel,
         ns_gram=args.zaya_muon_ns_gram,
+        ns_graphs=args.zaya_muon_ns_graphs,
         split_gate_up=args.zaya_muon_split_gate_up,
         gather_numel=args.zaya_muon_gather_numel,
     )

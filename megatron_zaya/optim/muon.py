@@ -9,7 +9,8 @@ For every matrix ``W`` [rows, cols] with gradient ``G`` (Liu et al., *Muon is sc
 
 On GPUs with a 16-bit ``ns_dtype``, wide matrices (with the Triton kernels: long side ≥ 1.27× the short one)
 take the Gram form of Newton–Schulz (fewer FLOPs, see ``kernels.newton_schulz``) unless ``--zaya-muon-ns-gram
-off``.
+off``, and small batches of matrices replay a CUDA graph of their Newton–Schulz (launch-bound otherwise) unless
+``--zaya-muon-ns-graphs off``.
 
 ``lr`` and ``wd`` are read from each param group at every step, so Megatron's LR / WD schedule drives
 them. With a data-parallel group, each matrix's Newton–Schulz runs on exactly one rank (see ``plan``);
@@ -49,6 +50,7 @@ class MuonConfig:
     update_rms: float = 0.2
     backend: str = "auto"
     ns_gram: str = "auto"
+    ns_graphs: str = "auto"
     split_gate_up: bool = False
     gather_numel: int = 1 << 28
 
@@ -64,6 +66,8 @@ class MuonConfig:
             raise ValueError(f"--zaya-muon-kernel must be auto, torch or triton, got {self.backend!r}")
         if self.ns_gram not in ("auto", "off"):
             raise ValueError(f"--zaya-muon-ns-gram must be auto or off, got {self.ns_gram!r}")
+        if self.ns_graphs not in ("auto", "off"):
+            raise ValueError(f"--zaya-muon-ns-graphs must be auto or off, got {self.ns_graphs!r}")
 
 
 class ZayaMuon(torch.optim.Optimizer):
@@ -161,7 +165,8 @@ class ZayaMuon(torch.optim.Optimizer):
             for batch in _batches(items, max(1, NS_BATCH_NUMEL // (rows * cols))):
                 blocks = torch.cat(self._update_blocks(batch))
                 results = newton_schulz(blocks, cfg.coefficients, cfg.eps, cfg.ns_dtype, cfg.backend,
-                                        iteration="standard" if cfg.ns_gram == "off" else "auto")
+                                        iteration="standard" if cfg.ns_gram == "off" else "auto",
+                                        graphed=cfg.ns_graphs == "auto")
                 for item, result in zip(batch, results.split([i.layout.row_blocks for i in batch])):
                     yield item, self._local_update(item, result)
 
