@@ -34,8 +34,8 @@ MAX_TILE = 8192  # elements per tensor of one backward iteration (rows x BLOCK) 
 #: warps (None: from the row width). Tuned on an H200 with ``benchmarks/tune_norm_backward.py``; run it on a
 #: new platform and add its row here.
 BACKWARD_TUNING = {
-    "cuda": {"rows": 1, "programs_per_sm": 4, "num_warps": None},
-    "rocm": {"rows": 1, "programs_per_sm": 4, "num_warps": None},
+    "cuda": {"rows": 4, "programs_per_sm": 2, "num_warps": None},  # H200, 2026-11-30
+    "rocm": {"rows": 1, "programs_per_sm": 4, "num_warps": None},  # not tuned: the first CUDA choice
     "cpu": {"rows": 2, "programs_per_sm": 4, "num_warps": None},  # the interpreter: exercises the row tiles
 }
 
