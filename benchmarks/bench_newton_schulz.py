@@ -186,7 +186,7 @@ def reference_muon_step(params, blocks, momenta, orthogonalise, mu: float = 0.95
             rows.add_(orthogonalise(block).to(rows.dtype), alpha=-lr * 0.2 * max(block.shape) ** 0.5)
 
 
-def bench_step(layer_spec, layers: int, repeats: int, device: str) -> None:
+def bench_step(layer_spec, layers: int, repeats: int, device: str, profile: bool = False) -> None:
     """Whole Muon steps over ``layers`` layers: ZayaMuon (equal shapes batched across layers) vs per-matrix loops;
     then the Newton–Schulz (+ momentum) work of the busiest data-parallel rank under ZayaMuon's owners."""
     params, layouts, blocks = step_parameters(layer_spec, layers, device)
@@ -199,6 +199,13 @@ def bench_step(layer_spec, layers: int, repeats: int, device: str) -> None:
     if megatron_newton_schulz is not None:
         times["megatron loop"] = timed(lambda: reference_muon_step(params, blocks, momenta, megatron_newton_schulz),
                                        repeats)
+    if profile and device == "cuda":
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            muon.step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=60))
     per_layer = ", ".join(f"{k} {v / layers:.2f} ms" for k, v in times.items())
     ratios = ", ".join(f"{k}/zaya_muon {v / times['zaya_muon']:.2f}x" for k, v in times.items() if k != "zaya_muon")
     print(f"whole Muon step over {layers} layers ({len(muon.items)} items), per layer: {per_layer}; {ratios}")
@@ -226,6 +233,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=40, help="layers of the model for the per-rank estimate")
     parser.add_argument("--step-layers", type=int, default=8,
                         help="layers of the whole-step measurement (0: skip it; ~2.5 GB of GPU memory per layer)")
+    parser.add_argument("--profile-step", action="store_true", help="print the kernels of one ZayaMuon step")
     parser.add_argument("--tiles", default="", help="also time these Triton tiles, e.g. 64x64,128x64,128x32 "
                                                      "(BLOCK_M x BLOCK_K; the default is the built-in heuristic)")
     args = parser.parse_args()
@@ -279,7 +287,7 @@ def main() -> None:
         ms = per_rank_model_time(rows, args.layers, dp, best)
         print(f"  DP={dp:3d}: {ms:9.1f} ms   ({redundant / ms:6.1f}x less than the redundant loop)")
     if args.step_layers:
-        bench_step(layer, 2 if args.smoke else args.step_layers, args.repeats, device)
+        bench_step(layer, 2 if args.smoke else args.step_layers, args.repeats, device, args.profile_step)
 
 
 if __name__ == "__main__":

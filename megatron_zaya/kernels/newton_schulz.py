@@ -98,14 +98,16 @@ GRAM_MIN_SAVING = 0.1
 def _normalise(G: torch.Tensor, dtype: torch.dtype, eps: float) -> tuple[torch.Tensor, bool]:
     """Scale each [m, n] slice of ``G`` to Frobenius norm ~1 (so spectral norm <= 1) and make m <= n.
 
-    The norm is taken in float32 before the cast to the working ``dtype``. Returns ``(X, transposed)``.
+    The norm and the quotient are taken in (at least) float32, then rounded to the working ``dtype``: one pass
+    writes X (transposed when m > n). Returns ``(X, transposed)``.
     """
-    G = G.float()
-    X = G / (torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True) + eps)
-    transposed = X.shape[-2] > X.shape[-1]
+    norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(G.dtype, torch.float32))
+    transposed = G.shape[-2] > G.shape[-1]
     if transposed:
-        X = X.mT
-    return X.to(dtype).contiguous(), transposed
+        G, norm = G.mT, norm.mT
+    X = torch.empty(G.shape, dtype=dtype, device=G.device)
+    torch.div(G, norm + eps, out=X)
+    return X, transposed
 
 
 def newton_schulz_reference(

@@ -163,19 +163,21 @@ class ZayaMuon(torch.optim.Optimizer):
             by_shape[item.block_shape].append(item)
         for (rows, cols), items in by_shape.items():
             for batch in _batches(items, max(1, NS_BATCH_NUMEL // (rows * cols))):
-                blocks = torch.cat(self._update_blocks(batch))
+                blocks = self._update_blocks(batch, rows, cols)
                 results = newton_schulz(blocks, cfg.coefficients, cfg.eps, cfg.ns_dtype, cfg.backend,
                                         iteration="standard" if cfg.ns_gram == "off" else "auto",
                                         graphed=cfg.ns_graphs == "auto")
                 for item, result in zip(batch, results.split([i.layout.row_blocks for i in batch])):
                     yield item, self._local_update(item, result)
 
-    def _update_blocks(self, batch: list[WorkItem]) -> list[torch.Tensor]:
-        """Momentum step of each item; its Nesterov update, TP-gathered, as [row_blocks, rows, cols] fp32.
-
-        The momentum arithmetic runs as one foreach kernel per operation for the whole batch."""
+    def _update_blocks(self, batch: list[WorkItem], rows: int, cols: int) -> torch.Tensor:
+        """Momentum step of each item, and the batch's Nesterov updates (TP-gathered) as one [blocks, rows, cols]
+        fp32 tensor: ``M ← G + μ·M`` in place, then ``G + μ·M`` written straight into the batch (two passes)."""
         mu = self.config.momentum
-        grads = []
+        first = self._param(batch[0])
+        out = torch.empty(sum(i.layout.row_blocks for i in batch), rows, cols, dtype=torch.float32,
+                          device=first.device)
+        start = 0
         for item in batch:
             param = self._param(item)
             if param.grad is None:
@@ -183,19 +185,22 @@ class ZayaMuon(torch.optim.Optimizer):
                     f"ZayaMuon: a parameter of shape {tuple(param.shape)} has no gradient; every Muon parameter "
                     "needs one at each step (leave frozen parameters out of the optimizer)"
                 )
-            grads.append(self._slice(param.grad, item).float())
-        momenta = [self._momentum(item) for item in batch]
-        torch._foreach_mul_(momenta, mu)
-        torch._foreach_add_(momenta, grads)
-        updates = torch._foreach_add(grads, momenta, alpha=mu) if self.config.nesterov else momenta
-        blocks = []
-        for item, update in zip(batch, updates):
+            grad, momentum = self._slice(param.grad, item), self._momentum(item)
+            torch.add(grad, momentum, alpha=mu, out=momentum)
+            target = out[start : start + item.layout.row_blocks]
+            start += item.layout.row_blocks
             tp_group = self._tp[item.layout.expert]
             tp_size, _ = _size_and_rank(tp_group)
-            if item.tp_dim is not None:
-                update = _all_gather_cat(update, item.tp_dim, tp_group, tp_size)
-            blocks.append(_to_blocks(update, item, tp_size))
-        return blocks
+            if item.tp_dim is None:  # the blocks of a whole matrix are a plain view of it
+                dest = target.view(item.local_shape)
+                if self.config.nesterov:
+                    torch.add(grad, momentum, alpha=mu, out=dest)
+                else:
+                    dest.copy_(momentum)
+                continue
+            update = grad.float().add(momentum, alpha=mu) if self.config.nesterov else momentum
+            target.copy_(_to_blocks(_all_gather_cat(update, item.tp_dim, tp_group, tp_size), item, tp_size))
+        return out
 
     def _local_update(self, item: WorkItem, blocks: torch.Tensor) -> torch.Tensor:
         """Orthogonalised [row_blocks, rows, cols] -> this rank's TP shard of the slice, contiguous."""
@@ -226,35 +231,38 @@ class ZayaMuon(torch.optim.Optimizer):
             pending = _Updates(self)
             for rank, entries in enumerate(self._streams):
                 first = max(bisect.bisect_right(self._stream_offsets[rank], start) - 1, 0)
-                values = None
                 for item, offset in entries[first:]:
                     if offset >= start + window:
                         break
                     lo, hi = max(start, offset), min(start + window, offset + item.numel)
                     if lo < hi:
-                        values = received[rank].float() if values is None else values
-                        pending.add(item, values[lo - start : hi - start], lo - offset, hi - offset)
+                        pending.add(item, received[rank, lo - start : hi - start], lo - offset, hi - offset)
             pending.apply()  # before the next window overwrites ``received``
 
 
 class _Updates:
-    """``param[slice].flat[lo:hi] -= lr · scale · values`` for many items, as one foreach add per (lr, scale)."""
+    """``param[slice].flat[lo:hi] -= lr · scale · values`` for many items: one foreach add per (lr, scale) where the
+    dtypes match, else one add per item (it reads the 16-bit values as they are, no fp32 copy first)."""
 
     def __init__(self, muon: ZayaMuon):
         self.muon = muon
-        self.by_alpha: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = defaultdict(lambda: ([], []))
+        self.by_alpha: dict[tuple[float, bool], tuple[list, list]] = defaultdict(lambda: ([], []))
 
     def add(self, item: WorkItem, values: torch.Tensor, lo: int, hi: int) -> None:
         muon = self.muon
         target = muon._slice(muon._param(item), item).view(-1)[lo:hi]
         alpha = -muon.param_groups[item.group]["lr"] * item.update_scale(muon.config.update_rms)
-        targets, sources = self.by_alpha[alpha]
+        targets, sources = self.by_alpha[alpha, values.dtype == target.dtype]
         targets.append(target)
-        sources.append(values if values.dtype == target.dtype else values.to(target.dtype))
+        sources.append(values)
 
     def apply(self) -> None:
-        for alpha, (targets, sources) in self.by_alpha.items():
-            torch._foreach_add_(targets, sources, alpha=alpha)
+        for (alpha, same_dtype), (targets, sources) in self.by_alpha.items():
+            if same_dtype:
+                torch._foreach_add_(targets, sources, alpha=alpha)
+            else:
+                for target, source in zip(targets, sources):
+                    target.add_(source, alpha=alpha)
         self.by_alpha.clear()
 
 
