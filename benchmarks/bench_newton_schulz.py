@@ -1,6 +1,6 @@
 """Benchmark Muon's Newton–Schulz on the matrices of one ZAYA1-8B layer: torch vs our Triton kernels.
 
-    python benchmarks/bench_newton_schulz.py            # needs a CUDA or ROCm GPU (about a minute on an H200)
+    python benchmarks/bench_newton_schulz.py            # needs a CUDA or ROCm GPU (about 3 minutes on an H200)
     python benchmarks/bench_newton_schulz.py --smoke    # tiny shapes, any device: checks the script runs
 
 Matrices (as in docs/megatron-core-0.19-notes.md §11): q 1024×2048, k 256×2048, o 2048×1024, 16 expert
