@@ -64,6 +64,7 @@ fp16 GEMM; for fp32 and fp64 the self-correcting standard iteration is the accur
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -435,7 +436,7 @@ class _GraphedNewtonSchulz:
         return self.static_output.clone()
 
 
-_GRAPHS: dict[tuple, _GraphedNewtonSchulz] = {}
+_GRAPHS: dict[tuple, _GraphedNewtonSchulz | None] = {}  # None: the capture failed, launch one by one
 
 
 def newton_schulz(
@@ -482,6 +483,12 @@ def newton_schulz(
     if graphed and G.is_cuda and G.numel() <= GRAPH_MAX_NUMEL and not torch.cuda.is_current_stream_capturing():
         key = (tuple(G.shape), G.dtype, G.device, coefficients, eps, dtype, implementation)
         if key not in _GRAPHS:
-            _GRAPHS[key] = _GraphedNewtonSchulz(G, run)
-        return _GRAPHS[key](G)
+            try:
+                _GRAPHS[key] = _GraphedNewtonSchulz(G, run)
+            except RuntimeError as error:  # a platform whose kernels cannot be captured: say so once, go on
+                warnings.warn(f"Newton–Schulz on {tuple(G.shape)} could not be captured as a CUDA graph "
+                              f"({str(error).splitlines()[0][:120]}); launching its kernels one by one")
+                _GRAPHS[key] = None
+        if _GRAPHS[key] is not None:
+            return _GRAPHS[key](G)
     return run(G)
