@@ -174,9 +174,8 @@ class ZayaMuon(torch.optim.Optimizer):
         """Momentum step of each item, and the batch's Nesterov updates (TP-gathered) as one [blocks, rows, cols]
         fp32 tensor: ``M ← G + μ·M`` in place, then ``G + μ·M`` written straight into the batch (two passes)."""
         mu = self.config.momentum
-        first = self._param(batch[0])
         out = torch.empty(sum(i.layout.row_blocks for i in batch), rows, cols, dtype=torch.float32,
-                          device=first.device)
+                          device=self._param(batch[0]).device)
         start = 0
         for item in batch:
             param = self._param(item)
