@@ -209,11 +209,11 @@ def _recomputed_grads(hidden, weight, labels, lse, grad_loss, tiles, need_hidden
             grad_logits = torch.empty((t1 - t0, v1 - v0), dtype=hidden.dtype, device=hidden.device)
             _softmax_grad(matmul_fp32(h, w.t()), labels[t0:t1], v0, lse[t0:t1], grad_loss[t0:t1], grad_logits)
             if need_hidden:
-                grad_hidden[t0:t1] += matmul_fp32(grad_logits, w)
+                matmul_fp32_into(grad_hidden[t0:t1], grad_logits, w, accumulate=True)
             if one_token_chunk:
                 torch.mm(grad_logits.t(), h, out=grad_w)
             else:
-                grad_w += matmul_fp32(grad_logits.t(), h)
+                matmul_fp32_into(grad_w, grad_logits.t(), h, accumulate=True)
         if not one_token_chunk:
             grad_weight[v0:v1] = grad_w
     return grad_hidden, grad_weight
