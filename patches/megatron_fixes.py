@@ -30,17 +30,9 @@ import inspect
 
 import torch
 
-from .registry import register, replace_attr
+from .registry import fused_adam_present, register, replace_attr
 
 DISTOPT = "megatron.core.optimizer.distrib_optimizer"
-
-
-def _fused_adam_present() -> str | None:
-    from megatron.core.optimizer import distrib_optimizer
-
-    if distrib_optimizer.HAVE_APEX_OR_TE:
-        return "Transformer Engine or apex provides FusedAdam, whose step lives in the parameter groups"
-    return None
 
 
 def _distopt_fix(patch_id: str, method: str):
@@ -51,7 +43,7 @@ def _distopt_fix(patch_id: str, method: str):
         off = f"Off: leave ``{patch_id}`` out of ``--zaya-patches`` / ``ZAYA_PATCHES``."
         fn.__doc__ = f"{inspect.cleandoc(fn.__doc__)}\n\n{off}"
         return register(patch_id, target=f"{DISTOPT}.DistributedOptimizer.{method}", megatron=">=0.19,<0.20",
-                        requires=_fused_adam_present)(fn)
+                        requires=fused_adam_present)(fn)
 
     return decorate
 

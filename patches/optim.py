@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from .registry import register, replace_attr
+from .registry import fused_adam_present, register, replace_attr
 
 
 @register("optim.zaya_muon", target="megatron.training.training.get_megatron_optimizer")
@@ -84,16 +84,8 @@ def zaya_muon_sharding() -> None:
     replace_attr(arguments, "validate_args", validate_args)
 
 
-def _megatron_uses_torch_adam() -> str | None:
-    import megatron.core.optimizer as megatron_optimizer
-
-    if not megatron_optimizer.USING_PYTORCH_OPTIMIZER:
-        return "Megatron uses Transformer Engine's or apex's FusedAdam"
-    return None
-
-
 @register("optim.fused_torch_adam", target="megatron.core.optimizer._get_megatron_optimizer_based_on_param_groups",
-          platforms=("cuda", "rocm"), requires=_megatron_uses_torch_adam)
+          platforms=("cuda", "rocm"), requires=fused_adam_present)
 def fused_torch_adam() -> None:
     """Run Megatron's torch Adam fallback as torch's fused kernel (``fused=True``) on GPUs.
 

@@ -97,6 +97,16 @@ def megatron_version() -> str:
     return version("megatron-core")
 
 
+def fused_adam_present() -> str | None:
+    """A ``requires`` condition for patches of Megatron's torch-Adam fallback: the reason to skip them where
+    Transformer Engine or apex provides FusedAdam (Megatron then uses that, not torch's Adam), else None."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return "Transformer Engine or apex provides FusedAdam, which Megatron uses instead of torch's Adam"
+    return None
+
+
 def _version_ok(spec: str) -> bool:
     from packaging.specifiers import SpecifierSet
 
