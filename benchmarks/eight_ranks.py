@@ -47,17 +47,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+).*?"
-                       r"lm loss: ([0-9.E+-]+)")
-# Megatron's timer block after each logged iteration: "optimizer ....: (min, max)" in ms across ranks.
-OPTIMIZER_TIMER = re.compile(r"^\s+optimizer \.+: \(([0-9.]+), ([0-9.]+)\)", re.MULTILINE)
+from megatron_log import iterations, optimizer_ms
+
 WORLD, BASE_ITERS = 8, 2
 SCHEDULE = ["--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
             "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", "1234", "--log-interval", "1", "--eval-iters", "0",
@@ -94,8 +91,7 @@ def pretrain(name: str, flags: list[str], out: Path, nproc: int, gpu: bool) -> N
 def parse(log: Path) -> tuple[dict[int, tuple[float, float]], list[float]]:
     """``({iteration: (ms, lm loss)}, [optimizer ms, max over ranks, per logged iteration])`` of a run's log."""
     text = log.read_text()
-    rows = {int(i): (float(ms), float(loss)) for i, ms, loss in ITERATION.findall(text)}
-    return rows, [float(high) for _, high in OPTIMIZER_TIMER.findall(text)]
+    return iterations(text), optimizer_ms(text)
 
 
 def timing(rows: dict[int, tuple[float, float]], optimizer_ms: list[float], skip: int = 5) -> dict:

@@ -41,10 +41,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-OPTIMIZER_TIMER = re.compile(r"^\s+optimizer \.+: \(([0-9.]+), ([0-9.]+)\)", re.M)  # (min, max) over ranks
+from megatron_log import iterations, optimizer_ms
+
 OPTIMIZER_SUBTIMER = re.compile(r"^\s+(optimizer-[a-z-]+) \.+: \([0-9.]+, ([0-9.]+)\)", re.M)
-ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+).*?"
-                       r"lm loss: ([0-9.E+-]+)")
 MODEL = ["--zaya-preset", "zaya1-8b-shallow", "--vocab-size", "262271"]
 COMMON = ["--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "5", "--lr-decay-style", "cosine",
           "--weight-decay", "0.1", "--clip-grad", "1.0", "--bf16", "--log-interval", "1", "--eval-iters", "0",
@@ -94,8 +93,7 @@ def run_all(jobs: list[tuple], out: Path) -> None:
 
 def parse(out: Path, name: str) -> dict[int, tuple[float, float]]:
     """``{iteration: (ms, loss)}`` of a run's log."""
-    text = (out / f"{name}.log").read_text()
-    return {int(i): (float(ms), float(loss)) for i, ms, loss in ITERATION.findall(text)}
+    return iterations((out / f"{name}.log").read_text())
 
 
 def loss_csv(path: Path) -> dict[int, float]:
@@ -127,7 +125,7 @@ def optimizer_share(out: Path, name: str, gpus: int, first: int, last: int) -> d
     Megatron logs each iteration's timers right after its iteration line, so the k-th block is iteration k's."""
     rows = parse(out, name)  # in log order
     text = (out / f"{name}.log").read_text()
-    steps = [float(high) for _, high in OPTIMIZER_TIMER.findall(text)]
+    steps = optimizer_ms(text)
     timed = [(rows[i][0], step) for i, step in zip(rows, steps) if first < i <= last]
     row = {"run": name, "share_gpus": gpus, "iterations": len(timed)}
     if timed:
