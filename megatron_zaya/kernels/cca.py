@@ -12,10 +12,10 @@ From the pre-conv projections q0 [S, B, nq*d] and k0 [S, B, nkv*d] (g = nq / nkv
 3. L2 norm of each head to sqrt(d) (norm clamped at finfo(dtype).eps), then k *= temp[j];
 4. rotary embedding (NeoX rotate-half) on dims [0, rot) of every head; dims [rot, d) carry no position.
 
-The convolutions stay in torch (a batched GEMM, ``causal_qk_convs_gemm``). The Triton kernels fuse everything
-after them, steps 2-4,
-forward and backward: one read of conv(q0), conv(k0), q0, k0 and one write of q, k per token, with every
-head of a token in one program (the k skip term needs all g query heads of its group). In fp32 internally.
+The convolutions stay in torch (as a batched GEMM, ``causal_qk_convs_gemm``). The Triton kernels fuse
+everything after them, steps 2-4, forward and backward: one read of conv(q0), conv(k0), q0, k0 and one write
+of q, k per token, with every head of a token in one program (the k skip term needs all g query heads of its
+group). In fp32 internally.
 
 The value time-delay is a GEMM plus a one-token shift of 128 channels: plain torch, no kernel.
 """
