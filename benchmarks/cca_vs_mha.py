@@ -12,7 +12,8 @@ Times forward + backward (median of ``--iters`` after warm-up) of
   (flash on GPUs) and the output projection;
 
 both in bf16 on ``[S, B, 2048]`` inputs, and prints mha / cca (the CCA paper's claim: ≥ 1.3× at S=4096 and
-≥ 1.7× at S=16384, issue #6).
+≥ 1.7× at S=16384, issue #6). On GPUs both blocks are timed a second time as CUDA-graph replays
+(``torch.cuda.make_graphed_callables``, forward and backward), which takes the host's launch time out of both.
 """
 
 from __future__ import annotations
@@ -53,6 +54,19 @@ def cca_block(smoke: bool, seq: int):
     return model.decoder.layers[0].self_attention, model.rotary_pos_emb["global"](seq), cfg
 
 
+class OneTensorCall(torch.nn.Module):
+    """``block(x, **kwargs)`` (its first output) as a one-tensor module, the form ``make_graphed_callables`` takes;
+    a fresh wrapper per shape, so that each capture sees the block's own forward."""
+
+    def __init__(self, block, **kwargs):
+        super().__init__()
+        self.block, self.kwargs = block, kwargs
+
+    def forward(self, x):
+        out = self.block(x, **self.kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
 def fwd_bwd_ms(step, iters: int) -> float:
     return statistics.median(call_times(step, warmup=2, iters=iters))
 
@@ -72,7 +86,8 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name() if GPU else 'cpu'}; torch {torch.__version__}; hidden "
           f"{cfg.hidden_size}; CCA {cfg.num_attention_heads}/{cfg.num_query_groups} heads of {cfg.kv_channels}; "
           f"MHA {mha_heads} heads; {DTYPE}")
-    print(f"{'seq':>6s} {'batch':>5s} {'cca ms':>9s} {'mha ms':>9s} {'mha/cca':>8s}")
+    print(f"{'seq':>6s} {'batch':>5s} {'cca ms':>9s} {'mha ms':>9s} {'mha/cca':>8s}"
+          + (f" {'cca graph':>9s} {'mha graph':>9s} {'mha/cca':>8s}" if GPU else ""))
     for seq, batch in points:
         x = torch.randn(seq, batch, cfg.hidden_size, device=DEVICE, dtype=DTYPE, requires_grad=True)
         grad = torch.randn_like(x)
@@ -85,7 +100,15 @@ def main() -> None:
             mha(x).backward(grad)
 
         ours, baseline = fwd_bwd_ms(cca_step, args.iters), fwd_bwd_ms(mha_step, args.iters)
-        print(f"{seq:6d} {batch:5d} {ours:9.3f} {baseline:9.3f} {baseline / ours:7.2f}x")
+        line = f"{seq:6d} {batch:5d} {ours:9.3f} {baseline:9.3f} {baseline / ours:7.2f}x"
+        if GPU:
+            # one capture per block (each its own memory pool: they are replayed one after the other)
+            graphed = [torch.cuda.make_graphed_callables(block, (x,))
+                       for block in (OneTensorCall(cca, rotary_pos_emb=rotary[:seq]), OneTensorCall(mha))]
+            steps = [lambda block=block: block(x).backward(grad) for block in graphed]
+            ours, baseline = (fwd_bwd_ms(step, args.iters) for step in steps)
+            line += f" {ours:9.3f} {baseline:9.3f} {baseline / ours:7.2f}x"
+        print(line)
         del x, grad
         if GPU:
             torch.cuda.empty_cache()

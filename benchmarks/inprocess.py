@@ -5,7 +5,8 @@
 
 ``eager``: forward + backward of ONE decoder layer at S = 4096, B = 2 (bf16 weights, the fp32 residual stream
 as input): ``transformers``' ``ZayaDecoderLayer`` with eager attention and experts (the public reference)
-and our ``ZayaTransformerLayer`` (with the kernels that apply on the device), same shapes, CUDA-event timing.
+and our ``ZayaTransformerLayer`` (with the kernels that apply on the device), same shapes, CUDA-event timing;
+on GPUs also ours replayed as CUDA graphs (``model/cuda_graphs.py``, what ``--zaya-cuda-graphs`` runs).
 
 ``sweep``: whole training steps (forward + backward of every micro-batch, then an AdamW step) of ZAYA1 and of
 Megatron-Core's GPT-MoE with GQA attention on SDPA (benchmarks/gqa_sdpa.py) at the same width, heads,
@@ -110,6 +111,18 @@ def eager(args) -> dict:
     result = {"seq": seq, "batch": batch, "transformers_eager_ms": statistics.median(hf_ms),
               "ours_ms": statistics.median(our_ms), "transformers_eager_all_ms": hf_ms, "ours_all_ms": our_ms}
     result["layer_speedup"] = result["transformers_eager_ms"] / result["ours_ms"]
+    if GPU:  # the same layer replayed as CUDA graphs (--zaya-cuda-graphs)
+        from megatron_zaya.model.cuda_graphs import LayerGraphs
+
+        graphs = LayerGraphs([ours])
+
+        def graphed_step():
+            out, _ = graphs(x_ours, None, None, {"global": rotary})
+            out.backward(grad_ours)
+
+        graphed_ms = call_times(graphed_step, warmup, iters)
+        result.update(ours_graphed_ms=statistics.median(graphed_ms), ours_graphed_all_ms=graphed_ms,
+                      graphed_layer_speedup=result["transformers_eager_ms"] / statistics.median(graphed_ms))
     return result
 
 

@@ -59,6 +59,10 @@ NAMED = ((("nccl", "c10d::", "record_param_comms", "gloo"), "communication"),
          (("Optimizer.step", "Optimizer.zero_grad"), "optimizer"))
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _iteration() -> int:
     from megatron.training.global_vars import get_args
 
@@ -100,7 +104,9 @@ class Probe:
     def post_forward(self, module, args, output):
         if name_is_component(module) and self.ranges:
             self.ranges.pop().__exit__(None, None, None)
-        if type(module).__name__ == "ZayaRouter":
+        if type(module).__name__ == "ZayaRouter" and not _capturing():
+            # (A hook's tensors would be frozen into a CUDA graph being captured, and freed under it. With
+            # --zaya-cuda-graphs the routing is sampled from the layers' eager warm-up passes instead.)
             routing_map = output[1]
             routed = routing_map.sum()
             self.routed = routed if self.routed is None else self.routed + routed

@@ -18,6 +18,7 @@ Parts:
             SDPA GQA baseline; plot ``sweep.png``.
   zaya_lm_recompute  (not in the default) the zaya run with the fused LM head recomputing its logits in the
             backward (``--zaya-lm-head-backward recompute``) instead of computing its gradients in the forward.
+  zaya_graphs  (not in the default) the zaya run with its layers replayed as CUDA graphs (``--zaya-cuda-graphs``).
   dp2, ep2  (two GPUs, not in the default) the zaya run under torchrun on 2 GPUs with twice the global
             batch: data parallel, and expert parallel (--expert-model-parallel-size 2); the scaling efficiency
             is their tokens/s/GPU over the zaya part's (run zaya in the same invocation).
@@ -47,10 +48,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-PARTS = ("zaya", "gpt", "gpt_sdpa", "eager", "sweep", "zaya_lm_recompute", "dp2", "ep2")
+PARTS = ("zaya", "gpt", "gpt_sdpa", "eager", "sweep", "zaya_lm_recompute", "zaya_graphs", "dp2", "ep2")
 DEFAULT_PARTS = PARTS[:5]  # dp2 and ep2 need two GPUs
 # the zaya run with other flags: one GPU, then two (torchrun, weak scaling)
-ONE_GPU_VARIANTS = {"zaya": [], "zaya_lm_recompute": ["--zaya-lm-head-backward", "recompute"]}
+ONE_GPU_VARIANTS = {"zaya": [], "zaya_lm_recompute": ["--zaya-lm-head-backward", "recompute"],
+                    "zaya_graphs": ["--zaya-cuda-graphs"]}
 TWO_GPU = {"dp2": [], "ep2": ["--expert-model-parallel-size", "2"]}
 ZAYA_RUNS = {**ONE_GPU_VARIANTS, **TWO_GPU}
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)"
@@ -228,6 +230,7 @@ def markdown(results: dict, args) -> str:
              f"Command: `{results['command']}`", ""]
     runs = {"zaya": "ZAYA1 (zaya-pretrain, kernels)",
             "zaya_lm_recompute": "ZAYA1, `--zaya-lm-head-backward recompute`",
+            "zaya_graphs": "ZAYA1, `--zaya-cuda-graphs`",
             "gpt": "Megatron GPT-MoE, stock local attention", "gpt_sdpa": "Megatron GPT-MoE, SDPA attention"}
     baselines = [b for b in ("gpt", "gpt_sdpa") if "tokens_per_s_per_gpu" in results.get(b, {})]
     if any(p in results for p in runs):
@@ -285,6 +288,9 @@ def markdown(results: dict, args) -> str:
         lines += ["", f"One decoder layer, forward + backward, S={eager['seq']}, B={eager['batch']}: transformers eager "
                   f"{eager['transformers_eager_ms']:.2f} ms, ours {eager['ours_ms']:.2f} ms "
                   f"({eager['layer_speedup']:.2f}×)."]
+        if "ours_graphed_ms" in eager:
+            lines[-1] += (f" Ours as CUDA graphs: {eager['ours_graphed_ms']:.2f} ms "
+                          f"({eager['graphed_layer_speedup']:.2f}×).")
         zaya = results.get("zaya", {})
         if "tokens_per_s_per_gpu" in zaya:
             eager_model = eager["seq"] * eager["batch"] / (args.layers * eager["transformers_eager_ms"] / 1e3)

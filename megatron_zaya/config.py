@@ -61,6 +61,9 @@ class ZayaConfig(TransformerConfig):
     # -- residual path (§2) -----------------------------------------------------------------------------
     residual_scaling: bool = True  # (x + β) ⊙ α + (h + β') ⊙ α' per sublayer, plus the input affine
 
+    # -- execution --------------------------------------------------------------------------------------
+    cuda_graphs: bool = False  # training forward/backward of each layer replayed as CUDA graphs (model/cuda_graphs.py)
+
     # -- Megatron fields with ZAYA1's values ------------------------------------------------------------
     normalization: str = "RMSNorm"
     layernorm_epsilon: float = 1e-5
@@ -123,6 +126,12 @@ class ZayaConfig(TransformerConfig):
                 fail(f"unknown attention types {sorted(unknown)}", f"use {ATTENTION_TYPES}")
             if "sliding" in self.attention_types and not self.sliding_window:
                 fail("sliding layers are configured without sliding_window", "set sliding_window > 0")
+        if self.cuda_graphs and self.recompute_granularity is not None:
+            fail("--zaya-cuda-graphs with activation recomputation (a captured layer cannot be re-run in the backward)",
+                 "drop --recompute-granularity or --zaya-cuda-graphs")
+        if self.cuda_graphs and (self.hidden_dropout or self.attention_dropout):
+            fail("--zaya-cuda-graphs with dropout (replays would reuse the captured random offsets)",
+                 "set --hidden-dropout 0 --attention-dropout 0 or drop --zaya-cuda-graphs")
         if self.recompute_granularity == "selective":
             fail("selective recomputation is not supported by the ZAYA1 layer",
                  "use --recompute-granularity full (every layer is recomputed)")

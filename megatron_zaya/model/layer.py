@@ -24,6 +24,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..config import ZayaConfigError
+from .cuda_graphs import LayerGraphs, check_cuda_graphs
 from .norm import InputScaling, residual_dtype
 
 
@@ -92,6 +93,10 @@ class ZayaTransformerBlock(TransformerBlock):
                          pg_collection=pg_collection, vp_stage=vp_stage)
         if pre_process and config.residual_scaling:
             self.input_residual_scaling = InputScaling(config)
+        self.cuda_graphs = None
+        if config.cuda_graphs:
+            check_cuda_graphs(self)
+            self.cuda_graphs = LayerGraphs(self.layers)
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb: dict | None = None, **unused):
         """``hidden_states [s, b, D]`` embeddings -> normalised final hidden states ``[s, b, D]``.
@@ -105,6 +110,19 @@ class ZayaTransformerBlock(TransformerBlock):
             hidden_states = self.input_residual_scaling(hidden_states)
         else:
             hidden_states = hidden_states.to(residual_dtype(self.config))
+        if self.cuda_graphs is not None and self.training and torch.is_grad_enabled():
+            hidden_states, router_state = self.cuda_graphs(hidden_states, router_state, attention_mask,
+                                                           rotary_pos_emb)
+        else:
+            hidden_states, router_state = self._run_layers(hidden_states, router_state, attention_mask,
+                                                           rotary_pos_emb)
+        if not self.post_process:
+            return self._pack_stage_output(hidden_states, router_state)
+        if self.final_layernorm is not None:
+            hidden_states = norm_residual(self.final_layernorm, hidden_states, self.config.params_dtype)
+        return hidden_states
+
+    def _run_layers(self, hidden_states, router_state, attention_mask, rotary_pos_emb):
         recompute = self.training and self.config.recompute_granularity == "full"
         for layer in self.layers:
             run = partial(layer, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb[layer.attention_type])
@@ -115,11 +133,7 @@ class ZayaTransformerBlock(TransformerBlock):
                 )
             else:
                 hidden_states, router_state = run(hidden_states, router_state=router_state)
-        if not self.post_process:
-            return self._pack_stage_output(hidden_states, router_state)
-        if self.final_layernorm is not None:
-            hidden_states = norm_residual(self.final_layernorm, hidden_states, self.config.params_dtype)
-        return hidden_states
+        return hidden_states, router_state
 
     def _pack_stage_output(self, hidden_states, router_state):
         """``[s, b, D]`` residual and ``[s, b, R]`` router state -> the fp32 stage tensor for the next stage."""

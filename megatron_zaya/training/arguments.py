@@ -88,6 +88,9 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="fused LM head: compute its gradients in the forward (3 GEMMs, an fp32 [V, D] gradient "
                         "held until the backward) or recompute the logits in the backward (4 GEMMs, less memory)")
     g.add_argument("--zaya-core-attention", choices=("sdpa", "te"), default="sdpa")
+    g.add_argument("--zaya-cuda-graphs", action="store_true",
+                   help="replay each layer's training forward and backward as CUDA graphs (one GPU per expert "
+                        "set: EP = TP = PP = CP = 1); removes the host's kernel-launch time from the step")
     g.add_argument("--zaya-loss-plot", default=None, help="write the training-loss curve here (PNG)")
     # Fault handling (docs/reliability.md).
     g.add_argument("--zaya-max-nonfinite-steps", type=int, default=5,
@@ -131,7 +134,7 @@ def zaya_config_from_args(args) -> ZayaConfig:
         skip_class=args.zaya_skip_class, skip_mode=args.zaya_skip_mode, skip_bias_init=args.zaya_skip_bias_init,
         balancing_lr=args.zaya_balancing_lr, balancing_betas=tuple(args.zaya_balancing_betas),
         balancing_eps=args.zaya_balancing_eps, balance_skip_class=args.zaya_balance_skip_class,
-        residual_scaling=args.zaya_residual_scaling, apply_rope_fusion=False, bias_dropout_fusion=False,
+        residual_scaling=args.zaya_residual_scaling, cuda_graphs=args.zaya_cuda_graphs, apply_rope_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         pipeline_dtype=torch.float32,  # pipeline stages exchange the fp32 residual stream and router state
         # ZAYA1's residual stream is fp32 (residual_in_fp32). Not Megatron's --fp32-residual-connection flag:
@@ -211,3 +214,9 @@ def check_args(args, world_size: int) -> None:
     if args.num_query_groups and args.num_query_groups % tp:
         raise UsageError(f"--num-query-groups {args.num_query_groups} is not divisible by TP {tp}: CCA splits "
                          "KV heads across TP ranks; use a TP size that divides the KV heads")
+    if args.zaya_cuda_graphs and args.overlap_param_gather:
+        raise UsageError("--zaya-cuda-graphs with --overlap-param-gather: the graphed layers would skip its wait for "
+                         "the parameters' all-gather; drop one of them")
+    if getattr(args, "cuda_graph_impl", "none") != "none":
+        raise UsageError(f"--cuda-graph-impl {args.cuda_graph_impl}: Megatron's graphs do not capture ZAYA1 layers; "
+                         "use --zaya-cuda-graphs")

@@ -17,6 +17,9 @@ CASES = {
                               ["assert args.save_interval"]),
     "min lr above lr": (["--lr", "1e-4"], ["--min-lr 0.0003", "--lr 0.0001"]),
     "warmup too long": (["--lr-warmup-iters", "5"], ["--lr-warmup-iters 5", "decay length 5"]),
+    "cuda graphs and overlapped gather": (["--zaya-cuda-graphs", "--use-distributed-optimizer",
+                                           "--overlap-param-gather", "--overlap-grad-reduce"],
+                                          ["--zaya-cuda-graphs", "--overlap-param-gather"]),
     "pipeline stages": (["--pipeline-model-parallel-size", "3"], ["--num-layers 4", "--pipeline-model-parallel-size 3"]),
 }
 

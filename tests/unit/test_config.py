@@ -37,6 +37,9 @@ BAD = {
     "unknown skip mode": (dict(skip_mode="drop"), "skip_mode"),
     "conv size": (dict(cca_time0=0), "cca_time0"),
     "selective recompute": (dict(recompute_granularity="selective"), "recompute"),
+    "cuda graphs with recompute": (dict(cuda_graphs=True, recompute_granularity="full", recompute_method="uniform",
+                                        recompute_num_layers=1), "recomputation"),
+    "cuda graphs with dropout": (dict(cuda_graphs=True, attention_dropout=0.1), "dropout"),
 }
 
 

@@ -1,0 +1,190 @@
+"""The ZAYA1 layers' forward and backward passes replayed as CUDA graphs (``--zaya-cuda-graphs``).
+
+Why: one ZAYA1-8B-width layer launches ~420 kernels for ~6 ms of H200 work and the host needs ~11 ms to launch
+them (``benchmarks/profile_layer.py``), so a training step runs at the host's pace, not the GPU's. A replayed
+graph is one launch. Megatron's own graphs (``--cuda-graph-impl``) capture ``TransformerLayer``'s signature
+and need static token counts, which dropless MoE does not have; a ZAYA1 layer on one expert- and
+tensor-parallel rank does (``ZayaMoELayer``'s local dispatch into a static-size buffer, the grouped-GEMM
+experts of the ``kernels.zaya_experts`` patch), with no host sync, so the whole layer can be captured.
+
+How: the first training forward with a new input signature (shapes, dtypes) runs two warm-up passes of the
+block's layers on a side stream (kernel compilation, library workspaces), then captures for every layer a
+forward graph and a backward graph in the order they will replay (forwards in layer order, backwards in
+reverse), in one memory pool. Layer i+1's static inputs *are* layer i's static outputs, and layer i's
+backward reads its output gradients where layer i+1's backward wrote its input gradients, so a replay copies
+only what enters the block. Each layer is one autograd node whose backward replays its graph and hands the
+parameter gradients to autograd: Megatron's gradient hooks (``main_grad`` accumulation, overlapped
+reduction) run exactly as in eager mode. Evaluation and no-grad forwards run eagerly.
+
+A replay repeats the kernels, not the Python: what a layer's forward does to state outside its tensors is not
+redone, and module hooks do not run. The one such effect in ZAYA1 is the router's in-place token count, which
+is a kernel and replays. A hook that keeps tensors from call to call (a global forward hook, a probe) must skip
+calls made while ``torch.cuda.is_current_stream_capturing()``: the graph would read tensors it later drops.
+Hence the limits, checked when the block is built (one-line errors): one pipeline stage (a stage's graphs
+hold one micro-batch's activations, 1F1B interleaves several), context parallel 1 (halo exchanges), every
+expert local (EP = TP = 1), no activation recomputation, no dropout (RNG offsets), and the experts' patch.
+``--overlap-param-gather`` is refused by the CLI: its forward pre-hooks on modules would not run.
+
+Off: the default; leave out ``--zaya-cuda-graphs`` (``ZayaConfig.cuda_graphs=False``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+
+from ..config import ZayaConfigError
+from ..patches import applied as applied_patches
+
+WARMUP_PASSES = 2
+GRAPHED_EXPERTS_PATCH = "kernels.zaya_experts"
+MASK = "attention_mask"  # among the constants, next to the RoPE tables keyed by attention type
+
+
+def check_cuda_graphs(block) -> None:
+    """One-line errors for a ``ZayaTransformerBlock`` whose layers cannot be captured (see the module docstring)."""
+    groups = block.pg_collection
+    problems = [
+        (groups.pp.size() > 1, "pipeline parallelism", "use --pipeline-model-parallel-size 1"),
+        (groups.cp.size() > 1, "context parallelism", "use --context-parallel-size 1"),
+        (not all(layer.mlp._dispatches_locally() for layer in block.layers), "experts spread over ranks",
+         "use --expert-model-parallel-size 1 and --tensor-model-parallel-size 1"),
+        (not torch.cuda.is_available(), "no CUDA/ROCm device", "run on a GPU"),
+        (GRAPHED_EXPERTS_PATCH not in applied_patches(), f"the {GRAPHED_EXPERTS_PATCH} patch is not applied",
+         f"add it to --zaya-patches (its grouped GEMM needs no host sync)"),
+    ]
+    for failed, problem, fix in problems:
+        if failed:
+            raise ZayaConfigError(f"--zaya-cuda-graphs with {problem}: {fix}, or drop --zaya-cuda-graphs")
+
+
+class _CapturedLayer:
+    """One layer's static tensors and its forward and backward graphs."""
+
+    def __init__(self, layer, inputs: list[torch.Tensor]):
+        self.layer = layer
+        self.inputs = inputs  # hidden [, router state]
+        self.params = tuple(p for p in layer.parameters() if p.requires_grad)
+        self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        self.outputs: tuple[torch.Tensor, ...] = ()
+        self.grad_outputs: list[torch.Tensor] = []
+        self.grads: tuple[torch.Tensor | None, ...] = ()  # of inputs, then of params
+
+
+class _ReplayLayer(torch.autograd.Function):
+    """Autograd node of one captured layer: ``(captured, *inputs, *params) -> outputs``."""
+
+    @staticmethod
+    def forward(ctx, captured: _CapturedLayer, *tensors):
+        for static, given in zip(captured.inputs, tensors):
+            _load(static, given)
+        captured.forward_graph.replay()
+        ctx.captured = captured
+        ctx.set_materialize_grads(False)
+        return tuple(out.detach() for out in captured.outputs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        captured = ctx.captured
+        for static, given in zip(captured.grad_outputs, grad_outputs):
+            if given is None:  # an output nothing used (the last layer's router state)
+                static.zero_()
+            else:
+                _load(static, given)
+        captured.backward_graph.replay()
+        return (None, *captured.grads)
+
+
+def _load(static: torch.Tensor, given: torch.Tensor) -> None:
+    """Copy ``given`` into the static buffer unless it already is that buffer (chained layers)."""
+    if given.data_ptr() != static.data_ptr():
+        static.copy_(given)
+
+
+@contextmanager
+def _tokens_not_counted(layers):
+    """Warm-up passes must not add to the routers' token counts of this step."""
+    routers = [layer.mlp.router for layer in layers]
+    for router in routers:
+        router.count_tokens = False
+    try:
+        yield
+    finally:
+        for router in routers:
+            router.count_tokens = True
+
+
+class LayerGraphs:
+    """``LayerGraphs(layers)(hidden, router_state, attention_mask, rotary_pos_emb) -> (hidden, router_state)``:
+    the layers run in order, each as the replay of its captured graphs (one capture per input signature)."""
+
+    def __init__(self, layers):
+        self.layers = list(layers)
+        self._chains: dict[tuple, tuple[list[_CapturedLayer], dict[str, torch.Tensor]]] = {}
+
+    def __call__(self, hidden, router_state, attention_mask, rotary_pos_emb: dict):
+        # Per-step constants of every layer (RoPE tables, the mask when the data loader makes one): copied into
+        # the captured buffers when the caller passes other tensors.
+        constants = dict(rotary_pos_emb) if attention_mask is None else {**rotary_pos_emb, MASK: attention_mask}
+        key = tuple((name, t.shape, t.dtype) for name, t in
+                    [("hidden", hidden), ("router_state", router_state), *sorted(constants.items())] if t is not None)
+        if key not in self._chains:
+            self._chains[key] = self._capture(hidden, router_state, constants)
+        chain, static_constants = self._chains[key]
+        for name, given in constants.items():
+            _load(static_constants[name], given)
+        for captured in chain:
+            inputs = (hidden,) if len(captured.inputs) == 1 else (hidden, router_state)
+            hidden, router_state = _ReplayLayer.apply(captured, *inputs, *captured.params)
+        return hidden, router_state
+
+    def _capture(self, hidden, router_state, constants):
+        constants = {name: table.detach().clone() for name, table in constants.items()}
+        runs = [partial(layer, attention_mask=constants.get(MASK), rotary_pos_emb=constants[layer.attention_type])
+                for layer in self.layers]
+        first = [hidden.detach().clone().requires_grad_()]
+        if router_state is not None:
+            first.append(router_state.detach().clone().requires_grad_())
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), _tokens_not_counted(self.layers):
+            for _ in range(WARMUP_PASSES):
+                self._warm_up(runs, first)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+
+        pool = torch.cuda.graph_pool_handle()
+        chain, inputs = [], first
+        for layer, run in zip(self.layers, runs):
+            captured = _CapturedLayer(layer, inputs)
+            with torch.cuda.graph(captured.forward_graph, pool=pool, capture_error_mode="thread_local"):
+                captured.outputs = run(*inputs[:1], router_state=inputs[1] if len(inputs) > 1 else None)
+            chain.append(captured)
+            inputs = [out.detach().requires_grad_() for out in captured.outputs]
+
+        next_grads: tuple = ()
+        for captured in reversed(chain):
+            # Chained: where the next layer's backward leaves the gradient of its inputs.
+            captured.grad_outputs = [
+                next_grads[i] if i < len(next_grads) and next_grads[i] is not None else torch.zeros_like(out)
+                for i, out in enumerate(captured.outputs)
+            ]
+            with torch.cuda.graph(captured.backward_graph, pool=pool, capture_error_mode="thread_local"):
+                captured.grads = torch.autograd.grad(captured.outputs, captured.inputs + list(captured.params),
+                                                     grad_outputs=captured.grad_outputs, allow_unused=True)
+            next_grads = captured.grads[:len(captured.inputs)]
+        torch.cuda.synchronize()
+        return chain, constants
+
+    def _warm_up(self, runs, first) -> None:
+        inputs = [t.detach().requires_grad_() for t in first]
+        hidden, router_state = inputs[0], inputs[1] if len(inputs) > 1 else None
+        for run in runs:
+            hidden, router_state = run(hidden, router_state=router_state)
+        params = [p for layer in self.layers for p in layer.parameters() if p.requires_grad]
+        torch.autograd.grad((hidden, router_state), inputs + params,
+                            grad_outputs=(torch.ones_like(hidden), torch.zeros_like(router_state)),
+                            allow_unused=True)

@@ -1,0 +1,90 @@
+"""On a GPU: ``--zaya-cuda-graphs`` (each layer's forward and backward replayed as CUDA graphs) computes what
+the eager layers compute.
+
+In process: two micro-batches accumulated into the gradients, the routers' token counts, then an in-place
+weight update and another step (the graphs read the parameters where they live), against the same model run
+eagerly. Through the CLI under ``--deterministic-mode``: the losses and gradient norms of 6 iterations (two
+micro-batches each, distributed optimizer, balancing-bias updates) equal the eager run's bit for bit.
+
+    .venv/bin/python -m pytest -q tests/gpu/test_cuda_graphs_gpu.py
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from zaya_cli import QUICK, losses, pretrain
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+
+GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?grad norm: ([0-9.E+-]+)")
+KERNELS = "kernels.zaya_router,kernels.zaya_cca,kernels.zaya_lm_head,kernels.zaya_experts,kernels.zaya_residual"
+
+
+def _model(cuda_graphs: bool):
+    from megatron_zaya.config import zaya_config
+    from megatron_zaya.patches import apply_patches
+    from megatron_zaya.pretrained import build_single_process_model
+
+    apply_patches(KERNELS)
+    cfg = zaya_config("test", num_layers=3, hidden_size=256, num_attention_heads=8, num_query_groups=2,
+                      kv_channels=64, ffn_hidden_size=512, num_moe_experts=8, vocab_size=8192,
+                      max_position_embeddings=1024, use_cpu_initialization=True, params_dtype=torch.bfloat16,
+                      bf16=True, cuda_graphs=cuda_graphs)
+    torch.manual_seed(0)
+    return build_single_process_model(cfg).cuda().train()
+
+
+def _step(model, batches):
+    """Forward + backward of each micro-batch, gradients accumulated: (losses, grads, routers' counts)."""
+    model.zero_grad(set_to_none=True)
+    step_losses = []
+    for ids in batches:
+        loss = model(ids, labels=ids).float().mean()
+        loss.backward()
+        step_losses.append(loss.detach())
+    grads = {k: p.grad.float().clone() for k, p in model.named_parameters() if p.grad is not None}
+    counts = torch.stack([layer.mlp.router.tokens_per_class.clone() for layer in model.decoder.layers])
+    for layer in model.decoder.layers:
+        layer.mlp.router.tokens_per_class.zero_()
+    return torch.stack(step_losses), grads, counts
+
+
+def test_graphed_layers_equal_eager_layers():
+    eager, graphed = _model(False), _model(True)
+    graphed.load_state_dict(eager.state_dict())
+    assert graphed.decoder.cuda_graphs is not None and eager.decoder.cuda_graphs is None
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    batches = [torch.randint(0, 8192, (2, 512), device="cuda", generator=generator) for _ in range(2)]
+    for step in range(2):
+        want_loss, want_grads, want_counts = _step(eager, batches)
+        got_loss, got_grads, got_counts = _step(graphed, batches)
+        torch.testing.assert_close(got_loss, want_loss, rtol=1e-3, atol=0)
+        assert torch.equal(got_counts, want_counts) and want_counts.sum() == 3 * 2 * 2 * 512, step
+        assert got_grads.keys() == want_grads.keys()
+        for key, want in want_grads.items():
+            error = ((got_grads[key] - want).norm() / want.norm().clamp_min(1e-12)).item()
+            assert error <= 1e-2, (step, key, error)
+        with torch.no_grad():  # the same in-place update on both: step 1 must see the new weights
+            for model in (eager, graphed):
+                for param in model.parameters():
+                    if param.grad is not None:
+                        param.sub_(param.grad, alpha=0.5)
+    with torch.no_grad():  # evaluation runs the layers eagerly
+        eager.eval(), graphed.eval()
+        ids = batches[0][:, :256]
+        torch.testing.assert_close(graphed(ids, labels=ids), eager(ids, labels=ids), rtol=1e-3, atol=1e-3)
+
+
+def test_cli_with_graphs_repeats_the_eager_run(tmp_path):
+    common = QUICK + ["--train-iters", "6", "--use-distributed-optimizer", "--bf16", "--lr", "3e-3",
+                      "--deterministic-mode", "--save", ""]
+    runs = {}
+    for name, flags in (("eager", []), ("graphs", ["--zaya-cuda-graphs"])):
+        run = pretrain(common + flags, cwd=tmp_path, extra_env={"CUDA_VISIBLE_DEVICES": "0"})
+        assert run.returncode == 0, run.stderr[-3000:]
+        runs[name] = (losses(run.stdout), {int(i): v for i, v in GRAD_NORM.findall(run.stdout)})
+    assert sorted(runs["eager"][0]) == list(range(1, 7)), runs["eager"]
+    assert runs["graphs"] == runs["eager"]

@@ -1,0 +1,44 @@
+"""``--zaya-cuda-graphs`` refuses, in one line, the builds it cannot capture (the graphs themselves run on GPUs:
+tests/gpu/test_cuda_graphs_gpu.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_zaya.config import ZayaConfigError, zaya_config
+from megatron_zaya.model.cuda_graphs import check_cuda_graphs
+from megatron_zaya.pretrained import build_single_process_model
+
+
+def _config(**overrides):
+    return zaya_config("test", use_cpu_initialization=True, params_dtype=torch.float32, **overrides)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
+def test_refused_without_a_gpu():
+    with pytest.raises(ZayaConfigError, match=r"^--zaya-cuda-graphs with no CUDA/ROCm device: run on a GPU, or "):
+        build_single_process_model(_config(cuda_graphs=True))
+
+
+def _block(pp=1, cp=1, local_experts=True):
+    group = lambda size: SimpleNamespace(size=lambda: size)  # noqa: E731
+    layer = SimpleNamespace(mlp=SimpleNamespace(_dispatches_locally=lambda: local_experts))
+    return SimpleNamespace(pg_collection=SimpleNamespace(pp=group(pp), cp=group(cp)), layers=[layer, layer])
+
+
+@pytest.mark.parametrize("layout, words", [
+    (dict(pp=2), "pipeline parallelism: use --pipeline-model-parallel-size 1"),
+    (dict(cp=2), "context parallelism: use --context-parallel-size 1"),
+    (dict(local_experts=False), "experts spread over ranks: use --expert-model-parallel-size 1"),
+])
+def test_refused_layouts(layout, words):
+    with pytest.raises(ZayaConfigError) as error:
+        check_cuda_graphs(_block(**layout))
+    assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_eager_build_is_unaffected():
+    assert build_single_process_model(_config()).decoder.cuda_graphs is None
