@@ -1,6 +1,7 @@
 """Where one ZAYA1 decoder layer's forward + backward spends its time, kernel by kernel (issues #6 and #9).
 
     python benchmarks/profile_layer.py                 # S=4096, B=2, ZAYA1-8B width, one GPU
+    python benchmarks/profile_layer.py --cuda-graphs   # the layer as --zaya-cuda-graphs replays it
     python benchmarks/profile_layer.py --smoke         # tiny widths on any device: checks the script
 
 Builds layer 0 of a one-layer ``zaya1-8b-shallow`` model as training builds it (the kernel patches that apply
@@ -26,7 +27,7 @@ from probe import busy_ms
 from timing import call_times
 
 
-def layer_step(smoke: bool, seq: int, batch: int):
+def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False):
     from megatron_zaya.pretrained import build_single_process_model
 
     setup_single_process()
@@ -40,7 +41,17 @@ def layer_step(smoke: bool, seq: int, batch: int):
         out, _ = layer(x, rotary_pos_emb=rotary)
         out.backward(grad)
 
-    return step
+    if not cuda_graphs:
+        return step
+    from megatron_zaya.model.cuda_graphs import LayerGraphs
+
+    graphs = LayerGraphs([layer])  # what --zaya-cuda-graphs runs: the captured forward and backward, replayed
+
+    def graphed_step():
+        out, _ = graphs(x, None, None, {"global": rotary})
+        out.backward(grad)
+
+    return graphed_step
 
 
 def main() -> None:
@@ -50,12 +61,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="profiled steps")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--cprofile", action="store_true", help="also print the host-side Python profile")
+    parser.add_argument("--cuda-graphs", action="store_true", help="the layer replayed as CUDA graphs")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
+    if args.cuda_graphs and not GPU:
+        raise SystemExit("--cuda-graphs needs a GPU")
     if not GPU and not args.smoke:
         raise SystemExit("profile_layer.py needs a CUDA or ROCm GPU; use --smoke to check the script on CPU")
     seq, batch = (64, 2) if args.smoke else (args.seq, args.batch)
-    step = layer_step(args.smoke, seq, batch)
+    step = layer_step(args.smoke, seq, batch, args.cuda_graphs)
     wall = statistics.median(call_times(step, warmup=3, iters=10))
 
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if GPU else [])
