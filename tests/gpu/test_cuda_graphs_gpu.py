@@ -4,7 +4,8 @@ the eager layers compute.
 In process: two micro-batches accumulated into the gradients, the routers' token counts, then an in-place
 weight update and another step (the graphs read the parameters where they live), against the same model run
 eagerly. Through the CLI under ``--deterministic-mode``: the losses and gradient norms of 6 iterations (two
-micro-batches each, distributed optimizer, balancing-bias updates) equal the eager run's bit for bit.
+micro-batches each, distributed optimizer, balancing-bias updates) equal the eager run's bit for bit, on one
+GPU and at DP2 with overlapped gradient reduction.
 
     .venv/bin/python -m pytest -q tests/gpu/test_cuda_graphs_gpu.py
 """
@@ -78,12 +79,19 @@ def test_graphed_layers_equal_eager_layers():
         torch.testing.assert_close(graphed(ids, labels=ids), eager(ids, labels=ids), rtol=1e-3, atol=1e-3)
 
 
-def test_cli_with_graphs_repeats_the_eager_run(tmp_path):
+@pytest.mark.parametrize("gpus", [1, 2], ids=["dp1", "dp2"])
+def test_cli_with_graphs_repeats_the_eager_run(gpus, tmp_path):
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
+    # DP2: Megatron's gradient hooks (overlapped reduce-scatter into the distributed optimizer's shards) fire
+    # from the graphed layers' backward.
     common = QUICK + ["--train-iters", "6", "--use-distributed-optimizer", "--bf16", "--lr", "3e-3",
                       "--deterministic-mode", "--save", ""]
+    common += ["--overlap-grad-reduce"] if gpus > 1 else []
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(gpus)))}
     runs = {}
     for name, flags in (("eager", []), ("graphs", ["--zaya-cuda-graphs"])):
-        run = pretrain(common + flags, cwd=tmp_path, extra_env={"CUDA_VISIBLE_DEVICES": "0"})
+        run = pretrain(common + flags, cwd=tmp_path, extra_env=env)
         assert run.returncode == 0, run.stderr[-3000:]
         runs[name] = (losses(run.stdout), {int(i): v for i, v in GRAD_NORM.findall(run.stdout)})
     assert sorted(runs["eager"][0]) == list(range(1, 7)), runs["eager"]
