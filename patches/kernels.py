@@ -309,9 +309,9 @@ def use_grouped_experts() -> None:
     """Run ZAYA1's top-1 SwiGLU experts as two Triton grouped GEMMs instead of a Python loop over experts.
 
     ``ZayaExperts`` is Megatron's ``SequentialMLP``: one fc1 GEMM, activation and fc2 GEMM per local expert,
-    32 small launches per MoE layer and a host sync on the token counts. The replacement stacks the experts'
-    weights ([E, 2F, D] and [E, D, F], same parameters and checkpoint layout) and runs
-    ``megatron_zaya.kernels.grouped_gemm.grouped_gemm`` twice around the probability-weighted SwiGLU kernel.
+    32 small launches per MoE layer and a host sync on the token counts. The replacement runs
+    ``megatron_zaya.kernels.grouped_gemm.grouped_gemm`` twice around the probability-weighted SwiGLU kernel, on
+    the experts' own weights found by address (same parameters and checkpoint layout, no stacked copy).
     Expert tensor parallelism, fp8/fp4 and probabilities applied on the input keep Megatron's loop.
     Off: leave ``kernels.zaya_experts`` out of ``--zaya-patches``.
     """
@@ -328,8 +328,9 @@ def use_grouped_experts() -> None:
         if cfg.fp8 or cfg.fp4 or cfg.moe_apply_probs_on_input or self.tp_group.size() > 1 or cfg.add_bias_linear:
             return reference(self, hidden, tokens_per_expert, probs)
         counts = tokens_per_expert.to(device=hidden.device, dtype=torch.int64)
-        fc1 = torch.stack([expert.linear_fc1.weight for expert in self.local_experts])  # [E, 2F, D]
-        fc2 = torch.stack([expert.linear_fc2.weight for expert in self.local_experts])  # [E, D, F]
+        # each expert's [2F, D] and [D, F] weights, read in place (no stacked copy)
+        fc1 = [expert.linear_fc1.weight for expert in self.local_experts]
+        fc2 = [expert.linear_fc2.weight for expert in self.local_experts]
         # padded_rows: ZayaMoELayer's single-rank dispatch hands over all tokens, the skip class's last
         intermediate = swiglu(grouped_gemm(hidden, fc1, counts, padded_rows=True), weights=probs.unsqueeze(-1))
         return grouped_gemm(intermediate.to(hidden.dtype), fc2, counts, padded_rows=True), None

@@ -12,8 +12,12 @@ d x = d out @ weight[e] and a second kernel for d weight[e] = d out[rows of e].T
 the expert's rows. bf16/fp16 inputs use the tensor cores with fp32 accumulation; fp32 inputs use IEEE fp32.
 
 With ``padded_rows`` the counts may cover fewer rows than x has: a static-size buffer whose tail (tokens routed
-to no expert) is left out of every GEMM, so its output rows and gradients are zero. This is what lets the
-single-rank MoE dispatch (``model/moe.py``) run without learning the routed count on the host.
+to no expert) is left out of every GEMM, so its output rows and gradients are zero (written by the grid's spare
+tiles, not by a fill first). This is what lets the single-rank MoE dispatch (``model/moe.py``) run without
+learning the routed count on the host.
+
+The weights may also be E separate [M, K] tensors, such as the experts' own parameters: the kernel then reads
+each expert's weight through a table of addresses, and no [E, M, K] copy is stacked per call.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def _grouped_matmul_kernel(
     c_ptr,  # [N, n_out]
     tile_expert_ptr,  # [tiles] expert of each row tile, -1 for spare tiles
     tile_row_ptr,  # [tiles] first row of the tile
-    tile_row_end_ptr,  # [tiles] end of the expert's rows
+    tile_row_end_ptr,  # [tiles] end of the expert's rows (of the rows of no expert, for spare tiles)
     n_out,
     k_dim,
     stride_am,
@@ -58,17 +62,25 @@ def _grouped_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    B_TABLE: tl.constexpr,  # b_ptr: int64 addresses of each expert's operand, instead of one base + stride_be
 ):
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
-    if expert < 0:
-        return
     rows = tl.load(tile_row_ptr + tile) + tl.arange(0, BLOCK_M)
     row_mask = rows < tl.load(tile_row_end_ptr + tile)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + tl.cast(rows, tl.int64)[:, None] * stride_cm + cols[None, :]
+    c_mask = row_mask[:, None] & (cols[None, :] < n_out)
+    if expert < 0:  # a spare tile: zeros for the rows of no expert, if it covers any
+        tl.store(c_ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=c_ptr.dtype.element_ty), mask=c_mask)
+        return
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + tl.cast(rows, tl.int64)[:, None] * stride_am + ks[None, :]
-    b_ptrs = b_ptr + tl.cast(expert, tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+    if B_TABLE:  # b_ptr holds each expert's address (its weights need not be stacked)
+        b_base = tl.load(b_ptr + expert).to(tl.pointer_type(a_ptr.dtype.element_ty))
+    else:
+        b_base = b_ptr + tl.cast(expert, tl.int64) * stride_be
+    b_ptrs = b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
         a = tl.load(a_ptrs, mask=row_mask[:, None] & (k0 + ks[None, :] < k_dim), other=0.0)
@@ -76,8 +88,7 @@ def _grouped_matmul_kernel(
         acc = tl.dot(a, b, acc, input_precision="ieee")  # "ieee" only matters for fp32 inputs (no TF32)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
-    c_ptrs = c_ptr + tl.cast(rows, tl.int64)[:, None] * stride_cm + cols[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & (cols[None, :] < n_out))
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 @triton.jit
@@ -112,30 +123,65 @@ def _weight_grad_kernel(
     tl.store(w_ptrs, acc.to(grad_w_ptr.dtype.element_ty), mask=(ms[:, None] < m_dim) & (ks[None, :] < k_dim))
 
 
-def _row_tiles(tokens_per_expert: torch.Tensor, n_rows: int):
-    """Per row tile: its expert (-1: spare), first row, end of its expert's rows. No host sync."""
+def _row_tiles(tokens_per_expert: torch.Tensor, n_rows: int, padded_rows: bool = False):
+    """Per row tile: its expert (-1: spare), first row, end of its expert's rows. No host sync.
+
+    With ``padded_rows`` the spare tiles cover the rows after the experts' (they write zeros there), so the
+    output needs no zero fill first.
+    """
     n_experts = tokens_per_expert.numel()
     tiles_per_expert = (tokens_per_expert + BLOCK_M - 1) // BLOCK_M
     tile_end = tiles_per_expert.cumsum(0)
     row_start = tokens_per_expert.cumsum(0) - tokens_per_expert
-    tile = torch.arange(triton.cdiv(n_rows, BLOCK_M) + n_experts, device=tokens_per_expert.device)
+    spare = triton.cdiv(n_rows, BLOCK_M) if padded_rows else 0  # enough for any tail
+    tile = torch.arange(triton.cdiv(n_rows, BLOCK_M) + n_experts + spare, device=tokens_per_expert.device)
     expert = torch.searchsorted(tile_end, tile, right=True)
     clamped = expert.clamp(max=n_experts - 1)
-    first_row = row_start[clamped] + (tile - (tile_end - tiles_per_expert)[clamped]) * BLOCK_M
-    row_end = row_start[clamped] + tokens_per_expert[clamped]
-    return torch.where(expert < n_experts, clamped, -1), first_row, row_end, row_start
+    routed = expert < n_experts
+    tail_row = row_start[-1] + tokens_per_expert[-1] + (tile - tile_end[-1]) * BLOCK_M
+    first_row = torch.where(routed, row_start[clamped] + (tile - (tile_end - tiles_per_expert)[clamped]) * BLOCK_M,
+                            tail_row)
+    row_end = torch.where(routed, row_start[clamped] + tokens_per_expert[clamped], n_rows)
+    return torch.where(routed, clamped, -1), first_row, row_end, row_start
 
 
-def _grouped_matmul(a, b, b_strides, n_out, tiles, padded_rows=False):
-    """For each expert e: c[rows of e] = a[rows of e] @ B_e, B_e[k, n] = b[e + k * stride_k + n * stride_n].
+def _pointer_table(weights, device) -> torch.Tensor:
+    """The experts' weight addresses as an int64 device tensor, built once per set of addresses and kept:
+    a CUDA graph captured with it reads it at every replay, and a capture must not copy from the host (the
+    layers' eager warm-up builds it first)."""
+    key = (device, tuple(w.data_ptr() for w in weights))
+    if key not in _POINTER_TABLES:
+        _POINTER_TABLES[key] = torch.tensor(key[1], dtype=torch.int64, device=device)
+    return _POINTER_TABLES[key]
 
-    Rows of no expert are zero with ``padded_rows`` (else every row belongs to an expert)."""
+
+_POINTER_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+class _Operand:
+    """The experts' [M, K] weights for the kernel: one stacked [E, M, K] tensor, or E tensors by address."""
+
+    def __init__(self, weights, device):
+        self.stacked = len(weights) == 1
+        self.arg = weights[0] if self.stacked else _pointer_table(weights, device)
+        self.stride_e = weights[0].stride(0) if self.stacked else 0
+        self.m_dim, self.k_dim = weights[0].shape[-2:]
+
+    def strides(self, transposed: bool):
+        """(stride_e, stride_k, stride_n) of B_e = weight[e].T (transposed) or weight[e], contiguous rows."""
+        return (self.stride_e, 1, self.k_dim) if transposed else (self.stride_e, self.k_dim, 1)
+
+
+def _grouped_matmul(a, operand: _Operand, transposed: bool, n_out, tiles):
+    """For each expert e: c[rows of e] = a[rows of e] @ B_e, B_e = weight[e].T or weight[e]; rows of no
+    expert (spare tiles, ``padded_rows``) are zero."""
     tile_expert, tile_row, tile_row_end, _ = tiles
-    c = (torch.zeros if padded_rows else torch.empty)((a.shape[0], n_out), dtype=a.dtype, device=a.device)
+    c = torch.empty((a.shape[0], n_out), dtype=a.dtype, device=a.device)
     grid = (tile_expert.numel(), triton.cdiv(n_out, BLOCK_N))
     _grouped_matmul_kernel[grid](
-        a, b, c, tile_expert, tile_row, tile_row_end, n_out, a.shape[1], a.stride(0), *b_strides, c.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=8, num_stages=_num_stages(),
+        a, operand.arg, c, tile_expert, tile_row, tile_row_end, n_out, a.shape[1], a.stride(0),
+        *operand.strides(transposed), c.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        B_TABLE=not operand.stacked, num_warps=8, num_stages=_num_stages(),
     )  # fmt: skip
     return c
 
@@ -148,44 +194,59 @@ def _num_stages() -> int:
 
 
 class _GroupedGemm(torch.autograd.Function):
+    """``(x, counts, padded_rows, *weights)``: weights one stacked [E, M, K] tensor or E [M, K] tensors."""
+
     @staticmethod
-    def forward(ctx, x, weight, tokens_per_expert, padded_rows):
-        tiles = _row_tiles(tokens_per_expert, x.shape[0])
-        w_strides = (weight.stride(0), weight.stride(2), weight.stride(1))  # B_e = weight[e].T
-        out = _grouped_matmul(x, weight, w_strides, weight.shape[1], tiles, padded_rows)
-        ctx.save_for_backward(x, weight, tokens_per_expert, *tiles)
-        ctx.padded_rows = padded_rows
+    def forward(ctx, x, tokens_per_expert, padded_rows, *weights):
+        operand = _Operand(weights, x.device)
+        tiles = _row_tiles(tokens_per_expert, x.shape[0], padded_rows)
+        out = _grouped_matmul(x, operand, True, operand.m_dim, tiles)
+        ctx.save_for_backward(x, tokens_per_expert, *tiles)
+        ctx.operand = operand
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, tokens_per_expert, *tiles = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        grad_x = _grouped_matmul(grad_out, weight, tuple(weight.stride()), weight.shape[2], tiles,  # B_e = weight[e]
-                                 ctx.padded_rows)
-        n_experts, m_dim, k_dim = weight.shape
-        grad_w = torch.empty_like(weight)
-        grid = (n_experts, triton.cdiv(m_dim, BLOCK_M), triton.cdiv(k_dim, BLOCK_N))
-        _weight_grad_kernel[grid](grad_out, x, grad_w, tiles[3], tokens_per_expert, m_dim, k_dim,
-                                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_K, num_warps=8,
+        x, tokens_per_expert, *tiles = ctx.saved_tensors
+        operand, grad_out = ctx.operand, grad_out.contiguous()
+        grad_x = _grouped_matmul(grad_out, operand, False, operand.k_dim, tiles)
+        n_experts = tokens_per_expert.numel()
+        grad_w = torch.empty((n_experts, operand.m_dim, operand.k_dim), dtype=x.dtype, device=x.device)
+        grid = (n_experts, triton.cdiv(operand.m_dim, BLOCK_M), triton.cdiv(operand.k_dim, BLOCK_N))
+        _weight_grad_kernel[grid](grad_out, x, grad_w, tiles[3], tokens_per_expert, operand.m_dim,
+                                  operand.k_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_K, num_warps=8,
                                   num_stages=_num_stages())  # fmt: skip
-        return grad_x, grad_w, None, None
+        return grad_x, None, None, *((grad_w,) if operand.stacked else grad_w.unbind(0))
 
 
-def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
-                 padded_rows: bool = False) -> torch.Tensor:
-    """Grouped GEMM over experts; same contract as :func:`grouped_gemm_reference`."""
-    if x.dim() != 2 or weight.dim() != 3 or weight.shape[2] != x.shape[1]:
-        raise ValueError(f"need x [N, K] and weight [E, M, K]; got x {list(x.shape)}, weight {list(weight.shape)}")
-    if tokens_per_expert.shape != (weight.shape[0],):
-        raise ValueError(f"tokens_per_expert must have shape [{weight.shape[0]}], got {list(tokens_per_expert.shape)}")
+def grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padded_rows: bool = False) -> torch.Tensor:
+    """Grouped GEMM over experts; same contract as :func:`grouped_gemm_reference`.
+
+    ``weight``: one [E, M, K] tensor, or a sequence of E [M, K] tensors (the experts' own parameters, read where
+    they are: no stacked copy per call).
+    """
+    weights = [weight] if isinstance(weight, torch.Tensor) else list(weight)
+    shapes = [list(w.shape) for w in weights]
+    stacked = len(weights) == 1 and weights[0].dim() == 3
+    if not stacked and any(w.dim() != 2 or w.shape != weights[0].shape for w in weights):
+        raise ValueError(f"need weight [E, M, K] or E weights [M, K] of one shape; got {shapes}")
+    if not stacked and not all(w.is_contiguous() for w in weights):
+        weights, stacked = [torch.stack(weights)], True  # the kernel addresses each expert's rows as contiguous
+    n_experts, k_dim = (weights[0].shape[0] if stacked else len(weights)), weights[0].shape[-1]
+    if x.dim() != 2 or k_dim != x.shape[1]:
+        raise ValueError(f"need x [N, K] and weight [E, M, K]; got x {list(x.shape)}, weight {shapes}")
+    if tokens_per_expert.shape != (n_experts,):
+        raise ValueError(f"tokens_per_expert must have shape [{n_experts}], got {list(tokens_per_expert.shape)}")
     if tokens_per_expert.device.type == "cpu":
         routed = int(tokens_per_expert.sum())
         if routed > x.shape[0] or (not padded_rows and routed != x.shape[0]):
             raise ValueError(f"tokens_per_expert sums to {routed}, but x has {x.shape[0]} rows")
-    if x.dtype != weight.dtype:
-        raise ValueError(f"x ({x.dtype}) and weight ({weight.dtype}) must share a dtype")
-    if not triton_runs(_grouped_matmul_kernel, x, weight):
-        return grouped_gemm_reference(x, weight, tokens_per_expert, padded_rows)
+    if any(w.dtype != x.dtype for w in weights):
+        raise ValueError(f"x ({x.dtype}) and weight ({weights[0].dtype}) must share a dtype")
+    if stacked and not weights[0].is_contiguous():
+        weights = [weights[0].contiguous()]
+    if not triton_runs(_grouped_matmul_kernel, x, *weights):
+        return grouped_gemm_reference(x, weights[0] if stacked else torch.stack(weights), tokens_per_expert,
+                                      padded_rows)
     counts = tokens_per_expert.to(device=x.device, dtype=torch.int64)
-    return _GroupedGemm.apply(x.contiguous(), weight.contiguous(), counts, padded_rows)
+    return _GroupedGemm.apply(x.contiguous(), counts, padded_rows, *weights)

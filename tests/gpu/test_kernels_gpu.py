@@ -164,3 +164,27 @@ def test_grouped_gemm():
     x, weight = _randn(TOKENS, HIDDEN, gen=gen), _randn(EXPERTS, 2 * FFN, HIDDEN, scale=0.02, gen=gen)
     _compare(["out", "d_x", "d_weight"], grouped_gemm.grouped_gemm, grouped_gemm.grouped_gemm_reference,
              [x, weight], [_randn(TOKENS, 2 * FFN, gen=gen)], counts.cpu())  # fmt: skip
+
+
+def test_grouped_gemm_separate_expert_weights():
+    """The experts' own [M, K] weights read by address (what ``kernels.zaya_experts`` passes), with a tail of
+    rows that belong to no expert (the skip class in the single-rank dispatch)."""
+    gen = torch.Generator("cuda").manual_seed(8)
+    routed = TOKENS - 700
+    counts = torch.bincount(torch.multinomial(torch.ones(EXPERTS, device="cuda"), routed, replacement=True,
+                                              generator=gen), minlength=EXPERTS)  # fmt: skip
+    x = _randn(TOKENS, HIDDEN, gen=gen)
+    weights = [_randn(2 * FFN, HIDDEN, scale=0.02, gen=gen) for _ in range(EXPERTS)]
+
+    def kernel(x, *weights_and_counts):
+        *weights, counts = weights_and_counts
+        return grouped_gemm.grouped_gemm(x, weights, counts, padded_rows=True)
+
+    def reference(x, *weights_and_counts):
+        *weights, counts = weights_and_counts
+        return grouped_gemm.grouped_gemm_reference(x, torch.stack(weights), counts, padded_rows=True)
+
+    names = ["out", "d_x", *(f"d_weight[{e}]" for e in range(EXPERTS))]
+    _compare(names, kernel, reference, [x, *weights], [_randn(TOKENS, 2 * FFN, gen=gen)], counts.cpu())
+    out = kernel(x, *weights, counts)
+    assert (out[routed:] == 0).all()  # written by the spare tiles: the output is not zero-filled first

@@ -61,6 +61,9 @@ def _cca(k):
 def _grouped_gemm(k):
     counts = torch.full((EXPERTS,), TOKENS // EXPERTS, dtype=torch.int64, device="meta")
     _backward([k.grouped_gemm(_meta(TOKENS, HIDDEN), _meta(EXPERTS, 2 * FFN, HIDDEN), counts)])
+    # the experts' own weights by address, and a padded tail (the kernel's other specialisation)
+    weights = [_meta(2 * FFN, HIDDEN) for _ in range(EXPERTS)]
+    _backward([k.grouped_gemm(_meta(TOKENS, HIDDEN), weights, counts, padded_rows=True)])
 
 
 # module: (run forward+backward on meta tensors, the kernels that must have been compiled)

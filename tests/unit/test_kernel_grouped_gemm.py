@@ -74,3 +74,25 @@ def test_bad_inputs_raise_clear_errors():
         kernels.grouped_gemm(x, weight, torch.tensor([2, 3]))
     with pytest.raises(ValueError, match=r"weight \[E, M, K\]"):
         kernels.grouped_gemm(x, torch.randn(2, 4, 7), torch.tensor([3, 3]))
+
+
+@pytest.mark.parametrize("padded_rows", [False, True])
+def test_separate_expert_weights_are_read_in_place(padded_rows):
+    """E separate [M, K] weights (the experts' parameters, read through their addresses): same outputs as the
+    stacked weight, and one gradient per expert."""
+    gen = torch.Generator().manual_seed(2)
+    counts = torch.tensor([5, 0, 23, 9])
+    rows, k_dim, m_dim = int(counts.sum()) + (11 if padded_rows else 0), 40, 24
+    x = torch.randn(rows, k_dim, generator=gen, requires_grad=True)
+    weights = [(0.2 * torch.randn(m_dim, k_dim, generator=gen)).requires_grad_() for _ in counts]
+    grad = torch.randn(rows, m_dim, generator=gen)
+
+    out = kernels.grouped_gemm(x, weights, counts, padded_rows=padded_rows)
+    got = [out, *torch.autograd.grad(out, [x, *weights], grad)]
+    stacked = torch.stack([w.detach() for w in weights])
+    oracle = _run(kernels.grouped_gemm_reference, x, stacked, counts, grad, torch.float64, padded_rows=padded_rows)
+    assert_matches_oracle("out", got[0], oracle[0])
+    assert_matches_oracle("d_x", got[1], oracle[1])
+    for e, grad_e in enumerate(got[2:]):
+        assert grad_e.shape == (m_dim, k_dim)
+        assert_matches_oracle(f"d_weight[{e}]", grad_e, oracle[2][e])
