@@ -48,6 +48,7 @@ def grouped_gemm_reference(x: torch.Tensor, weight: torch.Tensor, tokens_per_exp
 def _grouped_matmul_kernel(
     a_ptr,  # [N, K_a] rows sorted by expert
     b_ptr,  # per-expert [K_a, n_out] operand, addressed through strides
+    b_table_ptr,  # with B_TABLE: [E] int64 offsets of each expert's operand from b_ptr, in elements
     c_ptr,  # [N, n_out]
     tile_expert_ptr,  # [tiles] expert of each row tile, -1 for spare tiles
     tile_row_ptr,  # [tiles] first row of the tile
@@ -62,7 +63,7 @@ def _grouped_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    B_TABLE: tl.constexpr,  # b_ptr: int64 addresses of each expert's operand, instead of one base + stride_be
+    B_TABLE: tl.constexpr,  # experts at b_ptr + b_table[e] instead of b_ptr + e * stride_be
 ):
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
@@ -76,8 +77,10 @@ def _grouped_matmul_kernel(
         return
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + tl.cast(rows, tl.int64)[:, None] * stride_am + ks[None, :]
-    if B_TABLE:  # b_ptr holds each expert's address (its weights need not be stacked)
-        b_base = tl.load(b_ptr + expert).to(tl.pointer_type(a_ptr.dtype.element_ty))
+    if B_TABLE:  # each expert's offset from b_ptr, in elements (its weights need not be stacked)
+        # a multiple of 16 elements (checked on the host): b_base keeps b_ptr's alignment, and with it the
+        # wide vector loads the compiler cannot prove for a pointer read from memory
+        b_base = b_ptr + tl.multiple_of(tl.load(b_table_ptr + expert), 16)
     else:
         b_base = b_ptr + tl.cast(expert, tl.int64) * stride_be
     b_ptrs = b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn
@@ -145,25 +148,31 @@ def _row_tiles(tokens_per_expert: torch.Tensor, n_rows: int, padded_rows: bool =
     return torch.where(routed, clamped, -1), first_row, row_end, row_start
 
 
-def _pointer_table(weights, device) -> torch.Tensor:
-    """The experts' weight addresses as an int64 device tensor, built once per set of addresses and kept:
+def _offset_table(weights, device) -> torch.Tensor | None:
+    """Each expert weight's offset from the first one, in elements, as an int64 device tensor; None unless every
+    offset is a multiple of 16 elements (the kernel's alignment hint). Built once per set of addresses and kept:
     a CUDA graph captured with it reads it at every replay, and a capture must not copy from the host (the
     layers' eager warm-up builds it first)."""
-    key = (device, tuple(w.data_ptr() for w in weights))
-    if key not in _POINTER_TABLES:
-        _POINTER_TABLES[key] = torch.tensor(key[1], dtype=torch.int64, device=device)
-    return _POINTER_TABLES[key]
+    base, size = weights[0].data_ptr(), weights[0].element_size()
+    offsets = tuple(w.data_ptr() - base for w in weights)
+    if any(offset % (16 * size) for offset in offsets):
+        return None
+    key = (device, base, offsets)
+    if key not in _OFFSET_TABLES:
+        _OFFSET_TABLES[key] = torch.tensor([o // size for o in offsets], dtype=torch.int64, device=device)
+    return _OFFSET_TABLES[key]
 
 
-_POINTER_TABLES: dict[tuple, torch.Tensor] = {}
+_OFFSET_TABLES: dict[tuple, torch.Tensor] = {}
 
 
 class _Operand:
-    """The experts' [M, K] weights for the kernel: one stacked [E, M, K] tensor, or E tensors by address."""
+    """The experts' [M, K] weights for the kernel: one stacked [E, M, K] tensor, or E tensors found through an
+    offset table (``table``)."""
 
-    def __init__(self, weights, device):
-        self.stacked = len(weights) == 1
-        self.arg = weights[0] if self.stacked else _pointer_table(weights, device)
+    def __init__(self, weights, table: torch.Tensor | None):
+        self.stacked = table is None
+        self.base, self.table = weights[0], table
         self.stride_e = weights[0].stride(0) if self.stacked else 0
         self.m_dim, self.k_dim = weights[0].shape[-2:]
 
@@ -179,7 +188,7 @@ def _grouped_matmul(a, operand: _Operand, transposed: bool, n_out, tiles):
     c = torch.empty((a.shape[0], n_out), dtype=a.dtype, device=a.device)
     grid = (tile_expert.numel(), triton.cdiv(n_out, BLOCK_N))
     _grouped_matmul_kernel[grid](
-        a, operand.arg, c, tile_expert, tile_row, tile_row_end, n_out, a.shape[1], a.stride(0),
+        a, operand.base, operand.base if operand.table is None else operand.table, c, tile_expert, tile_row, tile_row_end, n_out, a.shape[1], a.stride(0),
         *operand.strides(transposed), c.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         B_TABLE=not operand.stacked, num_warps=8, num_stages=_num_stages(),
     )  # fmt: skip
@@ -194,11 +203,12 @@ def _num_stages() -> int:
 
 
 class _GroupedGemm(torch.autograd.Function):
-    """``(x, counts, padded_rows, *weights)``: weights one stacked [E, M, K] tensor or E [M, K] tensors."""
+    """``(x, counts, padded_rows, table, *weights)``: weights one stacked [E, M, K] tensor (table None) or E
+    [M, K] tensors at the offsets of ``table``."""
 
     @staticmethod
-    def forward(ctx, x, tokens_per_expert, padded_rows, *weights):
-        operand = _Operand(weights, x.device)
+    def forward(ctx, x, tokens_per_expert, padded_rows, table, *weights):
+        operand = _Operand(weights, table)
         tiles = _row_tiles(tokens_per_expert, x.shape[0], padded_rows)
         out = _grouped_matmul(x, operand, True, operand.m_dim, tiles)
         ctx.save_for_backward(x, tokens_per_expert, *tiles)
@@ -216,7 +226,7 @@ class _GroupedGemm(torch.autograd.Function):
         _weight_grad_kernel[grid](grad_out, x, grad_w, tiles[3], tokens_per_expert, operand.m_dim,
                                   operand.k_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_K, num_warps=8,
                                   num_stages=_num_stages())  # fmt: skip
-        return grad_x, None, None, *((grad_w,) if operand.stacked else grad_w.unbind(0))
+        return grad_x, None, None, None, *((grad_w,) if operand.stacked else grad_w.unbind(0))
 
 
 def grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padded_rows: bool = False) -> torch.Tensor:
@@ -243,10 +253,13 @@ def grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padde
             raise ValueError(f"tokens_per_expert sums to {routed}, but x has {x.shape[0]} rows")
     if any(w.dtype != x.dtype for w in weights):
         raise ValueError(f"x ({x.dtype}) and weight ({weights[0].dtype}) must share a dtype")
+    table = None if stacked else _offset_table(weights, x.device)
+    if not stacked and table is None:
+        weights, stacked = [torch.stack(weights)], True  # offsets the kernel cannot take: one copy
     if stacked and not weights[0].is_contiguous():
         weights = [weights[0].contiguous()]
     if not triton_runs(_grouped_matmul_kernel, x, *weights):
         return grouped_gemm_reference(x, weights[0] if stacked else torch.stack(weights), tokens_per_expert,
                                       padded_rows)
     counts = tokens_per_expert.to(device=x.device, dtype=torch.int64)
-    return _GroupedGemm.apply(x.contiguous(), counts, padded_rows, *weights)
+    return _GroupedGemm.apply(x.contiguous(), counts, padded_rows, table, *weights)

@@ -87,6 +87,7 @@ def test_separate_expert_weights_are_read_in_place(padded_rows):
     weights = [(0.2 * torch.randn(m_dim, k_dim, generator=gen)).requires_grad_() for _ in counts]
     grad = torch.randn(rows, m_dim, generator=gen)
 
+    assert kernels._offset_table(weights, x.device) is not None  # read in place, not stacked
     out = kernels.grouped_gemm(x, weights, counts, padded_rows=padded_rows)
     got = [out, *torch.autograd.grad(out, [x, *weights], grad)]
     stacked = torch.stack([w.detach() for w in weights])
