@@ -30,6 +30,7 @@ Off: the default; leave out ``--zaya-cuda-graphs`` (``ZayaConfig.cuda_graphs=Fal
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from functools import partial
 
@@ -131,7 +132,12 @@ class LayerGraphs:
         key = tuple((name, t.shape, t.dtype) for name, t in
                     [("hidden", hidden), ("router_state", router_state), *sorted(constants.items())] if t is not None)
         if key not in self._chains:
-            self._chains[key] = self._capture(hidden, router_state, constants)
+            with warnings.catch_warnings():
+                # Megatron's gradient hooks hold the parameters' AccumulateGrad nodes, made on the default stream,
+                # and torch warns when a backward pass on another stream reaches them. Only warm-up and capture
+                # do (on side streams, by design); replays run on the caller's stream.
+                warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match")
+                self._chains[key] = self._capture(hidden, router_state, constants)
         chain, static_constants = self._chains[key]
         for name, given in constants.items():
             _load(static_constants[name], given)
