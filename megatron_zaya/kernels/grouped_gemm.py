@@ -16,8 +16,9 @@ to no expert) is left out of every GEMM, so its output rows and gradients are ze
 tiles, not by a fill first). This is what lets the single-rank MoE dispatch (``model/moe.py``) run without
 learning the routed count on the host.
 
-The weights may also be E separate [M, K] tensors, such as the experts' own parameters: the kernel then reads
-each expert's weight through a table of addresses, and no [E, M, K] copy is stacked per call.
+The weights may also be E separate [M, K] tensors, such as the experts' own parameters: the kernel then finds
+each expert's weight at its offset from the first one (a small device table), and no [E, M, K] copy is stacked
+per call.
 """
 
 from __future__ import annotations
