@@ -25,7 +25,8 @@ that run does.
 eight-rank runs add ``--overlap-grad-reduce`` (EP8 also the distributed optimizer with ``--overlap-param-gather``)
 and train ``--iters`` (50) iterations, the reference 20. Then the throughput runs, weak scaling: one GPU at
 global batch ``--throughput-gbs`` / 8 and the layout on eight at ``--throughput-gbs`` (default 256 sequences,
-1M tokens: 16 micro-batches of 2 per GPU), ``--throughput-iters`` (8) iterations each; tokens/s/GPU, TFLOP/s
+1M tokens: 4 micro-batches of ``--throughput-mbs`` 8 per GPU; at 2 an H200's step waits on the host's launches,
+docs/benchmarks.md), ``--throughput-iters`` (8) iterations each; tokens/s/GPU, TFLOP/s
 and MFU (``megatron_zaya.flops``, every token counted as routed to an expert, against ``--peak-tflops``,
 773: the bf16 GEMM rate measured on an H200), scaling efficiency = eight ranks' tokens/s/GPU over one GPU's,
 and the optimizer's share. Issue #10's targets: efficiency ≥ 85%, Muon's share ≤ 3% at DP8, losses equal to
@@ -150,6 +151,8 @@ def main() -> None:
                         help="global batch of the eight-rank throughput run; one GPU runs an eighth (GPU 256; "
                              "0 skips them; default off on CPU)")
     parser.add_argument("--throughput-iters", type=int, default=8)
+    parser.add_argument("--throughput-mbs", type=int, default=None,
+                        help="micro-batch size of the throughput runs (GPU 8, CPU 2)")
     parser.add_argument("--peak-tflops", type=float, default=773.0)
     args = parser.parse_args()
     iters = args.iters or (50 if args.gpu else 20)
@@ -179,7 +182,8 @@ def main() -> None:
         if throughput_gbs:
             seq = int(common[common.index("--seq-length") + 1])
             flops = model_flops_per_token(args.gpu, seq)
-            fresh = common + model + ["--train-iters", str(args.throughput_iters)]
+            mbs = args.throughput_mbs or (8 if args.gpu else 2)
+            fresh = common + model + ["--train-iters", str(args.throughput_iters), "--micro-batch-size", str(mbs)]
             pretrain(f"{name}_throughput_one", fresh + ["--global-batch-size", str(throughput_gbs // WORLD)],
                      args.out, 1, args.gpu)
             pretrain(f"{name}_throughput", fresh + eight + ["--global-batch-size", str(throughput_gbs)], args.out,
