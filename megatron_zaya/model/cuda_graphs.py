@@ -18,12 +18,12 @@ reduction) run exactly as in eager mode. Evaluation and no-grad forwards run eag
 
 A replay repeats the kernels, not the Python: what a layer's forward does to state outside its tensors is not
 redone, and module hooks do not run. The one such effect in ZAYA1 is the router's in-place token count, which
-is a kernel and replays. A hook that keeps tensors from call to call (a global forward hook, a probe) must skip
-calls made while ``torch.cuda.is_current_stream_capturing()``: the graph would read tensors it later drops.
-Hence the limits, checked when the block is built (one-line errors): one pipeline stage (a stage's graphs
-hold one micro-batch's activations, 1F1B interleaves several), context parallel 1 (halo exchanges), every
-expert local (EP = TP = 1), no activation recomputation, no dropout (RNG offsets), and the experts' patch.
-``--overlap-param-gather`` is refused by the CLI: its forward pre-hooks on modules would not run.
+is a kernel and replays. Hence the limits, checked when the block is built (one-line errors): one pipeline
+stage (a stage's graphs hold one micro-batch's activations, 1F1B interleaves several), context parallel 1 (halo
+exchanges), every expert local (EP = TP = 1), no activation recomputation, no dropout (RNG offsets), and the
+experts' patch. ``--overlap-param-gather`` is refused by the CLI: its forward pre-hooks on modules would not
+run. A hook that keeps tensors from call to call (a global forward hook, a probe) must skip calls made while
+``torch.cuda.is_current_stream_capturing()``: the graph would read tensors the hook later drops.
 
 Off: the default; leave out ``--zaya-cuda-graphs`` (``ZayaConfig.cuda_graphs=False``).
 """
@@ -54,7 +54,7 @@ def check_cuda_graphs(block) -> None:
          "use --expert-model-parallel-size 1 and --tensor-model-parallel-size 1"),
         (not torch.cuda.is_available(), "no CUDA/ROCm device", "run on a GPU"),
         (GRAPHED_EXPERTS_PATCH not in applied_patches(), f"the {GRAPHED_EXPERTS_PATCH} patch is not applied",
-         f"add it to --zaya-patches (its grouped GEMM needs no host sync)"),
+         "add it to --zaya-patches (its grouped GEMM needs no host sync)"),
     ]
     for failed, problem, fix in problems:
         if failed:
