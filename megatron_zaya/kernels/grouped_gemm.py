@@ -189,8 +189,8 @@ def _grouped_matmul(a, operand: _Operand, transposed: bool, n_out, tiles):
     c = torch.empty((a.shape[0], n_out), dtype=a.dtype, device=a.device)
     grid = (tile_expert.numel(), triton.cdiv(n_out, BLOCK_N))
     _grouped_matmul_kernel[grid](
-        a, operand.base, operand.base if operand.table is None else operand.table, c, tile_expert, tile_row, tile_row_end, n_out, a.shape[1], a.stride(0),
-        *operand.strides(transposed), c.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        a, operand.base, operand.base if operand.table is None else operand.table,  # (table unread when stacked)
+        c, tile_expert, tile_row, tile_row_end, n_out, a.shape[1], a.stride(0), *operand.strides(transposed), c.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         B_TABLE=not operand.stacked, num_warps=8, num_stages=_num_stages(),
     )  # fmt: skip
     return c
@@ -241,8 +241,6 @@ def grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padde
     stacked = len(weights) == 1 and weights[0].dim() == 3
     if not stacked and any(w.dim() != 2 or w.shape != weights[0].shape for w in weights):
         raise ValueError(f"need weight [E, M, K] or E weights [M, K] of one shape; got {shapes}")
-    if not stacked and not all(w.is_contiguous() for w in weights):
-        weights, stacked = [torch.stack(weights)], True  # the kernel addresses each expert's rows as contiguous
     n_experts, k_dim = (weights[0].shape[0] if stacked else len(weights)), weights[0].shape[-1]
     if x.dim() != 2 or k_dim != x.shape[1]:
         raise ValueError(f"need x [N, K] and weight [E, M, K]; got x {list(x.shape)}, weight {shapes}")
@@ -254,13 +252,14 @@ def grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padde
             raise ValueError(f"tokens_per_expert sums to {routed}, but x has {x.shape[0]} rows")
     if any(w.dtype != x.dtype for w in weights):
         raise ValueError(f"x ({x.dtype}) and weight ({weights[0].dtype}) must share a dtype")
-    table = None if stacked else _offset_table(weights, x.device)
-    if not stacked and table is None:
-        weights, stacked = [torch.stack(weights)], True  # offsets the kernel cannot take: one copy
-    if stacked and not weights[0].is_contiguous():
-        weights = [weights[0].contiguous()]
     if not triton_runs(_grouped_matmul_kernel, x, *weights):
         return grouped_gemm_reference(x, weights[0] if stacked else torch.stack(weights), tokens_per_expert,
                                       padded_rows)
+    table = None
+    if not stacked:  # in place: each expert's rows contiguous, at an offset the kernel's alignment hint holds for
+        table = _offset_table(weights, x.device) if all(w.is_contiguous() for w in weights) else None
+        if table is None:
+            weights = [torch.stack(weights)]  # one copy
+    weights = [w.contiguous() for w in weights]
     counts = tokens_per_expert.to(device=x.device, dtype=torch.int64)
     return _GroupedGemm.apply(x.contiguous(), counts, padded_rows, table, *weights)

@@ -134,8 +134,8 @@ def zaya_config_from_args(args) -> ZayaConfig:
         skip_class=args.zaya_skip_class, skip_mode=args.zaya_skip_mode, skip_bias_init=args.zaya_skip_bias_init,
         balancing_lr=args.zaya_balancing_lr, balancing_betas=tuple(args.zaya_balancing_betas),
         balancing_eps=args.zaya_balancing_eps, balance_skip_class=args.zaya_balance_skip_class,
-        residual_scaling=args.zaya_residual_scaling, cuda_graphs=args.zaya_cuda_graphs, apply_rope_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        residual_scaling=args.zaya_residual_scaling, cuda_graphs=args.zaya_cuda_graphs, apply_rope_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         pipeline_dtype=torch.float32,  # pipeline stages exchange the fp32 residual stream and router state
         # ZAYA1's residual stream is fp32 (residual_in_fp32). Not Megatron's --fp32-residual-connection flag:
         # Megatron refuses it without --bf16/--fp16, and with fp32 parameters the setting changes nothing.
