@@ -248,13 +248,14 @@ def use_fused_residual() -> None:
 
 @register("kernels.zaya_cca", target="megatron_zaya.model.cca.cca_qk", platforms=GPU, kernel=True)
 def use_triton_cca() -> None:
-    """Fuse CCA's q/k epilogue (mean skip terms, L2 norm, key temperature, partial RoPE) into one Triton pass.
+    """CCA's q/k path as Triton kernels: both causal convolutions in one pass, then the epilogue (mean skip
+    terms, L2 norm, key temperature, partial RoPE) in another.
 
-    ``CompressedConvAttention.forward`` calls ``megatron_zaya.model.cca.cca_qk``, whose torch version makes a
-    dozen elementwise passes over q and k in fp32 after the two convolutions. The replacement keeps the
-    convolutions in torch and runs ``megatron_zaya.kernels.cca.cca_qk`` for the rest, reading the RoPE
-    angles of this rank's positions from Megatron's rotary table. Off: leave ``kernels.zaya_cca`` out of
-    ``--zaya-patches``.
+    ``CompressedConvAttention.forward`` calls ``megatron_zaya.model.cca.cca_qk``, whose torch version pads,
+    runs two cuDNN ``conv1d`` calls in [B, C, S] with layout conversions around each, and makes a dozen
+    elementwise passes over q and k in fp32. The replacement runs ``megatron_zaya.kernels.cca.cca_qk``, reading
+    the RoPE angles of this rank's positions from Megatron's rotary table. Off: leave ``kernels.zaya_cca`` out
+    of ``--zaya-patches``.
     """
     from megatron_zaya.kernels.cca import cca_qk
     from megatron_zaya.model import cca

@@ -12,10 +12,17 @@ From the pre-conv projections q0 [S, B, nq*d] and k0 [S, B, nkv*d] (g = nq / nkv
 3. L2 norm of each head to sqrt(d) (norm clamped at finfo(dtype).eps), then k *= temp[j];
 4. rotary embedding (NeoX rotate-half) on dims [0, rot) of every head; dims [rot, d) carry no position.
 
-The convolutions stay in torch (as a batched GEMM, ``causal_qk_convs_gemm``). The Triton kernels fuse
-everything after them, steps 2-4, forward and backward: one read of conv(q0), conv(k0), q0, k0 and one write
-of q, k per token, with every head of a token in one program (the k skip term needs all g query heads of its
-group). In fp32 internally.
+Two families of Triton kernels, each with the reference above it:
+
+* the convolutions (``causal_qk_convs_fused``): one forward kernel per q or k (both convs; a program holds a
+  block of token rows of one head, the depthwise taps as fp32 multiply-adds, the grouped conv as one
+  tensor-core dot per tap); backward, an input-gradient kernel (which also sums the bias and depthwise-tap
+  gradients per program) and a grouped-weight-gradient kernel that recomputes the depthwise output. No padded
+  copy, window stack or layout transpose is materialised; the history of context-parallel chunks is read in
+  place;
+* the epilogue (steps 2-4), forward and backward: one read of conv(q0), conv(k0), q0, k0 and one write of q, k
+  per token, with every head of a token in one program (the k skip term needs all g query heads of its group).
+  In fp32 internally.
 
 The value time-delay is a GEMM plus a one-token shift of 128 channels: plain torch, no kernel.
 """
@@ -29,7 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .utils import triton_runs
+from .utils import persistent_programs, platform, triton_runs
 
 
 # ----------------------------------------------------------------------------------------- references
@@ -53,40 +60,6 @@ def causal_qk_convs(x: torch.Tensor, depthwise_w, depthwise_b, grouped_w, groupe
     y = F.conv1d(y, depthwise_w.unsqueeze(1), depthwise_b, groups=channels)
     y = F.conv1d(y, grouped_w, grouped_b, groups=heads)
     return y.view(chunks, batch, channels, -1).permute(0, 3, 1, 2).reshape(seq, batch, channels)
-
-
-def causal_qk_convs_gemm(x: torch.Tensor, depthwise_w, depthwise_b, grouped_w, grouped_b, heads: int,
-                         history: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`causal_qk_convs` in the time-major layout, for GPUs: the depthwise taps as fp32 multiply-adds and
-    the grouped conv as one batched GEMM over heads (a head's taps stacked on the contraction dim).
-
-    cuDNN runs the two ``conv1d`` calls in [B, C, S] with NCHW <-> NHWC conversions around each: ~90 launches per
-    layer forward + backward on an H200, in a step that is bound by its host's launches. Rounding points are
-    the reference's: the depthwise output once to x's dtype, the grouped conv (with its bias) once.
-    """
-    t0, t1 = depthwise_w.shape[-1], grouped_w.shape[-1]
-    pad = (t0 - 1) + (t1 - 1)
-    seq, batch, channels = x.shape
-    head_dim = channels // heads
-    if history is None:
-        padded = F.pad(x, (0, 0, 0, 0, pad, 0)).unsqueeze(0)  # [1, pad + S, B, C]: left zeros, causal
-    else:
-        chunks = history.shape[0]
-        padded = torch.cat([history.to(x.dtype), x.view(chunks, seq // chunks, batch, channels)], dim=1)
-    length = padded.shape[1] - pad  # positions per chunk
-    inner = length + t1 - 1  # depthwise outputs the grouped conv reads (the padding's included)
-    accumulate = torch.promote_types(x.dtype, torch.float32)
-    w1, b1 = depthwise_w.to(accumulate), depthwise_b.to(accumulate)
-    y = torch.addcmul(b1, padded[:, :inner], w1[:, 0])
-    for tap in range(1, t0):
-        y = torch.addcmul(y, padded[:, tap:tap + inner], w1[:, tap])
-    y = y.to(x.dtype).view(*y.shape[:-1], heads, head_dim)  # [n, inner, B, H, d]
-    windows = torch.stack([y[:, tap:tap + length] for tap in range(t1)], dim=-2)  # [n, S/n, B, H, t1, d]
-    windows = windows.view(-1, heads, t1 * head_dim).transpose(0, 1)  # [H, N, t1·d]
-    weight = grouped_w.view(heads, head_dim, head_dim, t1).permute(0, 3, 2, 1).reshape(heads, t1 * head_dim,
-                                                                                       head_dim)
-    out = torch.baddbmm(grouped_b.view(heads, 1, head_dim).to(x.dtype), windows, weight.to(x.dtype))  # [H, N, d]
-    return out.transpose(0, 1).reshape(seq, batch, channels)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -299,6 +272,182 @@ def _backward_kernel(
     _store_input_grads(*grads, dq_p, dk_p, q_base + 2 * HALF, k_base + 2 * HALF, q_pass, k_pass, GROUP)
 
 
+# ------------------------------------------------------------------------------ convolution kernels
+# A program holds BLOCK_ROWS token rows of one head's d channels. Rows are position-major, batch-minor
+# (row = position * B + b, the [S, B, C] layout). Positions count within a chunk: under context parallelism
+# x is n chunks of L positions, each preceded by its own history; otherwise n = 1, L = S, and positions before
+# 0 read zeros. Both convolutions' products accumulate in fp32; the depthwise output is rounded to x's dtype
+# before the grouped conv's tensor-core dot, as in the reference.
+
+
+@triton.jit
+def _rows(x_ptr, history_ptr, chunk, pos, b, cols, valid, length, batch, channels,
+          PAD: tl.constexpr, HAS_HISTORY: tl.constexpr):  # fmt: skip
+    """x at (chunk, position, b) of each row, in the head's columns [R, D], in x's dtype. Positions in
+    [-PAD, 0) read the chunk's history (zeros without one); other positions and invalid rows read zeros."""
+    inside = valid & (pos >= 0) & (pos < length)
+    offsets = ((chunk * length + pos) * batch + b) * channels
+    x = tl.load(x_ptr + offsets[:, None] + cols[None, :], mask=inside[:, None], other=0.0)
+    if HAS_HISTORY:
+        before = valid & (pos < 0) & (pos >= -PAD)
+        offsets = ((chunk * PAD + PAD + pos) * batch + b) * channels
+        earlier = tl.load(history_ptr + offsets[:, None] + cols[None, :], mask=before[:, None], other=0.0)
+        x = tl.where(before[:, None], earlier, x)
+    return x
+
+
+@triton.jit
+def _depthwise(x_ptr, history_ptr, w1_ptr, b1_ptr, chunk, pos, b, cols, valid, length, batch, channels,
+               T0: tl.constexpr, PAD: tl.constexpr, HAS_HISTORY: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+               HEAD_DIM: tl.constexpr):  # fmt: skip
+    """The depthwise conv at positions ``pos`` (taps on pos - T0 + 1 .. pos, bias included), in x's dtype."""
+    y = tl.zeros([BLOCK_ROWS, HEAD_DIM], tl.float32) + tl.load(b1_ptr + cols).to(tl.float32)[None, :]
+    for j in tl.static_range(T0):
+        w = tl.load(w1_ptr + cols * T0 + j).to(tl.float32)
+        x = _rows(x_ptr, history_ptr, chunk, pos - (T0 - 1) + j, b, cols, valid, length, batch, channels, PAD,
+                  HAS_HISTORY)  # fmt: skip
+        y += x.to(tl.float32) * w[None, :]
+    return y.to(x_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _conv_forward_kernel(
+    x_ptr, history_ptr,  # [n·L, B, C]; [n, PAD, B, C] when HAS_HISTORY
+    w1_ptr, b1_ptr, w2_ptr, b2_ptr,  # [C, T0], [C], [C, D, T1], [C]
+    out_ptr,  # [n·L, B, C]
+    length, batch, channels,
+    T0: tl.constexpr, T1: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    HAS_HISTORY: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """out(p) = b2 + sum over taps of y(p - T1 + 1 + tap) @ w2[:, :, tap]^T for one head; y = the depthwise conv."""
+    PAD: tl.constexpr = (T0 - 1) + (T1 - 1)
+    block, head = tl.program_id(0), tl.program_id(1)
+    blocks_per_chunk = tl.cdiv(length * batch, BLOCK_ROWS)
+    chunk = tl.cast(block // blocks_per_chunk, tl.int64)
+    row = (block % blocks_per_chunk) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    valid = row < length * batch
+    pos, b = tl.cast(row // batch, tl.int64), row % batch
+    d = tl.arange(0, HEAD_DIM)
+    cols = head * HEAD_DIM + d
+    acc = tl.zeros([BLOCK_ROWS, HEAD_DIM], tl.float32)
+    for tap in tl.static_range(T1):
+        y = _depthwise(x_ptr, history_ptr, w1_ptr, b1_ptr, chunk, pos - (T1 - 1) + tap, b, cols, valid, length,
+                       batch, channels, T0, PAD, HAS_HISTORY, BLOCK_ROWS, HEAD_DIM)  # fmt: skip
+        # [in, out]: the contraction dim has the small stride (T1), which the dot wants (a transposed tile is 4x slower)
+        w = tl.load(w2_ptr + cols[None, :] * (HEAD_DIM * T1) + d[:, None] * T1 + tap).to(y.dtype)
+        acc = tl.dot(y, w, acc, input_precision=DOT_PRECISION)
+    bias = tl.load(b2_ptr + cols).to(out_ptr.dtype.element_ty).to(tl.float32)
+    offsets = ((chunk * length + pos) * batch + b) * channels
+    tl.store(out_ptr + offsets[:, None] + cols[None, :], (acc + bias[None, :]).to(out_ptr.dtype.element_ty),
+             mask=valid[:, None])  # fmt: skip
+
+
+@triton.jit
+def _conv_grouped_grad_kernel(
+    grad_ptr, w2_ptr,  # grad [n·L, B, C] of the output; w2 as [H, T1, D_in, D_out] (D_out, contracted, unit stride)
+    grad_y_ptr,  # [n, L + T1 - 1, B, C]: the depthwise output's gradient at positions -(T1 - 1) .. L - 1
+    length, batch, channels,
+    T1: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dy(u) = sum over taps of g(u + T1 - 1 - tap) @ w2[:, :, tap] for one head: the grouped conv's input grad."""
+    block, head = tl.program_id(0), tl.program_id(1)
+    extent = length + T1 - 1
+    blocks_per_chunk = tl.cdiv(extent * batch, BLOCK_ROWS)
+    chunk = tl.cast(block // blocks_per_chunk, tl.int64)
+    row = (block % blocks_per_chunk) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    valid = row < extent * batch
+    pos, b = tl.cast(row // batch, tl.int64) - (T1 - 1), row % batch
+    d = tl.arange(0, HEAD_DIM)
+    cols = head * HEAD_DIM + d
+    grad_y = tl.zeros([BLOCK_ROWS, HEAD_DIM], tl.float32)
+    for tap in tl.static_range(T1):
+        g = _rows(grad_ptr, grad_ptr, chunk, pos + (T1 - 1 - tap), b, cols, valid, length, batch, channels, 0, False)
+        w = tl.load(w2_ptr + ((head * T1 + tap) * HEAD_DIM + d[None, :]) * HEAD_DIM + d[:, None]).to(g.dtype)  # [out, in]
+        grad_y = tl.dot(g, w, grad_y, input_precision=DOT_PRECISION)
+    offsets = ((chunk * extent + pos + (T1 - 1)) * batch + b) * channels
+    tl.store(grad_y_ptr + offsets[:, None] + cols[None, :], grad_y.to(grad_y_ptr.dtype.element_ty),
+             mask=valid[:, None])  # fmt: skip
+
+
+@triton.jit
+def _conv_depthwise_grad_kernel(
+    grad_ptr, grad_y_ptr, x_ptr, history_ptr, w1_ptr,  # grad, x [n·L, B, C]; grad_y from the kernel above
+    grad_x_ptr, grad_history_ptr,  # like x and history
+    partial_ptr,  # [programs along axis 0, 2 + T0, C] fp32: per-program sums for d b2, d b1, d w1[:, j]
+    length, batch, channels,
+    T0: tl.constexpr, T1: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    HAS_HISTORY: tl.constexpr,
+):  # fmt: skip
+    """Rows are positions -PAD .. L - 1 of each chunk: dx(p) = sum_j w1[j] dy(p + T0 - 1 - j); positions < 0
+    are the history's gradient. The bias and depthwise-tap gradients are sums over the same rows, left per
+    program for one reduction."""
+    PAD: tl.constexpr = (T0 - 1) + (T1 - 1)
+    block, head = tl.program_id(0), tl.program_id(1)
+    blocks_per_chunk = tl.cdiv((length + PAD) * batch, BLOCK_ROWS)
+    chunk = tl.cast(block // blocks_per_chunk, tl.int64)
+    row = (block % blocks_per_chunk) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    valid = row < (length + PAD) * batch
+    pos, b = tl.cast(row // batch, tl.int64) - PAD, row % batch
+    cols = head * HEAD_DIM + tl.arange(0, HEAD_DIM)
+    # grad_y holds positions -(T1 - 1) .. L - 1 of each chunk: a chunk of length L + T1 - 1 starting there
+    grad_y = _rows(grad_y_ptr, grad_y_ptr, chunk, pos + (T1 - 1), b, cols, valid, length + T1 - 1, batch, channels,
+                   0, False).to(tl.float32)  # fmt: skip
+    grad_x = grad_y * tl.load(w1_ptr + cols * T0 + (T0 - 1)).to(tl.float32)[None, :]
+    for j in tl.static_range(T0 - 1):
+        later = _rows(grad_y_ptr, grad_y_ptr, chunk, pos + (T1 - 1) + (T0 - 1 - j), b, cols, valid,
+                      length + T1 - 1, batch, channels, 0, False)  # fmt: skip
+        grad_x += later.to(tl.float32) * tl.load(w1_ptr + cols * T0 + j).to(tl.float32)[None, :]
+
+    partial = partial_ptr + block * ((2 + T0) * channels) + cols
+    g = _rows(grad_ptr, grad_ptr, chunk, pos, b, cols, valid, length, batch, channels, 0, False)
+    tl.store(partial, tl.sum(g.to(tl.float32), axis=0))
+    tl.store(partial + channels, tl.sum(grad_y, axis=0))
+    for j in tl.static_range(T0):
+        x = _rows(x_ptr, history_ptr, chunk, pos - (T0 - 1) + j, b, cols, valid, length, batch, channels, PAD,
+                  HAS_HISTORY)  # fmt: skip
+        tl.store(partial + (2 + j) * channels, tl.sum(grad_y * x.to(tl.float32), axis=0))
+
+    inside = valid & (pos >= 0)
+    offsets = ((chunk * length + pos) * batch + b) * channels
+    tl.store(grad_x_ptr + offsets[:, None] + cols[None, :], grad_x.to(grad_x_ptr.dtype.element_ty),
+             mask=inside[:, None])  # fmt: skip
+    if HAS_HISTORY:
+        before = valid & (pos < 0)
+        offsets = ((chunk * PAD + PAD + pos) * batch + b) * channels
+        tl.store(grad_history_ptr + offsets[:, None] + cols[None, :], grad_x.to(grad_history_ptr.dtype.element_ty),
+                 mask=before[:, None])  # fmt: skip
+
+
+@triton.jit
+def _conv_weight_grad_kernel(
+    grad_ptr, x_ptr, history_ptr, w1_ptr, b1_ptr,
+    partial_ptr,  # [programs along axis 2, C, D, T1] fp32
+    length, batch, channels, total_rows, rows_per_program,
+    T0: tl.constexpr, T1: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    HAS_HISTORY: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One head's grouped weight gradient for one tap over a span of rows: sum_t g(t)^T y(t - T1 + 1 + tap),
+    the depthwise output y recomputed from x."""
+    PAD: tl.constexpr = (T0 - 1) + (T1 - 1)
+    head, tap, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    d = tl.arange(0, HEAD_DIM)
+    cols = head * HEAD_DIM + d
+    chunk_rows = length * batch
+    acc = tl.zeros([HEAD_DIM, HEAD_DIM], tl.float32)
+    first = tl.cast(split, tl.int64) * rows_per_program
+    for start in range(first, first + rows_per_program, BLOCK_ROWS):
+        row = start + tl.arange(0, BLOCK_ROWS)
+        valid = row < total_rows
+        chunk, within = row // chunk_rows, row % chunk_rows
+        pos, b = within // batch, within % batch
+        g = _rows(grad_ptr, grad_ptr, chunk, pos, b, cols, valid, length, batch, channels, 0, False)
+        y = _depthwise(x_ptr, history_ptr, w1_ptr, b1_ptr, chunk, pos - (T1 - 1) + tap, b, cols, valid, length,
+                       batch, channels, T0, PAD, HAS_HISTORY, BLOCK_ROWS, HEAD_DIM)  # fmt: skip
+        acc = tl.dot(tl.trans(g), y.to(g.dtype), acc, input_precision=DOT_PRECISION)
+    offsets = split * (channels * HEAD_DIM * T1) + cols[:, None] * (HEAD_DIM * T1) + d[None, :] * T1 + tap
+    tl.store(partial_ptr + offsets, acc)
+
+
 # ----------------------------------------------------------------------------------------- autograd
 
 
@@ -343,6 +492,95 @@ class _QKEpilogue(torch.autograd.Function):
         return *grads, grad_temp.sum(0).to(temp.dtype), None, None, None
 
 
+#: Convolution launches per platform (``utils.platform()``): token rows per program and warps of the forward,
+#: of the grouped conv's input gradient, of the depthwise backward, and of the grouped weight gradient (with its
+#: software-pipeline depth). Tuned with ``benchmarks/tune_cca_convs.py``.
+CONV_TUNING = {
+    "cuda": {"rows": 128, "warps": 8, "grouped_rows": 128, "grouped_warps": 4, "depthwise_rows": 64,
+             "depthwise_warps": 4, "weight_rows": 32, "weight_warps": 8, "weight_stages": 3},  # H200, 2026-11-30
+    "rocm": {"rows": 32, "warps": 4, "grouped_rows": 32, "grouped_warps": 4, "depthwise_rows": 32,
+             "depthwise_warps": 4, "weight_rows": 32, "weight_warps": 4, "weight_stages": 2},  # not tuned (see the test)
+    "cpu": {"rows": 16, "warps": 4, "grouped_rows": 16, "grouped_warps": 4, "depthwise_rows": 16,
+            "depthwise_warps": 4, "weight_rows": 16, "weight_warps": 4, "weight_stages": 1},  # the interpreter
+}  # fmt: skip
+
+
+def _dot_precision(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored by bf16/fp16 dots
+
+
+class _CausalConvs(torch.autograd.Function):
+    """:func:`causal_qk_convs` by the convolution kernels: one launch forward, three backward, no padded copies."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, history):
+        x, w1, b1, w2, b2 = (t.contiguous() for t in (x, w1, b1, w2, b2))
+        history = None if history is None else history.to(x.dtype).contiguous()
+        chunks = 1 if history is None else history.shape[0]
+        seq, batch, channels = x.shape
+        tuning, head_dim = CONV_TUNING[platform(x.device)], w2.shape[1]
+        out = torch.empty_like(x)
+        grid = (chunks * triton.cdiv(seq // chunks * batch, tuning["rows"]), channels // head_dim)
+        _conv_forward_kernel[grid](
+            x, x if history is None else history, w1, b1, w2, b2, out, seq // chunks, batch, channels,
+            T0=w1.shape[-1], T1=w2.shape[-1], HEAD_DIM=head_dim, BLOCK_ROWS=tuning["rows"],
+            HAS_HISTORY=history is not None, DOT_PRECISION=_dot_precision(x), num_warps=tuning["warps"])  # fmt: skip
+        ctx.save_for_backward(x, history, w1, b1, w2)
+        ctx.grouped_bias_dtype = b2.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, history, w1, b1, w2 = ctx.saved_tensors
+        chunks = 1 if history is None else history.shape[0]
+        seq, batch, channels = x.shape
+        length, total = seq // chunks, seq * batch
+        t0, t1, head_dim = w1.shape[-1], w2.shape[-1], w2.shape[1]
+        heads, tuning, precision = channels // head_dim, CONV_TUNING[platform(x.device)], _dot_precision(x)
+        history_or_x = x if history is None else history
+        grad = grad.contiguous()
+
+        grad_y = torch.empty((chunks, length + t1 - 1, batch, channels), dtype=x.dtype, device=x.device)
+        w2_by_tap = w2.view(heads, head_dim, head_dim, t1).permute(0, 3, 2, 1).contiguous()  # [H, T1, in, out]
+        grid = (chunks * triton.cdiv((length + t1 - 1) * batch, tuning["grouped_rows"]), heads)
+        _conv_grouped_grad_kernel[grid](grad, w2_by_tap, grad_y, length, batch, channels, T1=t1, HEAD_DIM=head_dim,
+                                        BLOCK_ROWS=tuning["grouped_rows"], DOT_PRECISION=precision,
+                                        num_warps=tuning["grouped_warps"])  # fmt: skip
+
+        grad_x = torch.empty_like(x)
+        grad_history = None if history is None else torch.empty_like(history)
+        blocks = chunks * triton.cdiv((length + t0 + t1 - 2) * batch, tuning["depthwise_rows"])
+        partial = torch.empty((blocks, 2 + t0, channels), dtype=torch.float32, device=x.device)
+        _conv_depthwise_grad_kernel[(blocks, heads)](
+            grad, grad_y, x, history_or_x, w1, grad_x, grad_x if history is None else grad_history, partial, length,
+            batch, channels, T0=t0, T1=t1, HEAD_DIM=head_dim, BLOCK_ROWS=tuning["depthwise_rows"],
+            HAS_HISTORY=history is not None, num_warps=tuning["depthwise_warps"])  # fmt: skip
+        sums = partial.sum(0)  # [d b2, d b1, d w1[:, 0], ...]
+
+        rows = tuning["weight_rows"]
+        splits = triton.cdiv(persistent_programs(x.device, triton.cdiv(total, rows) * heads * t1), heads * t1)
+        rows_per_program = triton.cdiv(triton.cdiv(total, splits), rows) * rows
+        splits = triton.cdiv(total, rows_per_program)
+        partial_w = torch.empty((splits, *w2.shape), dtype=torch.float32, device=x.device)
+        _conv_weight_grad_kernel[(heads, t1, splits)](
+            grad, x, history_or_x, w1, b1, partial_w, length, batch, channels, total, rows_per_program, T0=t0, T1=t1,
+            HEAD_DIM=head_dim, BLOCK_ROWS=rows, HAS_HISTORY=history is not None, DOT_PRECISION=precision,
+            num_warps=tuning["weight_warps"], num_stages=tuning["weight_stages"])  # fmt: skip
+        return (grad_x, sums[2:].t().to(w1.dtype), sums[1].to(b1.dtype), partial_w.sum(0).to(w2.dtype),
+                sums[0].to(ctx.grouped_bias_dtype), grad_history)  # fmt: skip
+
+
+def causal_qk_convs_fused(x: torch.Tensor, depthwise_w, depthwise_b, grouped_w, grouped_b, heads: int,
+                          history: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`causal_qk_convs` (same contract) by the Triton kernels where they run: tensors on a GPU (or
+    interpreted) and a head size that is a power of two >= 16 (a ``tl.dot`` operand); else the reference."""
+    head_dim = grouped_w.shape[1]
+    if head_dim < 16 or head_dim & (head_dim - 1) or heads * head_dim != x.shape[-1] \
+            or not triton_runs(_conv_forward_kernel, x, depthwise_w, grouped_w):
+        return causal_qk_convs(x, depthwise_w, depthwise_b, grouped_w, grouped_b, heads, history)
+    return _CausalConvs.apply(x, depthwise_w, depthwise_b, grouped_w, grouped_b, history)
+
+
 # ----------------------------------------------------------------------------------------- public API
 
 
@@ -365,7 +603,7 @@ def _check_shapes(q0, k0, wq2, temp, cos, sin) -> None:
 
 
 def cca_qk(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin, history=None):
-    """CCA q/k with the Triton epilogue (steps 2-4); same contract as :func:`cca_qk_reference`."""
+    """CCA q/k by the Triton kernels (convolutions, then steps 2-4); same contract as :func:`cca_qk_reference`."""
     _check_shapes(q0, k0, wq2, temp, cos, sin)
     if not triton_runs(_forward_kernel, q0, k0, temp, cos):
         return cca_qk_reference(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin, history)
@@ -373,7 +611,7 @@ def cca_qk(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin, histo
     head_dim, n_kv = wq2.shape[1], temp.numel()
     n_q = q0.shape[-1] // head_dim
     q_history, k_history = _split_history(history, q0.shape[-1])
-    q_conv = causal_qk_convs_gemm(q0, wq1, bq1, wq2, bq2, n_q, q_history)
-    k_conv = causal_qk_convs_gemm(k0, wk1, bk1, wk2, bk2, n_kv, k_history)
+    q_conv = causal_qk_convs_fused(q0, wq1, bq1, wq2, bq2, n_q, q_history)
+    k_conv = causal_qk_convs_fused(k0, wk1, bk1, wk2, bk2, n_kv, k_history)
     q, k = _QKEpilogue.apply(q_conv, k_conv, q0, k0, temp, cos, sin, head_dim)
     return q.view(seq, batch, n_q, head_dim), k.view(seq, batch, n_kv, head_dim)

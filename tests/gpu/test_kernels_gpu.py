@@ -155,6 +155,25 @@ def test_cca_qk():
     _compare(names, cca.cca_qk, cca.cca_qk_reference, tensors, grads, angles.cos().to(BF16), angles.sin().to(BF16))
 
 
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_cca_convolutions(chunks):
+    """The convolution kernels at ZAYA1-8B's q width, bf16; ``chunks=2``: context parallelism's two chunks per
+    rank, each read after its own history (whose gradient is checked too)."""
+    gen = torch.Generator("cuda").manual_seed(9)
+    q_ch = N_Q * HEAD_DIM
+    tensors = [_randn(SEQ, BATCH, q_ch, gen=gen), _randn(q_ch, 2, scale=0.5, gen=gen), _randn(q_ch, scale=0.1, gen=gen),
+               _randn(q_ch, HEAD_DIM, 2, scale=0.05, gen=gen), _randn(q_ch, scale=0.1, gen=gen)]  # fmt: skip
+    if chunks > 1:
+        tensors.append(_randn(chunks, 2, BATCH, q_ch, gen=gen))
+
+    def bind(fn):
+        return lambda x, w1, b1, w2, b2, *history: fn(x, w1, b1, w2, b2, N_Q, *history)
+
+    names = ["out", "d_x", "d_w1", "d_b1", "d_w2", "d_b2", "d_history"]
+    _compare(names, bind(cca.causal_qk_convs_fused), bind(cca.causal_qk_convs), tensors,
+             [_randn(SEQ, BATCH, q_ch, gen=gen)])  # fmt: skip
+
+
 def test_grouped_gemm():
     gen = torch.Generator("cuda").manual_seed(7)
     counts = torch.multinomial(torch.ones(EXPERTS, device="cuda"), TOKENS, replacement=True, generator=gen)

@@ -35,7 +35,7 @@ def _run(fn, tensors, cos, sin, grads, dtype=None):
 NAMES = ["q", "k", "d_q0", "d_k0", "d_wq1", "d_bq1", "d_wk1", "d_bk1", "d_wq2", "d_bq2", "d_wk2", "d_bk2", "d_temp"]
 
 
-@pytest.mark.parametrize("dtype,rope_per_batch", [(torch.float32, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("dtype,rope_per_batch", [(torch.float32, False), (torch.float16, True)])
 def test_cca_qk_forward_backward(dtype, rope_per_batch):
     gen = torch.Generator().manual_seed(0)
     tensors, cos, sin = _inputs(dtype, rope_per_batch, gen)
@@ -123,23 +123,30 @@ def test_chunks_with_history_equal_the_whole_sequence(fn):
 
 @pytest.mark.parametrize("taps", [(2, 2), (3, 2), (2, 3)])
 @pytest.mark.parametrize("with_history", [False, True])
-def test_convolutions_as_a_batched_gemm_equal_conv1d(taps, with_history):
-    """The GPU path's convolutions (fp32 taps, one batched GEMM over heads) equal torch's conv1d in float64."""
+def test_convolution_kernels_equal_conv1d(taps, with_history):
+    """The convolution kernels (interpreted, fp32) against torch's conv1d in float64, forward and every
+    gradient, the history's included (context parallelism: three chunks)."""
     gen = torch.Generator().manual_seed(7)
     t0, t1 = taps
-    seq, batch, heads, d = 12, 3, 4, 8
+    seq, batch, heads, d = 15, 3, 3, 16
 
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64)).requires_grad_()
 
-    args = [randn(seq, batch, heads * d), randn(heads * d, t0), randn(heads * d), randn(heads * d, d, t1),
-            randn(heads * d)]
-    history = torch.randn(2, t0 + t1 - 2, batch, heads * d, generator=gen, dtype=torch.float64) if with_history \
-        else None
+    args = [randn(seq, batch, heads * d), randn(heads * d, t0), randn(heads * d), randn(heads * d, d, t1, scale=0.3),
+            randn(heads * d)]  # fmt: skip
+    if with_history:
+        args.append(randn(3, t0 + t1 - 2, batch, heads * d))
     grad = torch.randn(seq, batch, heads * d, generator=gen, dtype=torch.float64)
-    outputs = []
-    for fn in (kernels.causal_qk_convs_gemm, kernels.causal_qk_convs):
-        out = fn(*args, heads, history)
-        outputs.append([out, *torch.autograd.grad(out, args, grad)])
-    for name, ours, reference in zip(["out", "d_x", "d_dw", "d_db", "d_gw", "d_gb"], *outputs):
-        torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-12, msg=name)
+    names = ["out", "d_x", "d_dw", "d_db", "d_gw", "d_gb", "d_history"]
+
+    def run(fn, tensors):
+        out = fn(*tensors[:5], heads, *tensors[5:])
+        return [out, *torch.autograd.grad(out, tensors, grad.to(out.dtype))]
+
+    fp32 = [t.detach().float().requires_grad_() for t in args]
+    kernel = run(kernels.causal_qk_convs_fused, fp32)
+    oracle = run(kernels.causal_qk_convs, args)
+    for name, ours, want in zip(names, kernel, oracle):
+        assert ours.dtype == torch.float32, name
+        assert_matches_oracle(name, ours, want)
