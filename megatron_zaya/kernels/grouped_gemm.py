@@ -27,9 +27,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import is_interpreted, triton_runs
+from .utils import platform, triton_runs
 
-BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64  # output tile (rows x columns) and contraction step
+#: Launch settings per platform (``utils.platform()``). The row-tile kernel (forward and input gradient): output
+#: tile rows x columns, contraction step, warps, software-pipeline depth; the weight-gradient kernel: output tile
+#: and tokens per contraction step, warps, depth. Tuned with ``benchmarks/tune_grouped_gemm.py``.
+GEMM_TUNING = {
+    "cuda": {"block_m": 128, "block_n": 256, "block_k": 64, "warps": 8, "stages": 4,  # H200, 2026-11-30
+             "wgrad_block_m": 128, "wgrad_block_n": 128, "wgrad_block_r": 32, "wgrad_warps": 4, "wgrad_stages": 4},
+    "rocm": {"block_m": 128, "block_n": 128, "block_k": 64, "warps": 8, "stages": 2,  # 64 KB of LDS per CU
+             "wgrad_block_m": 128, "wgrad_block_n": 128, "wgrad_block_r": 64, "wgrad_warps": 8, "wgrad_stages": 2},
+    "cpu": {"block_m": 16, "block_n": 16, "block_k": 16, "warps": 4, "stages": 1,  # the interpreter: several tiles
+            "wgrad_block_m": 16, "wgrad_block_n": 16, "wgrad_block_r": 16, "wgrad_warps": 4, "wgrad_stages": 1},
+}  # fmt: skip
 
 
 def grouped_gemm_reference(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
@@ -127,23 +137,23 @@ def _weight_grad_kernel(
     tl.store(w_ptrs, acc.to(grad_w_ptr.dtype.element_ty), mask=(ms[:, None] < m_dim) & (ks[None, :] < k_dim))
 
 
-def _row_tiles(tokens_per_expert: torch.Tensor, n_rows: int, padded_rows: bool = False):
-    """Per row tile: its expert (-1: spare), first row, end of its expert's rows. No host sync.
+def _row_tiles(tokens_per_expert: torch.Tensor, n_rows: int, padded_rows: bool, block_m: int):
+    """Per row tile of ``block_m`` rows: its expert (-1: spare), first row, end of its expert's rows. No host sync.
 
     With ``padded_rows`` the spare tiles cover the rows after the experts' (they write zeros there), so the
     output needs no zero fill first.
     """
     n_experts = tokens_per_expert.numel()
-    tiles_per_expert = (tokens_per_expert + BLOCK_M - 1) // BLOCK_M
+    tiles_per_expert = (tokens_per_expert + block_m - 1) // block_m
     tile_end = tiles_per_expert.cumsum(0)
     row_start = tokens_per_expert.cumsum(0) - tokens_per_expert
-    spare = triton.cdiv(n_rows, BLOCK_M) if padded_rows else 0  # enough for any tail
-    tile = torch.arange(triton.cdiv(n_rows, BLOCK_M) + n_experts + spare, device=tokens_per_expert.device)
+    spare = triton.cdiv(n_rows, block_m) if padded_rows else 0  # enough for any tail
+    tile = torch.arange(triton.cdiv(n_rows, block_m) + n_experts + spare, device=tokens_per_expert.device)
     expert = torch.searchsorted(tile_end, tile, right=True)
     clamped = expert.clamp(max=n_experts - 1)
     routed = expert < n_experts
-    tail_row = row_start[-1] + tokens_per_expert[-1] + (tile - tile_end[-1]) * BLOCK_M
-    first_row = torch.where(routed, row_start[clamped] + (tile - (tile_end - tiles_per_expert)[clamped]) * BLOCK_M,
+    tail_row = row_start[-1] + tokens_per_expert[-1] + (tile - tile_end[-1]) * block_m
+    first_row = torch.where(routed, row_start[clamped] + (tile - (tile_end - tiles_per_expert)[clamped]) * block_m,
                             tail_row)
     row_end = torch.where(routed, row_start[clamped] + tokens_per_expert[clamped], n_rows)
     return torch.where(routed, clamped, -1), first_row, row_end, row_start
@@ -182,25 +192,19 @@ class _Operand:
         return (self.stride_e, 1, self.k_dim) if transposed else (self.stride_e, self.k_dim, 1)
 
 
-def _grouped_matmul(a, operand: _Operand, transposed: bool, n_out, tiles):
+def _grouped_matmul(a, operand: _Operand, transposed: bool, n_out, tiles, tuning: dict):
     """For each expert e: c[rows of e] = a[rows of e] @ B_e, B_e = weight[e].T or weight[e]; rows of no
     expert (spare tiles, ``padded_rows``) are zero."""
     tile_expert, tile_row, tile_row_end, _ = tiles
     c = torch.empty((a.shape[0], n_out), dtype=a.dtype, device=a.device)
-    grid = (tile_expert.numel(), triton.cdiv(n_out, BLOCK_N))
+    grid = (tile_expert.numel(), triton.cdiv(n_out, tuning["block_n"]))
     _grouped_matmul_kernel[grid](
         a, operand.base, operand.base if operand.table is None else operand.table,  # (table unread when stacked)
-        c, tile_expert, tile_row, tile_row_end, n_out, a.shape[1], a.stride(0), *operand.strides(transposed), c.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        B_TABLE=not operand.stacked, num_warps=8, num_stages=_num_stages(),
+        c, tile_expert, tile_row, tile_row_end, n_out, a.shape[1], a.stride(0), *operand.strides(transposed),
+        c.stride(0), BLOCK_M=tuning["block_m"], BLOCK_N=tuning["block_n"], BLOCK_K=tuning["block_k"],
+        B_TABLE=not operand.stacked, num_warps=tuning["warps"], num_stages=tuning["stages"],
     )  # fmt: skip
     return c
-
-
-def _num_stages() -> int:
-    """Software-pipeline depth: 3 on NVIDIA (228 KB shared memory per SM), 2 on AMD (64 KB LDS per CU)."""
-    if is_interpreted(_grouped_matmul_kernel):
-        return 1
-    return 2 if triton.runtime.driver.active.get_current_target().backend == "hip" else 3
 
 
 class _GroupedGemm(torch.autograd.Function):
@@ -209,24 +213,25 @@ class _GroupedGemm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, tokens_per_expert, padded_rows, table, *weights):
-        operand = _Operand(weights, table)
-        tiles = _row_tiles(tokens_per_expert, x.shape[0], padded_rows)
-        out = _grouped_matmul(x, operand, True, operand.m_dim, tiles)
+        operand, tuning = _Operand(weights, table), GEMM_TUNING[platform(x.device)]
+        tiles = _row_tiles(tokens_per_expert, x.shape[0], padded_rows, tuning["block_m"])
+        out = _grouped_matmul(x, operand, True, operand.m_dim, tiles, tuning)
         ctx.save_for_backward(x, tokens_per_expert, *tiles)
-        ctx.operand = operand
+        ctx.operand, ctx.tuning = operand, tuning
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, tokens_per_expert, *tiles = ctx.saved_tensors
-        operand, grad_out = ctx.operand, grad_out.contiguous()
-        grad_x = _grouped_matmul(grad_out, operand, False, operand.k_dim, tiles)
+        operand, tuning, grad_out = ctx.operand, ctx.tuning, grad_out.contiguous()
+        grad_x = _grouped_matmul(grad_out, operand, False, operand.k_dim, tiles, tuning)
         n_experts = tokens_per_expert.numel()
         grad_w = torch.empty((n_experts, operand.m_dim, operand.k_dim), dtype=x.dtype, device=x.device)
-        grid = (n_experts, triton.cdiv(operand.m_dim, BLOCK_M), triton.cdiv(operand.k_dim, BLOCK_N))
+        block_m, block_n = tuning["wgrad_block_m"], tuning["wgrad_block_n"]
+        grid = (n_experts, triton.cdiv(operand.m_dim, block_m), triton.cdiv(operand.k_dim, block_n))
         _weight_grad_kernel[grid](grad_out, x, grad_w, tiles[3], tokens_per_expert, operand.m_dim,
-                                  operand.k_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_K, num_warps=8,
-                                  num_stages=_num_stages())  # fmt: skip
+                                  operand.k_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=tuning["wgrad_block_r"],
+                                  num_warps=tuning["wgrad_warps"], num_stages=tuning["wgrad_stages"])  # fmt: skip
         return grad_x, None, None, None, *((grad_w,) if operand.stacked else grad_w.unbind(0))
 
 

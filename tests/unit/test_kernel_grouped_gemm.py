@@ -1,7 +1,8 @@
 """Grouped expert GEMM Triton kernels (CPU interpreter) against float64 torch.
 
 The interpreter cannot multiply bfloat16 (see megatron_zaya/kernels/testing.py), so fp32 and fp16 here;
-bf16 runs in tests/gpu/test_kernels_gpu.py.
+bf16 runs in tests/gpu/test_kernels_gpu.py. The interpreter's launch settings (``GEMM_TUNING["cpu"]``) are 16-wide
+tiles: several tiles per expert, ragged edges, several contraction steps.
 """
 
 import pytest
@@ -10,12 +11,6 @@ import torch
 from megatron_zaya.kernels.testing import assert_matches_oracle, load_kernel_module
 
 kernels = load_kernel_module("megatron_zaya.kernels.grouped_gemm")
-
-
-@pytest.fixture(autouse=True)
-def small_tiles(monkeypatch):
-    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
-        monkeypatch.setattr(kernels, name, 16)  # several tiles per expert, ragged edges, several K steps
 
 
 def _run(fn, x, weight, counts, grad, dtype=None, **kwargs):
@@ -62,7 +57,7 @@ def test_padded_rows_are_left_out_with_zero_outputs_and_gradients():
 
 def test_row_tiles_never_straddle_experts():
     counts = torch.tensor([5, 0, 23, 9])
-    expert, first_row, row_end, row_start = kernels._row_tiles(counts, int(counts.sum()))
+    expert, first_row, row_end, row_start = kernels._row_tiles(counts, int(counts.sum()), False, block_m=16)
     used = expert >= 0
     assert expert[used].tolist() == [0, 2, 2, 3] and first_row[used].tolist() == [0, 5, 21, 28]
     assert row_end[used].tolist() == [5, 28, 28, 37] and row_start.tolist() == [0, 5, 5, 28]
