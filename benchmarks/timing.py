@@ -25,3 +25,31 @@ def call_times(fn, warmup: int, iters: int) -> list[float]:
             fn()
             times.append(1e3 * (time.perf_counter() - start))
     return times
+
+
+def sweep_groups(table: dict, groups: dict[str, list[dict]], measure) -> dict:
+    """Tune the launch-settings dict ``table`` in place, one group of its keys at a time.
+
+    ``groups`` maps a group name to candidate settings (dicts of some of ``table``'s keys); each candidate is
+    timed by ``measure()`` (milliseconds) with the other groups at the table's values. A candidate that fails
+    (e.g. more shared memory than the chip has) is reported and skipped. ``table`` is restored; returns the best
+    candidate of every group, merged.
+    """
+    original, best = dict(table), {}
+    try:
+        for group, candidates in groups.items():
+            results = []
+            for setting in candidates:
+                table.update(original, **setting)
+                try:
+                    ms = measure()
+                except Exception as error:  # a result, not a crash
+                    print(f"{group}: {setting}: {type(error).__name__}: {str(error).splitlines()[0][:90]}")
+                    continue
+                results.append((ms, list(setting.items())))
+                print(f"{group}: {setting}: {ms:.3f} ms", flush=True)
+            best.update(min(results)[1])
+    finally:
+        table.clear()
+        table.update(original)
+    return best

@@ -1,0 +1,67 @@
+"""Tune the CCA convolution kernels' launch (``cca.CONV_TUNING``) on this GPU.
+
+    python benchmarks/tune_cca_convs.py            # CUDA or ROCm GPU, well under a minute
+    python benchmarks/tune_cca_convs.py --smoke    # tiny shapes, any device: checks the script runs
+
+For each group of launch settings (forward, the grouped and depthwise conv backward, the weight gradient) it
+times forward + backward of the ``cca_convs`` case of ``bench_kernels.py`` (the q convolutions at T = 8192,
+1024 channels) as CUDA-graph replays, with the cuDNN ``conv1d`` reference timed the same way as the baseline,
+and prints the best of every group. Copy them into ``CONV_TUNING``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_kernels import SMOKE, Shapes, _time_passes, cases  # noqa: E402
+from timing import sweep_groups  # noqa: E402
+
+from megatron_zaya.kernels import cca  # noqa: E402
+from megatron_zaya.kernels.utils import platform  # noqa: E402
+
+
+def _grid(**choices) -> list[dict]:
+    return [dict(zip(choices, values)) for values in itertools.product(*choices.values())]
+
+
+#: Each group's settings are swept with the other groups at the table's values.
+GROUPS = {
+    "forward": _grid(rows=(32, 64, 128), warps=(4, 8)),
+    "grouped conv backward": _grid(grouped_rows=(32, 64, 128), grouped_warps=(4, 8)),
+    "depthwise backward": _grid(depthwise_rows=(16, 32, 64), depthwise_warps=(4, 8)),
+    "weight gradient": _grid(weight_rows=(32, 64, 128), weight_warps=(4, 8), weight_stages=(2, 3)),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.smoke:
+        raise SystemExit("tune_cca_convs needs a GPU; use --smoke to check the script")
+    graph = device == "cuda"
+    key = platform(torch.empty(0, device=device).device)
+    case = next(c for c in cases(SMOKE if args.smoke else Shapes(), device) if c.name == "cca_convs")
+    tensors, extra = case.make_inputs()
+    forward, both, _ = _time_passes(case.reference, tensors, extra, device, graph=graph)
+    print(f"platform {key}; cuDNN conv1d reference: forward {forward:.3f} ms, forward + backward {both:.3f} ms")
+
+    def forward_backward_ms() -> float:
+        # compile (and fail on resources) outside any CUDA-graph capture: a failed capture poisons the next one
+        torch.autograd.grad(case.kernel(*tensors, *extra), tensors, torch.ones_like(tensors[0]))
+        return _time_passes(case.kernel, tensors, extra, device, graph=graph)[1]
+
+    best = sweep_groups(cca.CONV_TUNING[key], GROUPS, forward_backward_ms)
+    print(f"best (forward + backward of the q convolutions): {best}")
+
+
+if __name__ == "__main__":
+    main()
