@@ -77,16 +77,16 @@ def _logsumexp_kernel(
     row = tl.cast(tl.program_id(0), tl.int64)
     row_ptr = logits_ptr + row * logits_stride
     cols = tl.arange(0, BLOCK)
-    lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
-    lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    # One running (max, sum) per row, rescaled once per block: one exp per logit. A running pair per lane
+    # needs two (the lane's rescale and the new term), which made this pass bound by the exp units.
+    slice_max = tl.full([], float("-inf"), tl.float32)
+    slice_sum = tl.zeros([], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK):
         x = tl.load(row_ptr + start + cols, mask=start + cols < n_cols, other=float("-inf")).to(tl.float32)
-        new_max = tl.maximum(lane_max, x)
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # lanes that saw only padding stay 0
-        lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.exp(x - shift)
-        lane_max = new_max
-    slice_max = tl.max(lane_max, axis=0)
-    slice_sum = tl.sum(lane_sum * tl.exp(lane_max - slice_max), axis=0)
+        new_max = tl.maximum(slice_max, tl.max(x, axis=0))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row of only padding so far stays at 0
+        slice_sum = slice_sum * tl.exp(slice_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+        slice_max = new_max
     running_max = tl.load(max_ptr + row)
     total_max = tl.maximum(running_max, slice_max)
     total_sum = tl.load(sum_exp_ptr + row) * tl.exp(running_max - total_max)
