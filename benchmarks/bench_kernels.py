@@ -3,6 +3,7 @@
     python benchmarks/bench_kernels.py                      # all kernels; CUDA or ROCm GPU; minutes (torch.compile)
     python benchmarks/bench_kernels.py --kernels rmsnorm,swiglu --no-compile
     python benchmarks/bench_kernels.py --smoke              # tiny shapes, any device: checks the script runs
+    python benchmarks/bench_kernels.py --batch 4 --kernels rmsnorm   # T = 16384 (the issue's norm anchors)
 
 Shapes: T = 8192 tokens (4096 x 2), D = 2048, F = 2048, V = 262272, E = 16, d = 128, nq = 8, nkv = 2,
 bf16 activations. For each kernel and pass (forward; forward + backward) it prints the median time of
@@ -231,13 +232,15 @@ def main() -> None:
     parser.add_argument("--kernels", help="comma-separated case names (default: all)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the references")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device, to check the script")
+    parser.add_argument("--batch", type=int, default=2,
+                        help="sequences of 4096 tokens (T = 4096 x batch; issue #6's norm anchors are at batch 4)")
     parser.add_argument("--timer", choices=("graph", "events"), default="graph",
                         help="memory-bound cases as CUDA-graph replays (default) or CUDA events per call")
     options = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not options.smoke:
         raise SystemExit("bench_kernels.py needs a CUDA or ROCm GPU; use --smoke to check the script on CPU")
-    shapes = SMOKE if options.smoke else Shapes()
+    shapes = SMOKE if options.smoke else Shapes(batch=options.batch)
     torch.manual_seed(0)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"device {name} | torch {torch.__version__} | tokens {shapes.tokens} | hidden {shapes.hidden}")
