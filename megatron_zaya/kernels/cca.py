@@ -362,7 +362,8 @@ def _conv_grouped_grad_kernel(
     grad_y = tl.zeros([BLOCK_ROWS, HEAD_DIM], tl.float32)
     for tap in tl.static_range(T1):
         g = _rows(grad_ptr, grad_ptr, chunk, pos + (T1 - 1 - tap), b, cols, valid, length, batch, channels, 0, False)
-        w = tl.load(w2_ptr + ((head * T1 + tap) * HEAD_DIM + d[None, :]) * HEAD_DIM + d[:, None]).to(g.dtype)  # [out, in]
+        w = tl.load(w2_ptr + ((head * T1 + tap) * HEAD_DIM + d[None, :]) * HEAD_DIM + d[:, None])  # [out, in]
+        w = w.to(g.dtype)
         grad_y = tl.dot(g, w, grad_y, input_precision=DOT_PRECISION)
     offsets = ((chunk * extent + pos + (T1 - 1)) * batch + b) * channels
     tl.store(grad_y_ptr + offsets[:, None] + cols[None, :], grad_y.to(grad_y_ptr.dtype.element_ty),
@@ -499,7 +500,7 @@ CONV_TUNING = {
     "cuda": {"rows": 128, "warps": 8, "grouped_rows": 128, "grouped_warps": 4, "depthwise_rows": 64,
              "depthwise_warps": 4, "weight_rows": 32, "weight_warps": 8, "weight_stages": 3},  # H200, 2026-11-30
     "rocm": {"rows": 32, "warps": 4, "grouped_rows": 32, "grouped_warps": 4, "depthwise_rows": 32,
-             "depthwise_warps": 4, "weight_rows": 32, "weight_warps": 4, "weight_stages": 2},  # not tuned (see the test)
+             "depthwise_warps": 4, "weight_rows": 32, "weight_warps": 4, "weight_stages": 2},  # not tuned
     "cpu": {"rows": 16, "warps": 4, "grouped_rows": 16, "grouped_warps": 4, "depthwise_rows": 16,
             "depthwise_warps": 4, "weight_rows": 16, "weight_warps": 4, "weight_stages": 1},  # the interpreter
 }  # fmt: skip
