@@ -11,7 +11,7 @@ with ``rmsnorm(x) = (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)``,
 model dtype; we do the whole merge in fp32.) Unfused, this is ~10 elementwise passes over [T, D]; fused, one
 read of ``h`` and ``res`` and one write of ``normed`` and ``new_res``. The backward recomputes ``new_res``
 from the saved ``h`` and ``res`` (it needs them anyway for the scale gradients) and reduces the five [D]
-vector gradients in per-program partial sums (deterministic, no atomics).
+vector gradients in per-program partial sums (deterministic, no atomics), summed and cast in one more launch.
 
 Two more entry points serve the rest of a ZAYA1 layer (``kernels.zaya_residual`` patch): ``residual_norm``,
 the RMSNorm of the fp32 stream as the layer sees it (``weight * rmsnorm(residual.to(weight.dtype))``, the cast
@@ -30,13 +30,16 @@ from .utils import flat_rows, persistent_programs, platform, row_block, triton_r
 MAX_HIDDEN = 16384  # one row lives in registers
 MAX_TILE = 8192  # elements per tensor of one backward iteration (rows x BLOCK) held in registers
 
-#: Backward launch per platform (``utils.platform()``): rows per iteration, persistent programs per SM/CU, and
-#: warps (None: from the row width). Tuned on an H200 with ``benchmarks/tune_norm_backward.py``; run it on a
-#: new platform and add its row here.
-BACKWARD_TUNING = {
-    "cuda": {"rows": 4, "programs_per_sm": 2, "num_warps": None},  # H200, 2026-11-30
-    "rocm": {"rows": 1, "programs_per_sm": 4, "num_warps": None},  # not tuned: the first CUDA choice
-    "cpu": {"rows": 2, "programs_per_sm": 4, "num_warps": None},  # the interpreter: exercises the row tiles
+#: Backward launch per platform (``utils.platform()``): rows per iteration, persistent programs per SM/CU,
+#: warps (None: from the row width) and the row loop's software-pipeline depth. Tuned on an H200 with
+#: ``benchmarks/tune_norm_backward.py``; run it on a new platform and add its row here.
+BACKWARD_TUNING = {  # pipeline_bytes: the shared memory the row loop's stages may fill (fewer stages past it)
+    "cuda": {"rows": 2, "programs_per_sm": 1, "num_warps": None, "stages": 4,  # H200 at T = 16384, 2026-11-30
+             "pipeline_bytes": 200 * 1024},
+    "rocm": {"rows": 1, "programs_per_sm": 4, "num_warps": None, "stages": 1,  # not tuned: the first CUDA choice
+             "pipeline_bytes": 48 * 1024},
+    "cpu": {"rows": 2, "programs_per_sm": 4, "num_warps": None, "stages": 1,  # the interpreter: the row tiles
+            "pipeline_bytes": 1 << 30},
 }
 
 
@@ -151,6 +154,7 @@ def _backward_kernel(
     ROUND_INPUT: tl.constexpr,
     ROWS: tl.constexpr,  # rows per loop iteration: more loads in flight per program
     BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,  # software-pipeline depth of the row loop (the next rows' loads issued early)
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -165,7 +169,7 @@ def _backward_kernel(
         grad_rs = tl.zeros([BLOCK], dtype=tl.float32)
     else:
         norm_dtype = weight_ptr.dtype.element_ty if ROUND_INPUT else hidden_ptr.dtype.element_ty
-    for first in range(pid * ROWS, n_rows, programs * ROWS):
+    for first in tl.range(pid * ROWS, n_rows, programs * ROWS, num_stages=STAGES):
         rows = first + tl.arange(0, ROWS)
         row_mask = rows < n_rows
         mask = row_mask[:, None] & col_mask[None, :]
@@ -213,6 +217,38 @@ def _backward_kernel(
         tl.store(partial + 4 * stride, grad_rs, mask=col_mask)
 
 
+@triton.jit
+def _sum_partials_kernel(
+    partials_ptr,  # [V, programs, D] fp32 from _backward_kernel
+    out0_ptr, out1_ptr, out2_ptr, out3_ptr, out4_ptr,  # [D] each, in its parameter's dtype (V of them used)
+    programs,
+    n_cols,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """out_v = sum over programs of partials[v], cast on store: one launch instead of a sum and a cast per vector."""
+    vector = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < n_cols
+    base = partials_ptr + tl.cast(vector, tl.int64) * programs * n_cols
+    total = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for first in range(0, programs, BLOCK_P):
+        rows = first + tl.arange(0, BLOCK_P)
+        mask = (rows < programs)[:, None] & col_mask[None, :]
+        block = tl.load(base + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+        total += tl.sum(block, axis=0)
+    if vector == 0:
+        tl.store(out0_ptr + cols, total.to(out0_ptr.dtype.element_ty), mask=col_mask)
+    elif vector == 1:
+        tl.store(out1_ptr + cols, total.to(out1_ptr.dtype.element_ty), mask=col_mask)
+    elif vector == 2:
+        tl.store(out2_ptr + cols, total.to(out2_ptr.dtype.element_ty), mask=col_mask)
+    elif vector == 3:
+        tl.store(out3_ptr + cols, total.to(out3_ptr.dtype.element_ty), mask=col_mask)
+    else:
+        tl.store(out4_ptr + cols, total.to(out4_ptr.dtype.element_ty), mask=col_mask)
+
+
 # ----------------------------------------------------------------------------------------- autograd
 
 
@@ -233,12 +269,16 @@ def _launch_forward(hidden, residual, vectors, weight, eps, out_dtype, has_norm=
 
 
 def _launch_backward(grad_out, grad_new_residual, hidden, residual, vectors, weight, rstd, round_input=False):
-    """Returns (grad_hidden, grad_residual, partials [weight, *vectors] summed over programs)."""
+    """Returns (grad_hidden, grad_residual, [grad weight, *grad vectors] in their dtypes)."""
     rows, n_cols = hidden.shape
     block, num_warps = row_block(n_cols, MAX_HIDDEN, "rms_norm")
     tuning = BACKWARD_TUNING[platform(hidden.device)]
     tile_rows = tuning["rows"] if block * tuning["rows"] <= MAX_TILE else 1
     programs = persistent_programs(hidden.device, triton.cdiv(rows, tile_rows), tuning["programs_per_sm"])
+    # Each pipeline stage buffers one iteration's row tiles in shared memory: fewer stages for wide rows.
+    loaded = [t for t in (grad_out, grad_new_residual, hidden, residual) if t is not None]
+    stage_bytes = tile_rows * block * sum(t.element_size() for t in loaded)
+    stages = max(1, min(tuning["stages"], tuning["pipeline_bytes"] // stage_bytes))
     grad_hidden = torch.empty_like(hidden)
     grad_residual = torch.empty_like(residual) if vectors else None
     partials = torch.empty((5 if vectors else 1, programs, n_cols), dtype=torch.float32, device=hidden.device)
@@ -246,9 +286,14 @@ def _launch_backward(grad_out, grad_new_residual, hidden, residual, vectors, wei
         grad_out, grad_new_residual, hidden, residual, *(vectors or (weight,) * 4), weight, rstd,
         grad_hidden, grad_residual, partials, rows, n_cols,
         HAS_RESIDUAL=bool(vectors), HAS_NORM=grad_out is not None, ROUND_INPUT=round_input, ROWS=tile_rows,
-        BLOCK=block, num_warps=tuning["num_warps"] or num_warps,
+        BLOCK=block, STAGES=stages, num_warps=tuning["num_warps"] or num_warps,
     )  # fmt: skip
-    return grad_hidden, grad_residual, partials.sum(1)
+    grads = [torch.empty(n_cols, dtype=t.dtype, device=hidden.device) for t in (weight, *(vectors or ()))]
+    block_c = min(128, triton.next_power_of_2(n_cols))
+    unused = grads[:1] * (5 - len(grads))  # the kernel's spare output pointers, never stored to
+    _sum_partials_kernel[(triton.cdiv(n_cols, block_c), len(grads))](partials, *grads, *unused, programs, n_cols,
+                                                                       BLOCK_P=32, BLOCK_C=block_c)  # fmt: skip
+    return grad_hidden, grad_residual, grads
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -266,9 +311,9 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x2d, weight, rstd = ctx.saved_tensors
-        grad_x, _, partials = _launch_backward(flat_rows(grad_out), None, x2d, None, None, weight, rstd,
+        grad_x, _, grads = _launch_backward(flat_rows(grad_out), None, x2d, None, None, weight, rstd,
                                                round_input=ctx.round_input)
-        return grad_x.view(grad_out.shape), partials[0].to(weight.dtype), None, None
+        return grad_x.view(grad_out.shape), grads[0], None, None
 
 
 class _ResidualRMSNorm(torch.autograd.Function):
@@ -283,12 +328,11 @@ class _ResidualRMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_normed, grad_new_residual):
         h2d, res2d, *vectors, weight, rstd = ctx.saved_tensors
-        grad_h, grad_res, partials = _launch_backward(
+        grad_h, grad_res, grads = _launch_backward(
             flat_rows(grad_normed), flat_rows(grad_new_residual.float()), h2d, res2d, vectors, weight, rstd
         )
-        shape = grad_normed.shape
-        grad_w, *grad_vectors = (p.to(t.dtype) for p, t in zip(partials, (weight, *vectors)))
-        return grad_h.view(shape), grad_res.view(shape), *grad_vectors, grad_w, None
+        grad_w, *grad_vectors = grads
+        return grad_h.view(grad_normed.shape), grad_res.view(grad_normed.shape), *grad_vectors, grad_w, None
 
 
 class _ResidualMerge(torch.autograd.Function):
@@ -303,11 +347,11 @@ class _ResidualMerge(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_new_residual):
         h2d, res2d, *vectors = ctx.saved_tensors
-        grad_h, grad_res, partials = _launch_backward(
+        grad_h, grad_res, grads = _launch_backward(
             None, flat_rows(grad_new_residual.float()), h2d, res2d, vectors, vectors[1], None
         )
         shape = grad_new_residual.shape
-        return grad_h.view(shape), grad_res.view(shape), *(p.to(t.dtype) for p, t in zip(partials[1:], vectors))
+        return grad_h.view(shape), grad_res.view(shape), *grads[1:]
 
 
 # ----------------------------------------------------------------------------------------- public API
