@@ -25,6 +25,8 @@ from collections.abc import Callable
 
 import torch
 
+from timing import gpu_or_smoke
+
 from megatron_zaya.kernels import cca, cross_entropy, grouped_gemm, residual_rmsnorm, router, swiglu
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -237,9 +239,7 @@ def main() -> None:
     parser.add_argument("--timer", choices=("graph", "events"), default="graph",
                         help="memory-bound cases as CUDA-graph replays (default) or CUDA events per call")
     options = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not options.smoke:
-        raise SystemExit("bench_kernels.py needs a CUDA or ROCm GPU; use --smoke to check the script on CPU")
+    device = gpu_or_smoke("bench_kernels.py", options.smoke)
     shapes = SMOKE if options.smoke else Shapes(batch=options.batch)
     torch.manual_seed(0)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"

@@ -40,7 +40,7 @@ import statistics
 
 import torch
 
-from timing import call_times
+from timing import call_times, gpu_or_smoke
 
 from megatron_zaya.kernels.newton_schulz import (
     QUINTIC_COEFFICIENTS,
@@ -239,9 +239,7 @@ def main() -> None:
     args = parser.parse_args()
     tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",") if t]
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if not args.smoke and device != "cuda":
-        raise SystemExit("bench_newton_schulz needs a CUDA or ROCm GPU; use --smoke to check the script on CPU")
+    device = gpu_or_smoke("bench_newton_schulz.py", args.smoke)
     torch.manual_seed(0)
     use_triton = triton_usable(torch.empty(0, device=device))
     layer = SMOKE_LAYER if args.smoke else LAYER

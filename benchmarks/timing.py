@@ -7,6 +7,15 @@ import time
 import torch
 
 
+def gpu_or_smoke(script: str, smoke: bool) -> str:
+    """The device a benchmark runs on: ``cuda`` (CUDA or ROCm), or ``cpu`` for a ``--smoke`` check; else it exits."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if not smoke:
+        raise SystemExit(f"{script} needs a CUDA or ROCm GPU; use --smoke to check the script on CPU")
+    return "cpu"
+
+
 def call_times(fn, warmup: int, iters: int) -> list[float]:
     """Milliseconds of each of ``iters`` calls of ``fn`` after ``warmup`` untimed ones (device-synchronised)."""
     for _ in range(warmup):

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import SMOKE, Shapes, _time_passes, cases  # noqa: E402
-from timing import sweep_groups  # noqa: E402
+from timing import gpu_or_smoke, sweep_groups  # noqa: E402
 
 from megatron_zaya.kernels import cca  # noqa: E402
 from megatron_zaya.kernels.utils import platform  # noqa: E402
@@ -44,11 +44,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.smoke:
-        raise SystemExit("tune_cca_convs needs a GPU; use --smoke to check the script")
+    device = gpu_or_smoke("tune_cca_convs.py", args.smoke)
     graph = device == "cuda"
-    key = platform(torch.empty(0, device=device).device)
+    key = platform(torch.device(device))
     case = next(c for c in cases(SMOKE if args.smoke else Shapes(), device) if c.name == "cca_convs")
     tensors, extra = case.make_inputs()
     forward, both, _ = _time_passes(case.reference, tensors, extra, device, graph=graph)

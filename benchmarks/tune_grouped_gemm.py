@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import SMOKE, Shapes, _time_passes, cases, gemm_anchor  # noqa: E402
-from timing import sweep_groups  # noqa: E402
+from timing import gpu_or_smoke, sweep_groups  # noqa: E402
 
 from megatron_zaya.kernels import grouped_gemm  # noqa: E402
 from megatron_zaya.kernels.utils import platform  # noqa: E402
@@ -38,11 +38,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.smoke:
-        raise SystemExit("tune_grouped_gemm needs a GPU; use --smoke to check the script")
+    device = gpu_or_smoke("tune_grouped_gemm.py", args.smoke)
     shapes = SMOKE if args.smoke else Shapes()
-    key = platform(torch.empty(0, device=device).device)
+    key = platform(torch.device(device))
     if device == "cuda":
         gemm_anchor(device, shapes)
     chosen = [c for c in cases(shapes, device) if c.name in ("grouped_gemm_fc1", "grouped_gemm_fc2")]

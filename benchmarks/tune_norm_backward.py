@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import SMOKE, Shapes, _bench, _time_passes, cases  # noqa: E402
+from timing import gpu_or_smoke  # noqa: E402
 
 from megatron_zaya.kernels import residual_rmsnorm  # noqa: E402
 from megatron_zaya.kernels.utils import platform  # noqa: E402
@@ -39,12 +40,10 @@ def main() -> None:
     parser.add_argument("--stages", default="1,2", help="software-pipeline depths of the row loop")
     parser.add_argument("--batch", type=int, default=2, help="T = 4096 x batch tokens")
     args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.smoke:
-        raise SystemExit("tune_norm_backward needs a GPU; use --smoke to check the script")
+    device = gpu_or_smoke("tune_norm_backward.py", args.smoke)
     shapes = SMOKE if args.smoke else Shapes(batch=args.batch)
     graph = device == "cuda"
-    key = platform(torch.empty(0, device=device).device)
+    key = platform(torch.device(device))
     x = torch.randn(shapes.tokens, shapes.hidden, device=device).to(torch.bfloat16)
     y = torch.empty_like(x)
     copy_gbs = 4 * x.numel() / _bench(lambda: y.copy_(x), device, graph) / 1e6
