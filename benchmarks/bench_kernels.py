@@ -239,6 +239,8 @@ def main() -> None:
     parser.add_argument("--timer", choices=("graph", "events"), default="graph",
                         help="memory-bound cases as CUDA-graph replays (default) or CUDA events per call")
     options = parser.parse_args()
+    if options.batch < 1:
+        parser.error(f"--batch {options.batch}: need at least one sequence")
     device = gpu_or_smoke("bench_kernels.py", options.smoke)
     shapes = SMOKE if options.smoke else Shapes(batch=options.batch)
     torch.manual_seed(0)

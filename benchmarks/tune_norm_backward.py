@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--stages", default="1,2", help="software-pipeline depths of the row loop")
     parser.add_argument("--batch", type=int, default=2, help="T = 4096 x batch tokens")
     args = parser.parse_args()
+    if args.batch < 1:
+        parser.error(f"--batch {args.batch}: need at least one sequence")
     device = gpu_or_smoke("tune_norm_backward.py", args.smoke)
     shapes = SMOKE if args.smoke else Shapes(batch=args.batch)
     graph = device == "cuda"
