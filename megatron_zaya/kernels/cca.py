@@ -176,7 +176,7 @@ def _rope_angles(cos_ptr, sin_ptr, rope_base, rope_mask, HALF: tl.constexpr):
 
 
 @triton.jit
-def _forward_kernel(
+def _qk_epilogue_forward_kernel(
     q_conv_ptr, k_conv_ptr, q0_ptr, k0_ptr,  # [T, nq*d], [T, nkv*d], [T, nq*d], [T, nkv*d]
     temp_ptr,  # [nkv]
     cos_ptr, sin_ptr,  # [S, B or 1, rot] via strides
@@ -227,7 +227,7 @@ def _store_input_grads(grad_q_conv_ptr, grad_k_conv_ptr, grad_q0_ptr, grad_k0_pt
 
 
 @triton.jit
-def _backward_kernel(
+def _qk_epilogue_backward_kernel(
     grad_q_ptr, grad_k_ptr,  # [T, nq*d], [T, nkv*d]
     q_conv_ptr, k_conv_ptr, q0_ptr, k0_ptr, temp_ptr, cos_ptr, sin_ptr,
     grad_q_conv_ptr, grad_k_conv_ptr, grad_q0_ptr, grad_k0_ptr,  # like the inputs
@@ -473,8 +473,10 @@ class _QKEpilogue(torch.autograd.Function):
         q_conv, k_conv, q0, k0, cos, sin = (t.contiguous() for t in (q_conv, k_conv, q0, k0, cos, sin))
         q, k = torch.empty_like(q0), torch.empty_like(k0)
         eps = torch.finfo(q0.dtype).eps
-        _forward_kernel[(seq * batch,)](q_conv, k_conv, q0, k0, temp, cos, sin, q, k, batch, *_rope_strides(cos, batch),
-                                        eps, **_meta_params(n_q, n_kv, head_dim, rot))  # fmt: skip
+        _qk_epilogue_forward_kernel[(seq * batch,)](
+            q_conv, k_conv, q0, k0, temp, cos, sin, q, k, batch, *_rope_strides(cos, batch), eps,
+            **_meta_params(n_q, n_kv, head_dim, rot),
+        )  # fmt: skip
         ctx.save_for_backward(q_conv, k_conv, q0, k0, temp, cos, sin)
         ctx.head_dim = head_dim
         return q, k
@@ -486,7 +488,7 @@ class _QKEpilogue(torch.autograd.Function):
         n_q, n_kv, rot = q0.shape[-1] // ctx.head_dim, temp.numel(), cos.shape[-1]
         grads = [torch.empty_like(t) for t in (q_conv, k_conv, q0, k0)]
         grad_temp = torch.empty((seq * batch, n_kv), dtype=torch.float32, device=q0.device)
-        _backward_kernel[(seq * batch,)](
+        _qk_epilogue_backward_kernel[(seq * batch,)](
             grad_q.contiguous(), grad_k.contiguous(), q_conv, k_conv, q0, k0, temp, cos, sin, *grads, grad_temp,
             batch, *_rope_strides(cos, batch), torch.finfo(q0.dtype).eps, **_meta_params(n_q, n_kv, ctx.head_dim, rot),
         )  # fmt: skip
@@ -606,7 +608,7 @@ def _check_shapes(q0, k0, wq2, temp, cos, sin) -> None:
 def cca_qk(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin, history=None):
     """CCA q/k by the Triton kernels (convolutions, then steps 2-4); same contract as :func:`cca_qk_reference`."""
     _check_shapes(q0, k0, wq2, temp, cos, sin)
-    if not triton_runs(_forward_kernel, q0, k0, temp, cos):
+    if not triton_runs(_qk_epilogue_forward_kernel, q0, k0, temp, cos):
         return cca_qk_reference(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin, history)
     seq, batch = q0.shape[:2]
     head_dim, n_kv = wq2.shape[1], temp.numel()

@@ -100,7 +100,7 @@ def _logsumexp_kernel(
 
 
 @triton.jit(do_not_specialize=["label_offset"])
-def _grad_kernel(
+def _cross_entropy_grad_kernel(
     logits_ptr,  # [rows, n_cols] slice (row stride logits_stride)
     logits_stride,
     labels_ptr,  # [rows] int64
@@ -132,8 +132,8 @@ def _accumulate_logsumexp(logits, labels, label_offset, running_max, running_sum
 def _softmax_grad(logits, labels, label_offset, lse, grad_loss, out):
     block = min(BLOCK_V, triton.next_power_of_2(logits.shape[1]))
     grid = (logits.shape[0], triton.cdiv(logits.shape[1], block))
-    _grad_kernel[grid](logits, logits.stride(0), labels, label_offset, lse, grad_loss, out, out.stride(0),
-                       logits.shape[1], BLOCK=block, num_warps=8)  # fmt: skip
+    _cross_entropy_grad_kernel[grid](logits, logits.stride(0), labels, label_offset, lse, grad_loss, out,
+                                     out.stride(0), logits.shape[1], BLOCK=block, num_warps=8)  # fmt: skip
     return out
 
 

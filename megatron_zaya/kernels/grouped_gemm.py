@@ -106,7 +106,7 @@ def _grouped_matmul_kernel(
 
 
 @triton.jit
-def _weight_grad_kernel(
+def _grouped_weight_grad_kernel(
     grad_out_ptr,  # [N, M]
     x_ptr,  # [N, K]
     grad_w_ptr,  # [E, M, K]
@@ -229,9 +229,10 @@ class _GroupedGemm(torch.autograd.Function):
         grad_w = torch.empty((n_experts, operand.m_dim, operand.k_dim), dtype=x.dtype, device=x.device)
         block_m, block_n = tuning["wgrad_block_m"], tuning["wgrad_block_n"]
         grid = (n_experts, triton.cdiv(operand.m_dim, block_m), triton.cdiv(operand.k_dim, block_n))
-        _weight_grad_kernel[grid](grad_out, x, grad_w, tiles[3], tokens_per_expert, operand.m_dim,
-                                  operand.k_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=tuning["wgrad_block_r"],
-                                  num_warps=tuning["wgrad_warps"], num_stages=tuning["wgrad_stages"])  # fmt: skip
+        _grouped_weight_grad_kernel[grid](grad_out, x, grad_w, tiles[3], tokens_per_expert, operand.m_dim,
+                                          operand.k_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+                                          BLOCK_R=tuning["wgrad_block_r"], num_warps=tuning["wgrad_warps"],
+                                          num_stages=tuning["wgrad_stages"])  # fmt: skip
         return grad_x, None, None, None, *((grad_w,) if operand.stacked else grad_w.unbind(0))
 
 

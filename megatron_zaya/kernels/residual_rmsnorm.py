@@ -88,7 +88,7 @@ def residual_norm_reference(residual: torch.Tensor, weight: torch.Tensor, eps: f
 
 
 @triton.jit
-def _forward_kernel(
+def _norm_forward_kernel(
     hidden_ptr,  # [T, D] the norm input (plain) or the sublayer output h (residual variant)
     residual_ptr,  # [T, D] residual stream (residual variant only)
     hidden_bias_ptr,
@@ -133,7 +133,7 @@ def _forward_kernel(
 
 
 @triton.jit
-def _backward_kernel(
+def _norm_backward_kernel(
     grad_out_ptr,  # [T, D]
     grad_new_residual_ptr,  # [T, D] fp32 (residual variant only)
     hidden_ptr,
@@ -218,8 +218,8 @@ def _backward_kernel(
 
 
 @triton.jit
-def _sum_partials_kernel(
-    partials_ptr,  # [V, programs, D] fp32 from _backward_kernel
+def _norm_sum_partials_kernel(
+    partials_ptr,  # [V, programs, D] fp32 from _norm_backward_kernel
     out0_ptr, out1_ptr, out2_ptr, out3_ptr, out4_ptr,  # [D] each, in its parameter's dtype (V of them used)
     programs,
     n_cols,
@@ -261,7 +261,7 @@ def _launch_forward(hidden, residual, vectors, weight, eps, out_dtype, has_norm=
     out = torch.empty((rows, n_cols), dtype=out_dtype, device=hidden.device) if has_norm else None
     rstd = torch.empty(rows, dtype=torch.float32, device=hidden.device) if has_norm else None
     new_residual = torch.empty((rows, n_cols), dtype=torch.float32, device=hidden.device) if vectors else None
-    _forward_kernel[(rows,)](
+    _norm_forward_kernel[(rows,)](
         hidden, residual, *(vectors or (weight,) * 4), weight, out, new_residual, rstd, n_cols, eps,
         HAS_RESIDUAL=bool(vectors), HAS_NORM=has_norm, ROUND_INPUT=round_input, BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
@@ -282,7 +282,7 @@ def _launch_backward(grad_out, grad_new_residual, hidden, residual, vectors, wei
     grad_hidden = torch.empty_like(hidden)
     grad_residual = torch.empty_like(residual) if vectors else None
     partials = torch.empty((5 if vectors else 1, programs, n_cols), dtype=torch.float32, device=hidden.device)
-    _backward_kernel[(programs,)](
+    _norm_backward_kernel[(programs,)](
         grad_out, grad_new_residual, hidden, residual, *(vectors or (weight,) * 4), weight, rstd,
         grad_hidden, grad_residual, partials, rows, n_cols,
         HAS_RESIDUAL=bool(vectors), HAS_NORM=grad_out is not None, ROUND_INPUT=round_input, ROWS=tile_rows,
@@ -291,8 +291,9 @@ def _launch_backward(grad_out, grad_new_residual, hidden, residual, vectors, wei
     grads = [torch.empty(n_cols, dtype=t.dtype, device=hidden.device) for t in (weight, *(vectors or ()))]
     block_c = min(128, triton.next_power_of_2(n_cols))
     unused = grads[:1] * (5 - len(grads))  # the kernel's spare output pointers, never stored to
-    _sum_partials_kernel[(triton.cdiv(n_cols, block_c), len(grads))](partials, *grads, *unused, programs, n_cols,
-                                                                       BLOCK_P=32, BLOCK_C=block_c)  # fmt: skip
+    _norm_sum_partials_kernel[(triton.cdiv(n_cols, block_c), len(grads))](
+        partials, *grads, *unused, programs, n_cols, BLOCK_P=32, BLOCK_C=block_c
+    )
     return grad_hidden, grad_residual, grads
 
 
@@ -373,7 +374,7 @@ def _check_residual_args(hidden, residual, vectors) -> None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * rmsnorm(x)``: x [..., D], weight [D] -> [..., D] in promote(x, weight) dtype."""
     _check_vector("weight", weight, x.shape[-1])
-    if not triton_runs(_forward_kernel, x, weight):
+    if not triton_runs(_norm_forward_kernel, x, weight):
         return rms_norm_reference(x, weight, eps)
     return _RMSNorm.apply(x, weight, eps, False)
 
@@ -382,7 +383,7 @@ def residual_norm(residual: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     """``weight * rmsnorm(residual.to(weight.dtype))`` in weight's dtype; same contract as
     :func:`residual_norm_reference`, without materialising the cast."""
     _check_vector("weight", weight, residual.shape[-1])
-    if not triton_runs(_forward_kernel, residual, weight):
+    if not triton_runs(_norm_forward_kernel, residual, weight):
         return residual_norm_reference(residual, weight, eps)
     return _RMSNorm.apply(residual, weight, eps, True)
 
@@ -391,7 +392,7 @@ def residual_merge(hidden, residual, hidden_bias, hidden_scale, residual_bias, r
     """Fused ZAYA residual merge; same contract as :func:`residual_merge_reference`."""
     vectors = (hidden_bias, hidden_scale, residual_bias, residual_scale)
     _check_residual_args(hidden, residual, vectors)
-    if not triton_runs(_forward_kernel, hidden, residual, *vectors):
+    if not triton_runs(_norm_forward_kernel, hidden, residual, *vectors):
         return residual_merge_reference(hidden, residual, *vectors)
     return _ResidualMerge.apply(hidden, residual, *vectors)
 
@@ -410,7 +411,7 @@ def residual_rms_norm(
     vectors = (hidden_bias, hidden_scale, residual_bias, residual_scale, weight)
     _check_residual_args(hidden, residual, vectors)
     args = (hidden, residual, *vectors)
-    if not triton_runs(_forward_kernel, *args):
+    if not triton_runs(_norm_forward_kernel, *args):
         return residual_rms_norm_reference(*args, eps)
     return _ResidualRMSNorm.apply(*args, eps)
 

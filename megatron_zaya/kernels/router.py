@@ -44,7 +44,7 @@ def route_top1_reference(
 
 
 @triton.jit
-def _forward_kernel(
+def _router_forward_kernel(
     logits_ptr,  # [T, C] (C = E + 1 classes)
     biases_ptr,  # [C] fp32
     probs_ptr,  # [T, E] fp32
@@ -84,7 +84,7 @@ def _forward_kernel(
 
 
 @triton.jit
-def _backward_kernel(
+def _router_backward_kernel(
     grad_probs_ptr,  # [T, E]
     grad_skip_ptr,  # [T]
     logits_ptr,  # [T, C]
@@ -129,7 +129,7 @@ class _RouteTop1(torch.autograd.Function):
         choice = torch.empty(n_tokens, dtype=torch.int32, device=device)
         counts = torch.zeros(n_classes, dtype=torch.int64, device=device)
         grid = (triton.cdiv(n_tokens, BLOCK_TOKENS),)
-        _forward_kernel[grid](
+        _router_forward_kernel[grid](
             logits2d, biases.float().contiguous(), probs, routing_map.view(torch.uint8), skip_gate, choice, counts,
             n_tokens, n_classes, BLOCK_T=BLOCK_TOKENS, BLOCK_C=triton.next_power_of_2(n_classes), num_warps=4,
         )  # fmt: skip
@@ -143,7 +143,7 @@ class _RouteTop1(torch.autograd.Function):
         n_tokens, n_classes = logits2d.shape
         grad_logits = torch.empty_like(logits2d)
         grid = (triton.cdiv(n_tokens, BLOCK_TOKENS),)
-        _backward_kernel[grid](
+        _router_backward_kernel[grid](
             grad_probs.contiguous(), grad_skip.contiguous(), logits2d, choice, grad_logits, n_tokens, n_classes,
             BLOCK_T=BLOCK_TOKENS, BLOCK_C=triton.next_power_of_2(n_classes), num_warps=4,
         )  # fmt: skip
@@ -161,7 +161,7 @@ def route_top1(
         )
     if biases.shape != (num_experts + 1,):
         raise ValueError(f"balancing biases must have shape [{num_experts + 1}], got {list(biases.shape)}")
-    if not triton_runs(_forward_kernel, logits, biases):
+    if not triton_runs(_router_forward_kernel, logits, biases):
         return route_top1_reference(logits, biases, num_experts)
     return _RouteTop1.apply(logits.reshape(-1, num_experts + 1).contiguous(), biases.detach())
 

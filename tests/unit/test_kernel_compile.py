@@ -71,13 +71,13 @@ def _grouped_gemm(k):
 
 # module: (run forward+backward on meta tensors, the kernels that must have been compiled)
 CASES = {
-    "residual_rmsnorm": (_rmsnorm, {"_forward_kernel", "_backward_kernel", "_sum_partials_kernel"}),
-    "swiglu": (_swiglu, {"_forward_kernel", "_backward_kernel"}),
-    "router": (_router, {"_forward_kernel", "_backward_kernel"}),
-    "cross_entropy": (_cross_entropy, {"_logsumexp_kernel", "_grad_kernel"}),
-    "cca": (_cca, {"_forward_kernel", "_backward_kernel", "_conv_forward_kernel", "_conv_grouped_grad_kernel",
-                   "_conv_depthwise_grad_kernel", "_conv_weight_grad_kernel"}),
-    "grouped_gemm": (_grouped_gemm, {"_grouped_matmul_kernel", "_weight_grad_kernel"}),
+    "residual_rmsnorm": (_rmsnorm, {"_norm_forward_kernel", "_norm_backward_kernel", "_norm_sum_partials_kernel"}),
+    "swiglu": (_swiglu, {"_swiglu_forward_kernel", "_swiglu_backward_kernel"}),
+    "router": (_router, {"_router_forward_kernel", "_router_backward_kernel"}),
+    "cross_entropy": (_cross_entropy, {"_logsumexp_kernel", "_cross_entropy_grad_kernel"}),
+    "cca": (_cca, {"_qk_epilogue_forward_kernel", "_qk_epilogue_backward_kernel", "_conv_forward_kernel",
+                   "_conv_grouped_grad_kernel", "_conv_depthwise_grad_kernel", "_conv_weight_grad_kernel"}),
+    "grouped_gemm": (_grouped_gemm, {"_grouped_matmul_kernel", "_grouped_weight_grad_kernel"}),
 }
 
 

@@ -16,23 +16,24 @@ def _run(fn, x, weights, bias, grad, dtype=None):
 
 
 @pytest.mark.parametrize(
-    "variant,dtype,max_block",  # max_block 16: several column blocks per row
-    [(v, d, b) for v in ("plain", "weighted", "bias") for d, b in ((torch.float32, 16), (torch.bfloat16, 4096))]
-    + [("weighted", torch.bfloat16, 16)],
+    "variant,dtype,block,rows",  # block 16: several column blocks per row; rows 2 or 4: a partial row tile
+    [(v, *tile) for v in ("plain", "weighted", "bias") for tile in ((torch.float32, 16, 2), (torch.bfloat16, 4096, 1))]
+    + [("weighted", torch.bfloat16, 16, 4)],
 )
-def test_swiglu_forward_backward(variant, dtype, max_block, monkeypatch):
-    monkeypatch.setattr(kernels, "MAX_BLOCK", max_block)
+def test_swiglu_forward_backward(variant, dtype, block, rows, monkeypatch):
+    tile = {"block": block, "rows": rows, "backward_block": block, "backward_rows": rows}
+    monkeypatch.setitem(kernels.SWIGLU_TUNING, "cpu", {**kernels.SWIGLU_TUNING["cpu"], **tile})
     gen = torch.Generator().manual_seed(0)
-    rows, ffn = (3, 7), 40
-    x = (2 * torch.randn(*rows, 2 * ffn, generator=gen)).to(dtype)
-    weights = torch.rand(*rows, 1, generator=gen) if variant == "weighted" else None  # fp32 router probs
+    tokens, ffn = (3, 7), 40
+    x = (2 * torch.randn(*tokens, 2 * ffn, generator=gen)).to(dtype)
+    weights = torch.rand(*tokens, 1, generator=gen) if variant == "weighted" else None  # fp32 router probs
     bias = (0.5 * torch.randn(2 * ffn, generator=gen)).to(dtype) if variant == "bias" else None
-    grad = torch.randn(*rows, ffn, generator=gen)
+    grad = torch.randn(*tokens, ffn, generator=gen)
 
     kernel = _run(kernels.swiglu, x, weights, bias, grad)
     reference = _run(kernels.swiglu_reference, x, weights, bias, grad)
     oracle = _run(kernels.swiglu_reference, x, weights, bias, grad, dtype=torch.float64)
-    assert kernel[0].dtype == dtype and kernel[0].shape == (*rows, ffn)
+    assert kernel[0].dtype == dtype and kernel[0].shape == (*tokens, ffn)
     for name, k, r, o in zip(["out", "d_x", "d_second"], kernel, reference, oracle):
         assert k.dtype == r.dtype
         assert_matches_oracle(name, k, o, r)
