@@ -8,17 +8,24 @@ A token that chooses the skip class goes to no expert, which Megatron's dropless
 expect (it sizes its permuted-token buffer as tokens × top-k); ``SkipAwareAlltoAllTokenDispatcher`` sizes it
 by the routing map instead.
 
-On one expert-parallel rank without tensor parallelism (every expert local, top-1, no shared experts)
-``ZayaMoELayer`` dispatches by itself instead: a stable sort of the tokens by expert (the skip class last),
-the experts on that static-size buffer with device-side counts, and the inverse permutation back. That is
-Megatron's permutation, token for token, without its host sync: Megatron sizes its permuted buffer by the
-routed count, which it must copy to the host in every MoE layer, and a host-bound step (one ZAYA1-8B-width
-layer on an H200: 14 ms of host time for 6 ms of device work) loses its lead over the device at every sync.
+Top-1 without tensor parallelism and no shared experts, ``ZayaMoELayer`` dispatches by itself instead: a
+stable sort of the tokens by expert (the skip class last), the experts on that static-size buffer with
+device-side counts, and the inverse permutation back. That is Megatron's permutation, token for token, without
+its host sync: Megatron sizes its permuted buffer by the routed count, which it must copy to the host in every
+MoE layer, and a host-bound step (one ZAYA1-8B-width layer on an H200: 14 ms of host time for 6 ms of device
+work) loses its lead over the device at every sync. With experts spread over EP ranks it does the same when
+``--moe-token-dispatcher-type allgather`` is chosen: every rank gathers the EP group's tokens, sorts them with
+other ranks' experts last, runs its experts, and a reduce-scatter sums each token's output (non-zero on its
+expert's rank only) back to the token's rank. That moves EP× the tokens of an all-to-all, and needs no sync.
 """
 
 from __future__ import annotations
 
 import torch
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
@@ -71,8 +78,8 @@ class ZayaMoELayer(MoELayer):
 
     def forward(self, hidden_states: torch.Tensor, router_state: torch.Tensor | None = None):
         self.router.state_in = router_state
-        if self._dispatches_locally():
-            output = self._local_forward(hidden_states)
+        if self._sorts_without_host_sync():
+            output = self._sorted_forward(hidden_states)
         else:
             output, bias = super().forward(hidden_states)
             assert bias is None
@@ -85,24 +92,42 @@ class ZayaMoELayer(MoELayer):
             )
         return output, next_state
 
-    def _dispatches_locally(self) -> bool:
+    def _sorts_without_host_sync(self) -> bool:
+        """Top-1, no tensor parallelism, no shared experts; every expert here, or the allgather dispatcher."""
         cfg = self.config
-        every_expert_local = all(group.size() == 1 for group in
-                                 (self.ep_group, self.tp_group, self.attn_tp_group, self.experts.tp_group))
-        return (every_expert_local and cfg.moe_router_topk == 1 and self.shared_experts is None
+        no_tensor_parallel = all(group.size() == 1 for group in (self.tp_group, self.attn_tp_group,
+                                                                  self.experts.tp_group))  # fmt: skip
+        gathers = self.ep_group.size() == 1 or cfg.moe_token_dispatcher_type == "allgather"
+        return (no_tensor_parallel and gathers and cfg.moe_router_topk == 1 and self.shared_experts is None
                 and not cfg.moe_layer_recompute and not cfg.moe_apply_probs_on_input)
 
-    def _local_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Route, sort the tokens by expert (skip class last), run the experts, unsort. No host sync."""
+    def _dispatches_locally(self) -> bool:
+        """The sync-free path with every expert on this rank: no collective inside the layer."""
+        return self._sorts_without_host_sync() and self.ep_group.size() == 1
+
+    def _sorted_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Route, sort the (EP group's) tokens by local expert, the rest last; run the experts, unsort. No host sync."""
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         probs, routing_map = self.router(hidden_states)  # [T, E] each, at most one expert per token
-        routed = routing_map.any(dim=-1)
-        expert = torch.where(routed, routing_map.byte().argmax(dim=-1), self.num_local_experts)
-        order = torch.argsort(expert, stable=True)  # Megatron's order: by expert, then by token
+        expert = torch.where(routing_map.any(dim=-1), routing_map.byte().argmax(dim=-1), routing_map.shape[-1])
+        prob = probs.sum(dim=-1)  # the chosen expert's probability, 0 for the skip class
+        gathered = self.ep_group.size() > 1
+        if gathered:  # [EP·T, ...]; the backward reduce-scatters the gradients to the tokens' ranks
+            tokens = gather_from_sequence_parallel_region(tokens, group=self.ep_group)
+            prob = gather_from_sequence_parallel_region(prob, group=self.ep_group)
+            with torch.no_grad():
+                expert = gather_from_sequence_parallel_region(expert, group=self.ep_group)
+        local = expert - self.local_expert_indices[0]
+        local = torch.where((local >= 0) & (local < self.num_local_experts), local, self.num_local_experts)
+        order = torch.argsort(local, stable=True)  # Megatron's order: by expert, then by token
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        counts = routing_map.sum(dim=0)  # not torch.bincount: on GPUs it syncs to size its output
+        # not torch.bincount: on GPUs it syncs to size its output
+        counts = torch.zeros(self.num_local_experts + 1, dtype=torch.int64, device=local.device)
+        counts = counts.scatter_add_(0, local, torch.ones_like(local))[:-1]
         output, bias = self.experts(_PermuteRows.apply(tokens, order, inverse), counts,
-                                    _PermuteRows.apply(probs.sum(dim=-1), order, inverse))
+                                    _PermuteRows.apply(prob, order, inverse))
         assert bias is None
         output = _PermuteRows.apply(output, inverse, order)
+        if gathered:  # one rank's output per token is non-zero: the bf16 sum is exact
+            output = reduce_scatter_to_sequence_parallel_region(output, group=self.ep_group)
         return output.view(hidden_states.shape[:-1] + output.shape[-1:])

@@ -1,7 +1,8 @@
 """The ZAYA1 model on two gloo ranks equals the one-rank run on the same global batch (issue #4).
 
-Layouts of world 2: DP2; TP2 with sequence parallelism (experts tensor-parallel too, ETP2); EP2 with the
-alltoall and with the allgather dispatcher; TP2 + SP with EP2 and ETP1. In each, the per-token losses and
+Layouts of world 2: DP2; TP2 with sequence parallelism (experts tensor-parallel too, ETP2); EP2 with Megatron's
+alltoall dispatcher and with ZAYA's sync-free all-gather dispatch (``allgather``, model/moe.py); TP2 + SP with EP2
+and ETP1. In each, the per-token losses and
 every gradient (after Megatron's DDP reduction, ``finalize_model_grads``) equal the one-rank run's, for
 each rank's shard: a TP rank's slice of the full gradient, an EP rank's experts renumbered globally, a DP
 rank's half of the batch and the averaged gradient. Every rank also checks the balancing step: the per-class

@@ -23,7 +23,7 @@ def test_local_dispatch_equals_megatrons_dispatcher(monkeypatch, skip_mode):
     ids = torch.randint(0, cfg.vocab_size, (3, 17), generator=torch.Generator().manual_seed(1))
 
     def run(local: bool):
-        monkeypatch.setattr(ZayaMoELayer, "_dispatches_locally", lambda self: local)
+        monkeypatch.setattr(ZayaMoELayer, "_sorts_without_host_sync", lambda self: local)
         net.zero_grad(set_to_none=True)
         loss = net(ids, labels=ids)
         loss.sum().backward()
