@@ -3,8 +3,8 @@
     python benchmarks/parallel_2gpu.py --out OUT [--parts scaling,context,references,match,resume,optimizer]
 
 * ``scaling``: one GPU, DP2, EP2 (expert-parallel, 8 experts per GPU), TP2 (+SP), DP2 with overlapped gradient
-  reduction, and DP2 with that and the distributed optimizer (``--scaling-layouts`` picks them) on the ZAYA1-8B-width
-  model at 8 layers, sequence 4096, global batch 8 x 4096 tokens (the same samples in every layout). Reports
+  reduction, DP2 and EP2 with that and the distributed optimizer, and EP2 so with the all-gather dispatch
+  (``--scaling-layouts`` picks them; ``LAYOUTS`` holds their flags) on the ZAYA1-8B-width model at 8 layers, sequence 4096, global batch 8 x 4096 tokens (the same samples in every layout). Reports
   tokens/s/GPU over the iterations after the 10th and scaling efficiency = tokens/s/GPU / one GPU's.
 * ``context``: the same for CP2 at sequence 32768 (4 layers, global batch 2), plain and with the distributed
   optimizer and overlap (the CP ranks hold replicated weights: their gradients are reduced and their optimizer
@@ -64,7 +64,13 @@ LAYOUTS = {"dp2": [], "ep2": ["--expert-model-parallel-size", "2"],
            # the gradient all-reduce runs bucket by bucket during the last micro-batch's backward
            "dp2_overlap": ["--overlap-grad-reduce"],
            # ZeRO-1 also halves each rank's optimizer step
-           "dp2_distopt": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]}
+           "dp2_distopt": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
+           # the same for the replicated non-expert weights of EP2
+           "ep2_distopt": ["--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--overlap-grad-reduce",
+                           "--overlap-param-gather"],
+           # EP2 through ZAYA's sync-free all-gather dispatch instead of Megatron's all-to-all (model/moe.py)
+           "ep2_allgather_distopt": ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather",
+                                     "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]}
 
 
 def launch(name: str, flags: list[str], out: Path, gpus: str, nproc: int = 1, profile: str | None = None):
@@ -108,6 +114,7 @@ def summary(out: Path, name: str, reference: str | None, tokens_per_iter: int, g
     row["iterations"] = len(rows)
     if steady:
         row["ms_per_iter"] = statistics.mean(steady)
+        row["ms_per_iter_median"] = statistics.median(steady)  # a few slow iterations (host jitter) move the mean
         row["tokens_per_s_per_gpu"] = tokens_per_iter / (row["ms_per_iter"] / 1000) / gpus
     if reference is not None:
         ref = parse(out, reference)
@@ -237,14 +244,15 @@ def main() -> None:
 
     (args.out / f"parallel-{args.parts.replace(',', '-')}.json").write_text(json.dumps(results, indent=1))
     base = {r["run"]: r.get("tokens_per_s_per_gpu") for r in results if r.get("gpus") == 1}
-    print("\n| run | GPUs | iterations | ms/iter | tokens/s/GPU | scaling eff. | max |Δ loss| (first 20) |")
+    print("\n| run | GPUs | iterations | ms/iter (median) | tokens/s/GPU | scaling eff. | max |Δ loss| (first 20) |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
         if "gpus" not in r:
             continue
         ref = base.get("one_gpu_32k" if "32k" in r["run"] else "one_gpu")
         eff = r.get("tokens_per_s_per_gpu", 0) / ref if ref and r["gpus"] > 1 else None
-        print(f"| {r['run']} | {r['gpus']} | {r['iterations']} | {r.get('ms_per_iter', float('nan')):.1f} | "
+        print(f"| {r['run']} | {r['gpus']} | {r['iterations']} | {r.get('ms_per_iter', float('nan')):.1f} "
+              f"({r.get('ms_per_iter_median', float('nan')):.1f}) | "
               f"{r.get('tokens_per_s_per_gpu', float('nan')):,.0f} | {'' if eff is None else f'{eff:.1%}'} | "
               f"{r.get('max_abs_loss_diff', '')} |")
     for r in results:
