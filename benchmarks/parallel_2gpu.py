@@ -4,7 +4,8 @@
 
 * ``scaling``: one GPU, DP2, EP2 (expert-parallel, 8 experts per GPU), TP2 (+SP), DP2 with overlapped gradient
   reduction, DP2 and EP2 with that and the distributed optimizer, and EP2 so with the all-gather dispatch
-  (``--scaling-layouts`` picks them; ``LAYOUTS`` holds their flags) on the ZAYA1-8B-width model at 8 layers, sequence 4096, global batch 8 x 4096 tokens (the same samples in every layout). Reports
+  (``--scaling-layouts`` picks them; ``LAYOUTS`` holds their flags) on the ZAYA1-8B-width model at 8 layers,
+  sequence 4096, global batch 8 x 4096 tokens (the same samples in every layout). Reports
   tokens/s/GPU over the iterations after the 10th and scaling efficiency = tokens/s/GPU / one GPU's.
 * ``context``: the same for CP2 at sequence 32768 (4 layers, global batch 2), plain and with the distributed
   optimizer and overlap (the CP ranks hold replicated weights: their gradients are reduced and their optimizer
