@@ -109,21 +109,19 @@ class ZayaMoELayer(MoELayer):
         """Route, sort the (EP group's) tokens by local expert, the rest last; run the experts, unsort. No host sync."""
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         probs, routing_map = self.router(hidden_states)  # [T, E] each, at most one expert per token
-        expert = torch.where(routing_map.any(dim=-1), routing_map.byte().argmax(dim=-1), routing_map.shape[-1])
         prob = probs.sum(dim=-1)  # the chosen expert's probability, 0 for the skip class
         gathered = self.ep_group.size() > 1
-        if gathered:  # [EP·T, ...]; the backward reduce-scatters the gradients to the tokens' ranks
+        if gathered:  # the EP group's tokens [EP·T, ...]; the backward reduce-scatters their gradients
             tokens = gather_from_sequence_parallel_region(tokens, group=self.ep_group)
             prob = gather_from_sequence_parallel_region(prob, group=self.ep_group)
             with torch.no_grad():
-                expert = gather_from_sequence_parallel_region(expert, group=self.ep_group)
-        local = expert - self.local_expert_indices[0]
-        local = torch.where((local >= 0) & (local < self.num_local_experts), local, self.num_local_experts)
-        order = torch.argsort(local, stable=True)  # Megatron's order: by expert, then by token
+                routing_map = gather_from_sequence_parallel_region(routing_map, group=self.ep_group)
+        first = self.local_expert_indices[0]
+        local_map = routing_map[:, first : first + self.num_local_experts]  # one rank: the whole map
+        expert = torch.where(local_map.any(dim=-1), local_map.byte().argmax(dim=-1), self.num_local_experts)
+        order = torch.argsort(expert, stable=True)  # Megatron's order: by expert, then by token
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        # not torch.bincount: on GPUs it syncs to size its output
-        counts = torch.zeros(self.num_local_experts + 1, dtype=torch.int64, device=local.device)
-        counts = counts.scatter_add_(0, local, torch.ones_like(local))[:-1]
+        counts = local_map.sum(dim=0)  # not torch.bincount: on GPUs it syncs to size its output
         output, bias = self.experts(_PermuteRows.apply(tokens, order, inverse), counts,
                                     _PermuteRows.apply(prob, order, inverse))
         assert bias is None
