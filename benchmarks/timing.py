@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -34,6 +35,11 @@ def call_times(fn, warmup: int, iters: int) -> list[float]:
             fn()
             times.append(1e3 * (time.perf_counter() - start))
     return times
+
+
+def settings_grid(**choices) -> list[dict]:
+    """Every combination of the choices: ``settings_grid(rows=(1, 2), warps=(4, 8))`` -> 4 dicts of rows and warps."""
+    return [dict(zip(choices, values)) for values in itertools.product(*choices.values())]
 
 
 def sweep_groups(table: dict, groups: dict[str, list[dict]], measure) -> dict:

@@ -12,7 +12,6 @@ and prints the best of every group. Copy them into ``CONV_TUNING``.
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 from pathlib import Path
 
@@ -21,22 +20,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import SMOKE, Shapes, _time_passes, cases  # noqa: E402
-from timing import gpu_or_smoke, sweep_groups  # noqa: E402
+from timing import gpu_or_smoke, settings_grid, sweep_groups  # noqa: E402
 
 from megatron_zaya.kernels import cca  # noqa: E402
 from megatron_zaya.kernels.utils import platform  # noqa: E402
 
 
-def _grid(**choices) -> list[dict]:
-    return [dict(zip(choices, values)) for values in itertools.product(*choices.values())]
-
-
 #: Each group's settings are swept with the other groups at the table's values.
 GROUPS = {
-    "forward": _grid(rows=(32, 64, 128), warps=(4, 8)),
-    "grouped conv backward": _grid(grouped_rows=(32, 64, 128), grouped_warps=(4, 8)),
-    "depthwise backward": _grid(depthwise_rows=(16, 32, 64), depthwise_warps=(4, 8)),
-    "weight gradient": _grid(weight_rows=(32, 64, 128), weight_warps=(4, 8), weight_stages=(2, 3)),
+    "forward": settings_grid(rows=(32, 64, 128), warps=(4, 8)),
+    "grouped conv backward": settings_grid(grouped_rows=(32, 64, 128), grouped_warps=(4, 8)),
+    "depthwise backward": settings_grid(depthwise_rows=(16, 32, 64), depthwise_warps=(4, 8)),
+    "weight gradient": settings_grid(weight_rows=(32, 64, 128), weight_warps=(4, 8), weight_stages=(2, 3)),
 }
 
 

@@ -12,7 +12,6 @@ baseline. It prints the best of each group; copy them into ``SWIGLU_TUNING``.
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 from pathlib import Path
 
@@ -21,16 +20,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import SMOKE, Shapes, _time_passes, cases  # noqa: E402
-from timing import gpu_or_smoke, sweep_groups  # noqa: E402
+from timing import gpu_or_smoke, settings_grid, sweep_groups  # noqa: E402
 
 from megatron_zaya.kernels import swiglu  # noqa: E402
 from megatron_zaya.kernels.utils import platform  # noqa: E402
 
 SWIGLU_CASES = ("swiglu", "swiglu_weighted")
-
-
-def _grid(**choices) -> list[dict]:
-    return [dict(zip(choices, values)) for values in itertools.product(*choices.values())]
 
 
 def _forward_backward(fn, tensors, extra) -> None:
@@ -69,8 +64,9 @@ def main() -> None:
         return total_ms
 
     table, original = swiglu.SWIGLU_TUNING[key], dict(swiglu.SWIGLU_TUNING[key])
-    best = sweep_groups(table, {"forward": _grid(rows=(1, 2, 4), block=(1024, 2048), warps=(4, 8, 16))}, measure(0))
-    backward = _grid(backward_rows=(1, 2, 4), backward_block=(1024, 2048), backward_warps=(4, 8, 16))
+    forward = settings_grid(rows=(1, 2, 4), block=(1024, 2048), warps=(4, 8, 16))
+    backward = settings_grid(backward_rows=(1, 2, 4), backward_block=(1024, 2048), backward_warps=(4, 8, 16))
+    best = sweep_groups(table, {"forward": forward}, measure(0))
     table.update(best)  # the backward group is timed forward + backward, with the best forward
     try:
         best.update(sweep_groups(table, {"backward": backward}, measure(1)))
