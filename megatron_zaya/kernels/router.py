@@ -37,10 +37,12 @@ def route_top1_reference(
     probs_all = torch.softmax(logits.reshape(-1, num_experts + 1).float(), dim=-1)
     choice = torch.argmax(probs_all.detach() + biases, dim=-1)
     gate = probs_all.gather(1, choice[:, None]).squeeze(1)
-    routing_map = torch.nn.functional.one_hot(choice, num_experts + 1)[:, :num_experts].bool()
+    # a comparison and a scatter-add, not one_hot and bincount: those copy to the host on GPUs (no graph capture)
+    routing_map = choice[:, None] == torch.arange(num_experts, device=choice.device)
     probs = torch.where(routing_map, gate[:, None], 0.0)
     skip_gate = torch.where(choice == num_experts, gate, 0.0)
-    return probs, routing_map, skip_gate, torch.bincount(choice, minlength=num_experts + 1)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=choice.device)
+    return probs, routing_map, skip_gate, counts.scatter_add_(0, choice, torch.ones_like(choice))
 
 
 @triton.jit
