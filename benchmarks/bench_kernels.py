@@ -150,6 +150,13 @@ def _bench(fn: Callable[[], object], device: str, graph: bool = False) -> float:
     return sorted(times)[2]
 
 
+def warm_up(fn: Callable, tensors: list[torch.Tensor], args: tuple) -> None:
+    """One untimed forward + backward: compiles (and fails on resources) outside a CUDA-graph capture, which a
+    failure would poison for every later capture."""
+    out = fn(*tensors, *args)
+    torch.autograd.grad(out, tensors, torch.ones_like(out))
+
+
 def _time_passes(fn: Callable, tensors: list[torch.Tensor], args: tuple, device: str,
                  uniform_grad: bool = False, graph: bool = False) -> tuple[float, float, float]:
     """(forward ms, forward + backward ms, extra peak GiB of forward + backward) of ``fn(*tensors, *args)``."""

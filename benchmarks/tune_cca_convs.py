@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernels import SMOKE, Shapes, _time_passes, cases  # noqa: E402
+from bench_kernels import SMOKE, Shapes, _time_passes, cases, warm_up  # noqa: E402
 from timing import gpu_or_smoke, settings_grid, sweep_groups  # noqa: E402
 
 from megatron_zaya.kernels import cca  # noqa: E402
@@ -48,8 +48,7 @@ def main() -> None:
     print(f"platform {key}; cuDNN conv1d reference: forward {forward:.3f} ms, forward + backward {both:.3f} ms")
 
     def forward_backward_ms() -> float:
-        # compile (and fail on resources) outside any CUDA-graph capture: a failed capture poisons the next one
-        torch.autograd.grad(case.kernel(*tensors, *extra), tensors, torch.ones_like(tensors[0]))
+        warm_up(case.kernel, tensors, extra)
         return _time_passes(case.kernel, tensors, extra, device, graph=graph)[1]
 
     best = sweep_groups(cca.CONV_TUNING[key], GROUPS, forward_backward_ms)

@@ -19,19 +19,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernels import SMOKE, Shapes, _time_passes, cases  # noqa: E402
+from bench_kernels import SMOKE, Shapes, _time_passes, cases, warm_up  # noqa: E402
 from timing import gpu_or_smoke, settings_grid, sweep_groups  # noqa: E402
 
 from megatron_zaya.kernels import swiglu  # noqa: E402
 from megatron_zaya.kernels.utils import platform  # noqa: E402
 
 SWIGLU_CASES = ("swiglu", "swiglu_weighted")
-
-
-def _forward_backward(fn, tensors, extra) -> None:
-    """One untimed call: compiles (and fails on resources) outside a CUDA-graph capture, which a failure poisons."""
-    out = fn(*tensors, *extra)
-    torch.autograd.grad(out, tensors, torch.ones_like(out))
 
 
 def main() -> None:
@@ -49,7 +43,7 @@ def main() -> None:
     if not args.smoke:
         for case, tensors, extra in inputs:
             compiled = torch.compile(case.reference)
-            _forward_backward(compiled, tensors, extra)
+            warm_up(compiled, tensors, extra)
             forward, both, _ = _time_passes(compiled, tensors, extra, device, graph=graph)
             print(f"torch.compile {case.name}: forward {forward:.4f} ms, forward + backward {both:.4f} ms")
     print(f"platform {key}; current {swiglu.SWIGLU_TUNING[key]}")
@@ -58,7 +52,7 @@ def main() -> None:
         def total_ms() -> float:
             total = 0.0
             for case, tensors, extra in inputs:
-                _forward_backward(case.kernel, tensors, extra)
+                warm_up(case.kernel, tensors, extra)
                 total += _time_passes(case.kernel, tensors, extra, device, graph=graph)[index]
             return total
         return total_ms
