@@ -17,9 +17,11 @@ def _inputs(tokens, logits_dtype, seed=0):
     return logits, biases
 
 
+@pytest.mark.parametrize("launch_row", ["cpu", "cuda"])  # each platform's tokens per program, in the interpreter
 @pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
-def test_route_top1_forward_backward(logits_dtype):
-    logits, biases = _inputs(77, logits_dtype)  # 77 tokens: three blocks, the last one partial
+def test_route_top1_forward_backward(logits_dtype, launch_row, monkeypatch):
+    monkeypatch.setitem(kernels.ROUTER_TUNING, "cpu", kernels.ROUTER_TUNING[launch_row])
+    logits, biases = _inputs(77, logits_dtype)  # 77 tokens: several blocks, the last one partial
     grad_probs = torch.randn(77, EXPERTS)
     grad_skip = torch.randn(77)
 
