@@ -153,8 +153,8 @@ def _bench(fn: Callable[[], object], device: str, graph: bool = False) -> float:
 def warm_up(fn: Callable, tensors: list[torch.Tensor], args: tuple) -> None:
     """One untimed forward + backward: compiles (and fails on resources) outside a CUDA-graph capture, which a
     failure would poison for every later capture."""
-    out = fn(*tensors, *args)
-    torch.autograd.grad(out, tensors, torch.ones_like(out))
+    outputs = _differentiable(fn(*tensors, *args))
+    torch.autograd.grad(outputs, tensors, [torch.ones_like(o) for o in outputs])
 
 
 def _time_passes(fn: Callable, tensors: list[torch.Tensor], args: tuple, device: str,

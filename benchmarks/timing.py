@@ -62,7 +62,7 @@ def sweep_groups(table: dict, groups: dict[str, list[dict]], measure) -> dict:
                     print(f"{group}: {setting}: {type(error).__name__}: {str(error).splitlines()[0][:90]}")
                     continue
                 results.append((ms, list(setting.items())))
-                print(f"{group}: {setting}: {ms:.3f} ms", flush=True)
+                print(f"{group}: {setting}: {ms:.4f} ms", flush=True)
             best.update(min(results)[1])
     finally:
         table.clear()

@@ -16,8 +16,8 @@ import triton.language as tl
 
 from .utils import flat_rows, platform, triton_runs
 
-#: Launch settings per platform (``benchmarks/tune_swiglu.py``): each program takes ``rows`` rows by at most
-#: ``block`` output columns with ``warps`` warps; ``backward_*`` the same for the backward kernel.
+#: Launch settings per platform (``benchmarks/tune_launch.py --kernel swiglu``): each program takes ``rows``
+#: rows by at most ``block`` output columns with ``warps`` warps; ``backward_*`` the same for the backward kernel.
 SWIGLU_TUNING = {  # H200: no setting of a 36-point sweep was 2% faster than this one (2026-11-30)
     "cuda": {"block": 4096, "rows": 1, "warps": 8, "backward_block": 4096, "backward_rows": 1, "backward_warps": 8},
     "rocm": {"block": 4096, "rows": 1, "warps": 8,  # not tuned: the CUDA row

@@ -1,0 +1,84 @@
+"""Tune a small kernel's per-platform launch table on this GPU: SwiGLU (``swiglu.SWIGLU_TUNING``) or the router
+epilogue (``router.ROUTER_TUNING``).
+
+    python benchmarks/tune_launch.py --kernel swiglu    # CUDA or ROCm GPU, about a minute each
+    python benchmarks/tune_launch.py --kernel router
+    python benchmarks/tune_launch.py --kernel router --smoke    # tiny shapes, any device: checks the script runs
+
+It times the kernel's ``bench_kernels.py`` cases (T = 4096 x ``--batch``) as CUDA-graph replays: the forward
+launch by the forward time, the backward launch by the forward + backward time, summed over the cases.
+``torch.compile`` of the reference is timed the same way first, as the baseline. It prints the best of each
+group; copy them into the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_kernels import SMOKE, Shapes, _time_passes, cases, warm_up  # noqa: E402
+from timing import gpu_or_smoke, settings_grid, sweep_groups  # noqa: E402
+
+from megatron_zaya.kernels import router, swiglu  # noqa: E402
+from megatron_zaya.kernels.utils import platform  # noqa: E402
+
+# kernel: (its tuning table, the bench_kernels cases it is timed on, forward candidates, backward candidates)
+TUNABLE = {
+    "swiglu": (swiglu.SWIGLU_TUNING, ("swiglu", "swiglu_weighted"),
+               settings_grid(rows=(1, 2, 4), block=(1024, 2048), warps=(4, 8, 16)),
+               settings_grid(backward_rows=(1, 2, 4), backward_block=(1024, 2048), backward_warps=(4, 8, 16))),
+    "router": (router.ROUTER_TUNING, ("router",),
+               settings_grid(tokens=(16, 32, 64, 128, 256), warps=(1, 2, 4, 8)),
+               settings_grid(backward_tokens=(16, 32, 64, 128, 256), backward_warps=(1, 2, 4, 8))),
+}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernel", choices=sorted(TUNABLE), default="swiglu")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--batch", type=int, default=2, help="T = 4096 x batch tokens")
+    args = parser.parse_args()
+    if args.batch < 1:
+        parser.error(f"--batch {args.batch}: need at least one sequence")
+    device = gpu_or_smoke("tune_launch.py", args.smoke)
+    graph = device == "cuda"
+    tables, case_names, forward, backward = TUNABLE[args.kernel]
+    key = platform(torch.device(device))
+    chosen = [c for c in cases(SMOKE if args.smoke else Shapes(batch=args.batch), device) if c.name in case_names]
+    inputs = [(case, *case.make_inputs()) for case in chosen]
+    if not args.smoke:
+        for case, tensors, extra in inputs:
+            compiled = torch.compile(case.reference)
+            warm_up(compiled, tensors, extra)
+            forward_ms, both_ms, _ = _time_passes(compiled, tensors, extra, device, graph=graph)
+            print(f"torch.compile {case.name}: forward {forward_ms:.4f} ms, forward + backward {both_ms:.4f} ms")
+    print(f"platform {key}; current {tables[key]}")
+
+    def measure(index: int):
+        def total_ms() -> float:
+            total = 0.0
+            for case, tensors, extra in inputs:
+                warm_up(case.kernel, tensors, extra)
+                total += _time_passes(case.kernel, tensors, extra, device, graph=graph)[index]
+            return total
+        return total_ms
+
+    table, original = tables[key], dict(tables[key])
+    best = sweep_groups(table, {"forward": forward}, measure(0))
+    table.update(best)  # the backward group is timed forward + backward, with the best forward
+    try:
+        best.update(sweep_groups(table, {"backward": backward}, measure(1)))
+    finally:
+        table.clear()
+        table.update(original)
+    print(f"best (summed over {', '.join(case_names)}): {best}")
+
+
+if __name__ == "__main__":
+    main()
