@@ -4,15 +4,19 @@
     python benchmarks/bench_kernels.py --kernels rmsnorm,swiglu --no-compile
     python benchmarks/bench_kernels.py --smoke              # tiny shapes, any device: checks the script runs
     python benchmarks/bench_kernels.py --batch 4 --kernels rmsnorm   # T = 16384 (the issue's norm anchors)
+    python benchmarks/bench_kernels.py --kernels swiglu --rounds 9   # interleaved rounds, for close calls
 
 Shapes: T = 8192 tokens (4096 x 2), D = 2048, F = 2048, V = 262272, E = 16, d = 128, nq = 8, nkv = 2,
 bf16 activations. For each kernel and pass (forward; forward + backward) it prints the median time of
-the Triton kernel, of the eager torch reference and of ``torch.compile(reference)``, the kernel's
+the Triton kernel, of the eager torch reference and of ``torch.compile(reference)`` (with ``--rounds N``, the
+median of N rounds that time the three in rotating order), the kernel's
 throughput and the speed-ups. Memory-bound cases are timed as CUDA-graph replays (``--timer graph``, the
 default), so that a ~20 µs kernel is not measured as its ~50 µs of Python launch overhead; the GEMM-bound ones,
 and any case whose capture fails, with CUDA events around each call. Throughput is effective GB/s (the bytes a fused implementation has to
 move: inputs read once, outputs written once) for the memory-bound kernels and TFLOP/s (useful FLOPs) for
-the GEMM-bound ones. Anchors measured on an H200: device copy 3.6-4.3 TB/s; eager RMSNorm ~300 GB/s.
+the GEMM-bound ones; graph-timed cases also print their time as a share of one device copy of the same bytes,
+timed the same way (for the ~1 MB router epilogue that copy is latency-bound too). Anchors measured on an H200:
+device copy 3.6-4.3 TB/s; eager RMSNorm ~300 GB/s.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import statistics
 import time
 from collections.abc import Callable
 
@@ -185,21 +190,34 @@ def _throughput(case: Case, backward: bool, ms: float) -> str:
     return f"{amount / (ms * 1e-3) / scale:9.1f} {unit}"
 
 
-def run(case: Case, device: str, use_compile: bool, timer: str) -> None:
+def run(case: Case, device: str, use_compile: bool, timer: str, rounds: int = 1) -> None:
     tensors, args = case.make_inputs()
     graph = device == "cuda" and timer == "graph" and case.bytes != (0.0, 0.0)  # memory-bound: graph replays
-    timings = {"triton": _time_passes(case.kernel, tensors, args, device, case.uniform_grad, graph),
-               "eager": _time_passes(case.reference, tensors, args, device, case.uniform_grad, graph)}  # fmt: skip
+    contenders = {"triton": case.kernel, "eager": case.reference}
     if use_compile and case.compile:
-        try:
-            timings["compile"] = _time_passes(torch.compile(case.reference), tensors, args, device,
-                                              case.uniform_grad, graph)
-        except Exception as error:  # report and go on: a compile failure is a result, not a crash
-            print(f"  {case.name}: torch.compile failed: {type(error).__name__}: {str(error).splitlines()[0][:100]}")
+        contenders["compile"] = torch.compile(case.reference)
+    samples = {name: [] for name in contenders}
+    for round_ in range(rounds):  # each round in another order: a drift of the GPU's clock favours no one
+        names = list(contenders)[round_ % len(contenders):] + list(contenders)[: round_ % len(contenders)]
+        for name in names:
+            if name not in contenders:
+                continue
+            try:
+                samples[name].append(_time_passes(contenders[name], tensors, args, device, case.uniform_grad, graph))
+            except Exception as error:  # report and go on: a compile failure is a result, not a crash
+                if name != "compile":
+                    raise
+                print(f"  {case.name}: torch.compile failed: {type(error).__name__}: "
+                      f"{str(error).splitlines()[0][:100]}")
+                del contenders[name], samples[name]
+    timings = {name: [statistics.median(column) for column in zip(*runs)] for name, runs in samples.items()}
     for index, label in enumerate(("fwd", "fwd+bwd")):
         kernel_ms = timings["triton"][index]
         line = (f"{case.name:22s} {label:8s} {kernel_ms:9.3f} ms {_throughput(case, index == 1, kernel_ms)}"
                 f" [{'graph' if graph else 'events'}]")
+        if graph:
+            moved = case.bytes[0] + (case.bytes[1] if index == 1 else 0.0)
+            line += f" | {same_bytes_copy_ms(moved, device) / kernel_ms:6.1%} of a copy of the same bytes"
         for other in ("eager", "compile"):
             if other in timings:
                 line += f" | {other} {timings[other][index]:9.3f} ms  x{timings[other][index] / kernel_ms:5.2f}"
@@ -209,6 +227,14 @@ def run(case: Case, device: str, use_compile: bool, timer: str) -> None:
     del tensors, args
     if device == "cuda":
         torch.cuda.empty_cache()
+
+
+def same_bytes_copy_ms(moved: float, device: str) -> float:
+    """Graph-replay milliseconds of one device copy that reads and writes ``moved`` bytes in all: the rate a
+    kernel of that size can reach, which for a ~1 MB kernel is set by launch latency, not by bandwidth."""
+    source = torch.empty(int(moved) // 2, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    return _bench(lambda: target.copy_(source), device, graph=True)
 
 
 def copy_anchor(device: str, shapes: Shapes, graph: bool) -> None:
@@ -245,7 +271,11 @@ def main() -> None:
                         help="sequences of 4096 tokens (T = 4096 x batch; issue #6's norm anchors are at batch 4)")
     parser.add_argument("--timer", choices=("graph", "events"), default="graph",
                         help="memory-bound cases as CUDA-graph replays (default) or CUDA events per call")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time kernel, eager and compiled this many times each, in rotating order; report medians")
     options = parser.parse_args()
+    if options.rounds < 1:
+        parser.error(f"--rounds {options.rounds}: need at least one")
     if options.batch < 1:
         parser.error(f"--batch {options.batch}: need at least one sequence")
     device = gpu_or_smoke("bench_kernels.py", options.smoke)
@@ -259,7 +289,7 @@ def main() -> None:
     selected = set(options.kernels.split(",")) if options.kernels else None
     for case in cases(shapes, device):
         if selected is None or case.name in selected:
-            run(case, device, use_compile=not options.no_compile and not options.smoke, timer=options.timer)
+            run(case, device, not options.no_compile and not options.smoke, options.timer, options.rounds)
 
 
 if __name__ == "__main__":
