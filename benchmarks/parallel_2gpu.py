@@ -7,6 +7,8 @@
   (``--scaling-layouts`` picks them; ``LAYOUTS`` holds their flags) on the ZAYA1-8B-width model at 8 layers,
   sequence 4096, global batch 8 x 4096 tokens (the same samples in every layout). Reports
   tokens/s/GPU over the iterations after the 10th and scaling efficiency = tokens/s/GPU / one GPU's.
+  ``--extra-flags=--zaya-cuda-graphs`` runs the scaling and context parts with the layers as CUDA-graph
+  replays (not with EP2 or CP2, which the graphs refuse).
 * ``context``: the same for CP2 at sequence 32768 (4 layers, global batch 2), plain and with the distributed
   optimizer and overlap (the CP ranks hold replicated weights: their gradients are reduced and their optimizer
   step repeated, as in DP2).
@@ -35,6 +37,7 @@ import itertools
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -162,6 +165,8 @@ def main() -> None:
     parser.add_argument("--reference-gpu", default="0")
     parser.add_argument("--layouts", default=",".join(MATCH_LAYOUTS), help="the match part's layouts")
     parser.add_argument("--scaling-layouts", default="dp2,ep2,tp2", help="the scaling part's layouts")
+    parser.add_argument("--extra-flags", default="",
+                        help="flags added to the scaling and context runs, e.g. --extra-flags=--zaya-cuda-graphs")
     parser.add_argument("--share-optimizers", default="zaya_muon", help="the optimizer part's optimizers")
     parser.add_argument("--share-gbs", default="8", help="the optimizer part's global batch sizes, e.g. 8,128")
     parser.add_argument("--share-mbs", default="2", help="the optimizer part's micro-batch size")
@@ -170,8 +175,9 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     parts = set(args.parts.split(","))
-    short = MODEL + COMMON + SHORT + ["--train-iters", str(args.iters)]
-    long = MODEL + COMMON + LONG + ["--train-iters", "20"]
+    extra = shlex.split(args.extra_flags)
+    short = MODEL + COMMON + extra + SHORT + ["--train-iters", str(args.iters)]
+    long = MODEL + COMMON + extra + LONG + ["--train-iters", "20"]
     results = []
 
     references = []
