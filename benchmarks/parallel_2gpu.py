@@ -8,7 +8,7 @@
   sequence 4096, global batch 8 x 4096 tokens (the same samples in every layout). Reports
   tokens/s/GPU over the iterations after the 10th and scaling efficiency = tokens/s/GPU / one GPU's.
   ``--extra-flags=--zaya-cuda-graphs`` runs the scaling and context parts with the layers as CUDA-graph
-  replays (not with EP2 or CP2, which the graphs refuse).
+  replays (not with EP2, TP2, PP2 or CP2, which the graphs refuse).
 * ``context``: the same for CP2 at sequence 32768 (4 layers, global batch 2), plain and with the distributed
   optimizer and overlap (the CP ranks hold replicated weights: their gradients are reduced and their optimizer
   step repeated, as in DP2).
@@ -73,6 +73,7 @@ LAYOUTS = {"dp2": [], "ep2": ["--expert-model-parallel-size", "2"],
            "ep2_distopt": ["--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--overlap-grad-reduce",
                            "--overlap-param-gather"],
            # EP2 through ZAYA's sync-free all-gather dispatch instead of Megatron's all-to-all (model/moe.py)
+           "ep2_allgather": ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"],
            "ep2_allgather_distopt": ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather",
                                      "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]}
 
