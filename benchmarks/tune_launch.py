@@ -48,7 +48,7 @@ def main() -> None:
         parser.error(f"--batch {args.batch}: need at least one sequence")
     device = gpu_or_smoke("tune_launch.py", args.smoke)
     graph = device == "cuda"
-    tables, case_names, forward, backward = TUNABLE[args.kernel]
+    per_platform, case_names, forward, backward = TUNABLE[args.kernel]
     key = platform(torch.device(device))
     chosen = [c for c in cases(SMOKE if args.smoke else Shapes(batch=args.batch), device) if c.name in case_names]
     inputs = [(case, *case.make_inputs()) for case in chosen]
@@ -58,7 +58,7 @@ def main() -> None:
             warm_up(compiled, tensors, extra)
             forward_ms, both_ms, _ = _time_passes(compiled, tensors, extra, device, graph=graph)
             print(f"torch.compile {case.name}: forward {forward_ms:.4f} ms, forward + backward {both_ms:.4f} ms")
-    print(f"platform {key}; current {tables[key]}")
+    print(f"platform {key}; current {per_platform[key]}")
 
     def measure(index: int):
         def total_ms() -> float:
@@ -69,7 +69,7 @@ def main() -> None:
             return total
         return total_ms
 
-    table, original = tables[key], dict(tables[key])
+    table, original = per_platform[key], dict(per_platform[key])
     best = sweep_groups(table, {"forward": forward}, measure(0))
     table.update(best)  # the backward group is timed forward + backward, with the best forward
     try:
