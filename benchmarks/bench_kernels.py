@@ -9,12 +9,12 @@
 Shapes: T = 8192 tokens (4096 x 2), D = 2048, F = 2048, V = 262272, E = 16, d = 128, nq = 8, nkv = 2,
 bf16 activations. For each kernel and pass (forward; forward + backward) it prints the median time of
 the Triton kernel, of the eager torch reference and of ``torch.compile(reference)`` (with ``--rounds N``, the
-median of N rounds that time the three in rotating order), the kernel's
-throughput and the speed-ups. Memory-bound cases are timed as CUDA-graph replays (``--timer graph``, the
-default), so that a ~20 µs kernel is not measured as its ~50 µs of Python launch overhead; the GEMM-bound ones,
-and any case whose capture fails, with CUDA events around each call. Throughput is effective GB/s (the bytes a fused implementation has to
-move: inputs read once, outputs written once) for the memory-bound kernels and TFLOP/s (useful FLOPs) for
-the GEMM-bound ones; graph-timed cases also print their time as a share of one device copy of the same bytes,
+median of N rounds that time the three in rotating order), the kernel's throughput and the speed-ups.
+Memory-bound cases are timed as CUDA-graph replays (``--timer graph``, the default), so that a ~20 µs kernel is
+not measured as its ~50 µs of Python launch overhead; the GEMM-bound ones, and any case whose capture fails,
+with CUDA events around each call. Throughput is effective GB/s (the bytes a fused implementation has to move:
+inputs read once, outputs written once) for the memory-bound kernels and TFLOP/s (useful FLOPs) for the
+GEMM-bound ones; graph-timed cases also print their time as a share of one device copy of the same bytes,
 timed the same way (for the ~1 MB router epilogue that copy is latency-bound too). Anchors measured on an H200:
 device copy 3.6-4.3 TB/s; eager RMSNorm ~300 GB/s.
 """
@@ -200,8 +200,6 @@ def run(case: Case, device: str, use_compile: bool, timer: str, rounds: int = 1)
     for round_ in range(rounds):  # each round in another order: a drift of the GPU's clock favours no one
         names = list(contenders)[round_ % len(contenders):] + list(contenders)[: round_ % len(contenders)]
         for name in names:
-            if name not in contenders:
-                continue
             try:
                 samples[name].append(_time_passes(contenders[name], tensors, args, device, case.uniform_grad, graph))
             except Exception as error:  # report and go on: a compile failure is a result, not a crash
