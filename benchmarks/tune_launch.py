@@ -69,14 +69,10 @@ def main() -> None:
             return total
         return total_ms
 
-    table, original = per_platform[key], dict(per_platform[key])
+    table = per_platform[key]
     best = sweep_groups(table, {"forward": forward}, measure(0))
-    table.update(best)  # the backward group is timed forward + backward, with the best forward
-    try:
-        best.update(sweep_groups(table, {"backward": backward}, measure(1)))
-    finally:
-        table.clear()
-        table.update(original)
+    # the backward launches are timed forward + backward, each with the best forward launch
+    best = sweep_groups(table, {"backward": [{**best, **setting} for setting in backward]}, measure(1))
     print(f"best (summed over {', '.join(case_names)}): {best}")
 
 
