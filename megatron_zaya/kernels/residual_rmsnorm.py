@@ -313,7 +313,7 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, grad_out):
         x2d, weight, rstd = ctx.saved_tensors
         grad_x, _, grads = _launch_backward(flat_rows(grad_out), None, x2d, None, None, weight, rstd,
-                                               round_input=ctx.round_input)
+                                            round_input=ctx.round_input)
         return grad_x.view(grad_out.shape), grads[0], None, None
 
 
