@@ -174,9 +174,12 @@ def main() -> None:
     parser.add_argument("--share-iters", type=int, default=14, help="iterations of each optimizer-part run")
     parser.add_argument("--share-warmup", type=int, default=8, help="iterations left out of its timings")
     args = parser.parse_args()
+    try:
+        extra = shlex.split(args.extra_flags)
+    except ValueError as error:  # e.g. an unclosed quote
+        parser.error(f"--extra-flags {args.extra_flags!r}: {error}")
     args.out.mkdir(parents=True, exist_ok=True)
     parts = set(args.parts.split(","))
-    extra = shlex.split(args.extra_flags)
     short = MODEL + COMMON + extra + SHORT + ["--train-iters", str(args.iters)]
     long = MODEL + COMMON + extra + LONG + ["--train-iters", "20"]
     results = []
