@@ -18,10 +18,24 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 ATTENTION_TYPES = ("global", "sliding")
 SKIP_MODES = ("zero", "identity")
+# The model's ops that have a Triton kernel in megatron_zaya/kernels beside their torch reference in model/.
+KERNEL_OPS = ("router", "residual", "cca", "lm_head", "experts")
 
 
 class ZayaConfigError(ValueError):
     """An invalid ZAYA1 configuration; the message is one line naming the problem and the fix."""
+
+
+def kernel_selection(kernels: str) -> tuple[str, ...]:
+    """The ops a ``ZayaConfig.kernels`` value names ("all" and "none" name none); unknown names are an error."""
+    if kernels in ("all", "none"):
+        return ()
+    ops = tuple(op.strip() for op in kernels.split(",") if op.strip())
+    unknown = sorted(set(ops) - set(KERNEL_OPS))
+    if unknown or not ops:
+        raise ZayaConfigError(f"unknown kernel ops {unknown} in {kernels!r}; use all, none or a comma-separated "
+                              f"list of {','.join(KERNEL_OPS)}")
+    return ops
 
 
 @dataclass
@@ -63,6 +77,7 @@ class ZayaConfig(TransformerConfig):
 
     # -- execution --------------------------------------------------------------------------------------
     cuda_graphs: bool = False  # training forward/backward of each layer replayed as CUDA graphs (model/cuda_graphs.py)
+    kernels: str = "all"  # ops run as Triton kernels: "all", "none" or a comma-separated list of KERNEL_OPS
 
     # -- Megatron fields with ZAYA1's values ------------------------------------------------------------
     normalization: str = "RMSNorm"
@@ -132,9 +147,23 @@ class ZayaConfig(TransformerConfig):
         if self.cuda_graphs and (self.hidden_dropout or self.attention_dropout):
             fail("--zaya-cuda-graphs with dropout (replays would reuse the captured random offsets)",
                  "set --hidden-dropout 0 --attention-dropout 0 or drop --zaya-cuda-graphs")
+        kernel_selection(self.kernels)
         if self.recompute_granularity == "selective":
             fail("selective recomputation is not supported by the ZAYA1 layer",
                  "use --recompute-granularity full (every layer is recomputed)")
+
+    def uses_kernel(self, op: str) -> bool:
+        """Whether the model runs ``op`` (one of ``KERNEL_OPS``) as its Triton kernel rather than its torch reference.
+
+        Chosen when a module is built. ``all`` takes every kernel on a GPU (CUDA or ROCm) and the references on a
+        CPU, where they are faster; a named op takes its kernel on any device (off a GPU a kernel function falls
+        back to its reference, or runs in Triton's interpreter under ``TRITON_INTERPRET=1``).
+        """
+        if op not in KERNEL_OPS:
+            raise ValueError(f"unknown kernel op {op!r}; one of {KERNEL_OPS}")
+        if self.kernels == "all":
+            return torch.cuda.is_available()
+        return op in kernel_selection(self.kernels)
 
     @property
     def head_dim(self) -> int:
@@ -210,4 +239,4 @@ def zaya_config(name: str | None = None, **overrides) -> ZayaConfig:
     return ZayaConfig(**kwargs)
 
 
-__all__ = ["ZayaConfig", "ZayaConfigError", "PRESETS", "ARCHITECTURE_FIELDS", "architecture", "preset", "zaya_config"]
+__all__ = ["ZayaConfig", "ZayaConfigError", "KERNEL_OPS", "PRESETS", "ARCHITECTURE_FIELDS", "architecture", "preset", "zaya_config"]

@@ -20,6 +20,8 @@ from pathlib import Path
 from .training.arguments import UsageError
 from .training.reliability import FAULT_EXIT_CODE, TrainingFault
 
+APPLIED = ("applied", "already applied")  # apply_patches() reports of a patch in effect
+
 EMBEDDED_RUN_DIR = "runs/zaya-tiny"
 
 # Training flags of the embedded main job (prepended: any explicit flag wins).
@@ -141,7 +143,7 @@ def run(argv: list[str]) -> None:
 
     cuda = torch.cuda.is_available()
     argv = build_argv(argv, cuda)
-    apply_patches(_flag_value(argv, "--zaya-patches"))
+    patches = apply_patches(_flag_value(argv, "--zaya-patches"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 20000))
     # Megatron requires it with TP or CP (one hardware queue keeps communication kernels in launch order), as its
@@ -157,6 +159,9 @@ def run(argv: list[str]) -> None:
     from .training.steps import forward_step, model_provider, train_valid_test_datasets_provider
 
     args = _parse(argv)
+    if args.pipeline_model_parallel_size > 1 and patches.get("pipeline.stage_tensor_width") not in APPLIED:
+        raise UsageError("pipeline parallelism needs the pipeline.stage_tensor_width patch (stages exchange hidden + "
+                         "router-state channels); add it to --zaya-patches")
     _check_checkpoint_matches(args)
     if args.save:
         reliability.check_save_dir(args.save)

@@ -13,7 +13,7 @@ read of ``h`` and ``res`` and one write of ``normed`` and ``new_res``. The backw
 from the saved ``h`` and ``res`` (it needs them anyway for the scale gradients) and reduces the five [D]
 vector gradients in per-program partial sums (deterministic, no atomics), summed and cast in one more launch.
 
-Two more entry points serve the rest of a ZAYA1 layer (``kernels.zaya_residual`` patch): ``residual_norm``,
+Two more entry points serve the rest of a ZAYA1 layer (chosen by the model's ``residual`` kernel op): ``residual_norm``,
 the RMSNorm of the fp32 stream as the layer sees it (``weight * rmsnorm(residual.to(weight.dtype))``, the cast
 folded into the kernel), and ``residual_merge``, the merge alone (a layer's last merge: the next norm belongs
 to the next layer). ``TritonRMSNorm`` is the plain RMSNorm (``weight * rmsnorm(x)``) as a Megatron norm module.
@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..model.norm import residual_merge as residual_merge_reference
+from ..model.norm import rms_norm as rms_norm_reference
 from .utils import flat_rows, persistent_programs, platform, row_block, triton_runs
 
 MAX_HIDDEN = 16384  # one row lives in registers
@@ -44,21 +46,6 @@ BACKWARD_TUNING = {  # pipeline_bytes: the shared memory the row loop's stages m
 
 
 # ----------------------------------------------------------------------------------------- references
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * rmsnorm(x)`` as transformers' ZayaRMSNorm computes it. x [..., D], weight [D]."""
-    x32 = x.float()
-    normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normalized.to(x.dtype)
-
-
-def residual_merge_reference(hidden, residual, hidden_bias, hidden_scale, residual_bias, residual_scale):
-    """The ZAYA residual merge: hidden, residual [..., D], the four vectors [D] -> ``[..., D]`` fp32 new residual."""
-    f = torch.float32
-    return (hidden.to(f) + hidden_bias.to(f)) * hidden_scale.to(f) + (residual.to(f) + residual_bias.to(f)) * (
-        residual_scale.to(f)
-    )
 
 
 def residual_rms_norm_reference(

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..model.router import route_top1 as route_top1_reference
+from ..model.router import router_projection as router_projection_reference
 from .utils import matmul_fp32, platform, triton_runs
 
 #: Launch settings per platform (``benchmarks/tune_launch.py --kernel router``): each program of the forward
@@ -34,21 +36,6 @@ ROUTER_TUNING = {  # H200, 40 settings, T = 8192: forward 4.6 µs, + backward 8.
     "rocm": {"tokens": 32, "warps": 4, "backward_tokens": 32, "backward_warps": 4},  # not tuned: the CUDA row
     "cpu": {"tokens": 32, "warps": 4, "backward_tokens": 32, "backward_warps": 4},
 }
-
-
-def route_top1_reference(
-    logits: torch.Tensor, biases: torch.Tensor, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits [..., E+1], biases [E+1] -> probs [T, E] fp32, routing_map [T, E] bool, skip_gate [T], counts [E+1]."""
-    probs_all = torch.softmax(logits.reshape(-1, num_experts + 1).float(), dim=-1)
-    choice = torch.argmax(probs_all.detach() + biases, dim=-1)
-    gate = probs_all.gather(1, choice[:, None]).squeeze(1)
-    # a comparison and a scatter-add, not one_hot and bincount: those copy to the host on GPUs (no graph capture)
-    routing_map = choice[:, None] == torch.arange(num_experts, device=choice.device)
-    probs = torch.where(routing_map, gate[:, None], 0.0)
-    skip_gate = torch.where(choice == num_experts, gate, 0.0)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=choice.device)
-    return probs, routing_map, skip_gate, counts.scatter_add_(0, choice, torch.ones_like(choice))
 
 
 @triton.jit
@@ -180,11 +167,6 @@ def route_top1(
     if not triton_runs(_router_forward_kernel, logits, biases):
         return route_top1_reference(logits, biases, num_experts)
     return _RouteTop1.apply(logits.reshape(-1, num_experts + 1).contiguous(), biases.detach())
-
-
-def router_projection_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """The router's fp32 ``x Wᵀ + b``: x [..., D], weight [R, D], bias [R] -> [..., R] fp32."""
-    return torch.nn.functional.linear(x.float(), weight.float(), bias.float())
 
 
 class _RouterProjection(torch.autograd.Function):

@@ -100,6 +100,20 @@ def cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, time0, time1, head_
     return q, k
 
 
+def fused_cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, time0, time1, head_dim, config, cp_group,
+                 qk_history=None):
+    """:func:`cca_qk` as two Triton passes (``kernels/cca.py``): both convolutions, then the epilogue (skip
+    terms, L2 norm, temperature, partial RoPE). Reads the RoPE angles of this rank's positions from Megatron's
+    rotary table; returns q and k in q0's dtype."""
+    from ..kernels.cca import cca_qk as kernel
+
+    angles = rotary_pos_emb[:, 0, 0, :].float()  # [s, rot]: Megatron's table, already this CP rank's
+    return kernel(q0, k0, conv.q_depthwise_weight.squeeze(1), conv.q_depthwise_bias,
+                  conv.k_depthwise_weight.squeeze(1), conv.k_depthwise_bias, conv.q_grouped_weight,
+                  conv.q_grouped_bias, conv.k_grouped_weight, conv.k_grouped_bias, key_temperature,
+                  angles.cos(), angles.sin(), qk_history)  # the kernel takes depthwise weights as [C, taps]
+
+
 def delay_channels(v: torch.Tensor, first_delayed: int, previous: torch.Tensor | None = None) -> torch.Tensor:
     """Shift channels ``[first_delayed:]`` of ``v [s, b, C]`` one token later (zeros at t=0).
 
@@ -203,6 +217,7 @@ class CompressedConvAttention(MegatronModule):
             attn_mask_type=attn_mask_type, attention_type="self", cp_comm_type=cp_comm_type,
             softmax_scale=1.0 / math.sqrt(d), pg_collection=pg_collection,
         )
+        self.qk = fused_cca_qk if config.uses_kernel("cca") else cca_qk
         self.linear_proj = build_module(
             submodules.linear_proj, nq * d, config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=False, input_is_parallel=True,
@@ -228,7 +243,7 @@ class CompressedConvAttention(MegatronModule):
         v, _ = self.linear_v(hidden_states)
         s, b = q0.shape[:2]
         qk_history, v_previous = self._context_parallel_halos(q0, k0, v)
-        q, k = cca_qk(q0, k0, self.conv, self.qk_norm.key_temperature, rotary_pos_emb,
+        q, k = self.qk(q0, k0, self.conv, self.qk_norm.key_temperature, rotary_pos_emb,
                       time0=self.config.cca_time0, time1=self.config.cca_time1, head_dim=self.head_dim,
                       config=self.config, cp_group=self.pg_collection.cp, qk_history=qk_history)
         v = delay_channels(v, self.first_delayed_channel, v_previous).view(s, b, self.kv_heads, self.head_dim)

@@ -5,7 +5,7 @@ them (``benchmarks/profile_layer.py``), so a training step runs at the host's pa
 graph is one launch. Megatron's own graphs (``--cuda-graph-impl``) capture ``TransformerLayer``'s signature
 and need static token counts, which dropless MoE does not have; a ZAYA1 layer on one expert- and
 tensor-parallel rank does (``ZayaMoELayer``'s local dispatch into a static-size buffer, the grouped-GEMM
-experts of the ``kernels.zaya_experts`` patch), with no host sync, so the whole layer can be captured.
+experts of the ``experts`` kernel op), with no host sync, so the whole layer can be captured.
 
 How: the first training forward with a new input signature (shapes, dtypes) runs two warm-up passes of the
 block's layers on a side stream (kernel compilation, library workspaces), then captures for every layer a
@@ -21,7 +21,7 @@ redone, and module hooks do not run. The one such effect in ZAYA1 is the router'
 is a kernel and replays. Hence the limits, checked when the block is built (one-line errors): one pipeline
 stage (a stage's graphs hold one micro-batch's activations, 1F1B interleaves several), context parallel 1 (halo
 exchanges), every expert local (EP = TP = 1), no activation recomputation, no dropout (RNG offsets), and the
-experts' patch. ``--overlap-param-gather`` is refused by the CLI: its forward pre-hooks on modules would not
+grouped experts. ``--overlap-param-gather`` is refused by the CLI: its forward pre-hooks on modules would not
 run. A hook that keeps tensors from call to call (a global forward hook, a probe) must skip calls made while
 ``torch.cuda.is_current_stream_capturing()``: the graph would read tensors the hook later drops.
 
@@ -37,10 +37,8 @@ from functools import partial
 import torch
 
 from ..config import ZayaConfigError
-from ..patches import applied as applied_patches
 
 WARMUP_PASSES = 2
-GRAPHED_EXPERTS_PATCH = "kernels.zaya_experts"
 MASK = "attention_mask"  # among the constants, next to the RoPE tables keyed by attention type
 
 
@@ -53,8 +51,8 @@ def check_cuda_graphs(block) -> None:
         (not all(layer.mlp._dispatches_locally() for layer in block.layers), "experts spread over ranks",
          "use --expert-model-parallel-size 1 and --tensor-model-parallel-size 1"),
         (not torch.cuda.is_available(), "no CUDA/ROCm device", "run on a GPU"),
-        (GRAPHED_EXPERTS_PATCH not in applied_patches(), f"the {GRAPHED_EXPERTS_PATCH} patch is not applied",
-         "add it to --zaya-patches (its grouped GEMM needs no host sync)"),
+        (not all(layer.mlp.experts.grouped for layer in block.layers), "the experts' per-expert loop (a host sync)",
+         "select the experts kernel (--zaya-kernels all, or a list with experts)"),
     ]
     for failed, problem, fix in problems:
         if failed:

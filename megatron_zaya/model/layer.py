@@ -36,11 +36,34 @@ def norm_residual(norm, residual: torch.Tensor, dtype: torch.dtype) -> torch.Ten
 def merge_and_norm(merge, norm, hidden: torch.Tensor, residual: torch.Tensor, dtype: torch.dtype):
     """Merge a sublayer's output into the residual stream and normalise it for the next sublayer.
 
-    Returns ``(next sublayer's input, new residual)``. The ``kernels.zaya_residual`` patch fuses both (and
-    :func:`norm_residual`'s cast) into one Triton pass each way.
+    Returns ``(next sublayer's input, new residual)``.
     """
     residual = merge(hidden, residual)
     return norm_residual(norm, residual, dtype), residual
+
+
+def fused_norm_residual(norm, residual: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`norm_residual` as one Triton pass each way, the cast folded in."""
+    from ..kernels.residual_rmsnorm import residual_norm
+
+    return residual_norm(residual, norm.weight, norm.eps)
+
+
+def fused_merge_and_norm(merge, norm, hidden: torch.Tensor, residual: torch.Tensor, dtype: torch.dtype):
+    """:func:`merge_and_norm` as one Triton pass each way (residual scaling's merge and the RMSNorm)."""
+    from ..kernels.residual_rmsnorm import residual_rms_norm
+
+    return residual_rms_norm(hidden, residual, merge.hidden_states_bias, merge.hidden_states_scale,
+                             merge.residual_bias, merge.residual_scale, norm.weight, norm.eps)
+
+
+def residual_ops(config):
+    """``(norm_residual, merge_and_norm)`` for layers of ``config``: the Triton kernels of
+    ``kernels/residual_rmsnorm.py`` (for the fp32 stream; the merge also needs residual scaling) or
+    the references above."""
+    if not (config.uses_kernel("residual") and config.fp32_residual_connection):
+        return norm_residual, merge_and_norm
+    return fused_norm_residual, (fused_merge_and_norm if config.residual_scaling else merge_and_norm)
 
 
 def stage_tensor_width(config) -> int:
@@ -51,6 +74,10 @@ def stage_tensor_width(config) -> int:
 class ZayaTransformerLayer(TransformerLayer):
     """One ZAYA1 block: a CCA sublayer and an MoE sublayer, each merged by residual scaling."""
 
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.norm_residual, self.merge_and_norm = residual_ops(config)
+
     @property
     def attention_type(self) -> str:
         return self.config.attention_types[self.layer_number - 1]
@@ -60,11 +87,11 @@ class ZayaTransformerLayer(TransformerLayer):
         dtype = self.config.params_dtype
         residual = hidden_states
         attention_output, _ = self.self_attention(
-            norm_residual(self.input_layernorm, residual, dtype), attention_mask=attention_mask,
+            self.norm_residual(self.input_layernorm, residual, dtype), attention_mask=attention_mask,
             rotary_pos_emb=rotary_pos_emb,
         )
-        mlp_input, residual = merge_and_norm(self.self_attn_bda, self.pre_mlp_layernorm, attention_output, residual,
-                                             dtype)
+        mlp_input, residual = self.merge_and_norm(self.self_attn_bda, self.pre_mlp_layernorm, attention_output,
+                                                  residual, dtype)
         mlp_output, router_state = self.mlp(mlp_input, router_state=router_state)
         return self.mlp_bda(mlp_output, residual), router_state
 
@@ -93,6 +120,7 @@ class ZayaTransformerBlock(TransformerBlock):
                          pg_collection=pg_collection, vp_stage=vp_stage)
         if pre_process and config.residual_scaling:
             self.input_residual_scaling = InputScaling(config)
+        self.norm_residual = residual_ops(config)[0]
         self.cuda_graphs = None
         if config.cuda_graphs:
             check_cuda_graphs(self)
@@ -119,7 +147,7 @@ class ZayaTransformerBlock(TransformerBlock):
         if not self.post_process:
             return self._pack_stage_output(hidden_states, router_state)
         if self.final_layernorm is not None:
-            hidden_states = norm_residual(self.final_layernorm, hidden_states, self.config.params_dtype)
+            hidden_states = self.norm_residual(self.final_layernorm, hidden_states, self.config.params_dtype)
         return hidden_states
 
     def _run_layers(self, hidden_states, router_state, attention_mask, rotary_pos_emb):

@@ -21,19 +21,15 @@ from megatron.core.transformer.enums import ModelType
 from torch import nn
 
 from ..config import ZayaConfig, ZayaConfigError
-from ..patches import applied as applied_patches
 from .layer import ZayaTransformerBlock
 
 
 def _check_pipeline(config: ZayaConfig) -> None:
-    """Stages exchange the fp32 residual stream and router state, through receive buffers the
-    ``pipeline.stage_tensor_width`` patch widens: refuse a build that would garble them."""
+    """Stages exchange the fp32 residual stream and router state: refuse a build that would round them.
+    (Megatron's receive buffers are widened for them by the ``pipeline.stage_tensor_width`` patch.)"""
     if config.pipeline_dtype != torch.float32:
         raise ZayaConfigError(f"pipeline_dtype={config.pipeline_dtype} would round the residual stream and router "
                               "state between pipeline stages; set pipeline_dtype=torch.float32")
-    if "pipeline.stage_tensor_width" not in applied_patches():
-        raise ZayaConfigError("pipeline parallelism needs the pipeline.stage_tensor_width patch (stages exchange "
-                              "hidden + router-state channels); add it to --zaya-patches / ZAYA_PATCHES")
 
 
 class ZayaModel(LanguageModule):
@@ -48,6 +44,8 @@ class ZayaModel(LanguageModule):
         self.pre_process, self.post_process = pre_process, post_process
         self.parallel_output = parallel_output
         self.share_embeddings_and_output_weights = config.tie_embeddings
+        # The LM head fused with the loss (kernels/cross_entropy.py) needs the whole vocabulary on this rank.
+        self.fused_lm_head = config.uses_kernel("lm_head") and self.pg_collection.tp.size() == 1
         self.vocab_size = config.vocab_size
         self.max_sequence_length = config.max_position_embeddings
         self.model_type = ModelType.encoder_or_decoder
@@ -120,5 +118,20 @@ class ZayaModel(LanguageModule):
         return logits
 
     def lm_head_loss(self, hidden: torch.Tensor, weight: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
-        """Per-token cross-entropy ``[b, s]``; the ``kernels.zaya_lm_head`` patch fuses it with the matmul."""
-        return self.compute_language_model_loss(labels, self.lm_logits(hidden, weight))
+        """Per-token cross-entropy ``[b, s]`` of the final hidden states ``[s, b, D]``.
+
+        With the ``lm_head`` kernel op, ``kernels.cross_entropy.linear_cross_entropy`` multiplies the bf16 hidden
+        states and weights with fp32 accumulation and output (the products of the fp32 head) chunk by chunk,
+        keeping only a per-token logsumexp: the [tokens, V] logits (4.3 GB per 4096 tokens at V = 262k) never
+        exist. ``lm_head_grad_in_forward`` computes the gradients during the forward (3 GEMMs, not 4).
+        """
+        if not self.fused_lm_head:
+            return self.compute_language_model_loss(labels, self.lm_logits(hidden, weight))
+        from ..kernels.cross_entropy import linear_cross_entropy
+
+        weight = weight if weight is not None else self.output_layer.weight
+        seq, batch, width = hidden.shape
+        loss = linear_cross_entropy(hidden.reshape(seq * batch, width), weight.to(hidden.dtype),
+                                    labels.transpose(0, 1).reshape(-1),
+                                    grad_in_forward=self.config.lm_head_grad_in_forward)
+        return loss.view(seq, batch).transpose(0, 1).contiguous()

@@ -8,6 +8,8 @@ with TP needs when neither Transformer Engine nor apex is installed.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -17,6 +19,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
+
+
+def residual_merge(hidden, residual, hidden_bias, hidden_scale, residual_bias, residual_scale,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """ZAYA1's residual merge ``(h + β_h) ⊙ α_h + (r + β_r) ⊙ α_r``, computed and returned in ``dtype``."""
+    h = (hidden.to(dtype) + hidden_bias.to(dtype)) * hidden_scale.to(dtype)
+    return h + (residual.to(dtype) + residual_bias.to(dtype)) * residual_scale.to(dtype)
 
 
 def residual_dtype(config) -> torch.dtype:
@@ -59,12 +68,15 @@ class ResidualScaling(nn.Module):
         self.hidden_states_bias = _vector(config, 0.0)
         self.residual_scale = _vector(config, 1.0)
         self.residual_bias = _vector(config, 0.0)
+        self.merge = partial(residual_merge, dtype=self.residual_dtype)
+        if config.uses_kernel("residual") and self.residual_dtype == torch.float32:
+            from ..kernels.residual_rmsnorm import residual_merge as fused_merge  # one pass each way, in fp32
+
+            self.merge = fused_merge
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        dtype = self.residual_dtype
-        h = (hidden_states.to(dtype) + self.hidden_states_bias.to(dtype)) * self.hidden_states_scale.to(dtype)
-        r = (residual.to(dtype) + self.residual_bias.to(dtype)) * self.residual_scale.to(dtype)
-        return h + r
+        return self.merge(hidden_states, residual, self.hidden_states_bias, self.hidden_states_scale,
+                          self.residual_bias, self.residual_scale)
 
 
 class ResidualAdd(nn.Module):

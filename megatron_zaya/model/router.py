@@ -30,8 +30,7 @@ from .norm import rms_norm
 
 
 def router_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """The router's first layer in fp32, ``x.float() Wᵀ + b`` (``kernels.zaya_router`` runs it as a bf16 GEMM
-    with fp32 output: the same products)."""
+    """The router's first layer in fp32, ``x.float() Wᵀ + b``: x [..., D], weight [R, D], bias [R] -> [..., R]."""
     return F.linear(x.float(), weight.float(), bias.float())
 
 
@@ -42,15 +41,26 @@ def route_top1(logits: torch.Tensor, biases: torch.Tensor, num_experts: int):
     Returns: probs ``[T, E]`` fp32 (the unbiased gate at the chosen expert, 0 elsewhere), routing_map
     ``[T, E]`` bool, skip_gate ``[T]`` fp32 (p_skip where the skip class won, else 0), counts ``[C]`` int64.
     """
-    probs_all = torch.softmax(logits.float(), dim=-1)
+    probs_all = torch.softmax(logits.reshape(-1, biases.numel()).float(), dim=-1)
     choice = torch.argmax(probs_all.detach() + biases, dim=-1)
     gate = probs_all.gather(1, choice[:, None]).squeeze(1)
-    chosen = F.one_hot(choice, probs_all.shape[-1]).bool()
-    routing_map = chosen[:, :num_experts]
-    probs = torch.where(routing_map, gate[:, None], torch.zeros((), dtype=gate.dtype, device=gate.device))
-    skip_gate = torch.where(choice == num_experts, gate, torch.zeros((), dtype=gate.dtype, device=gate.device))
-    counts = chosen.sum(dim=0)
-    return probs, routing_map, skip_gate, counts
+    # a comparison and a scatter-add, not one_hot and bincount: those copy to the host on GPUs (no graph capture)
+    routing_map = choice[:, None] == torch.arange(num_experts, device=choice.device)
+    probs = torch.where(routing_map, gate[:, None], 0.0)
+    skip_gate = torch.where(choice == num_experts, gate, 0.0)
+    counts = torch.zeros(biases.numel(), dtype=torch.int64, device=choice.device)
+    return probs, routing_map, skip_gate, counts.scatter_add_(0, choice, torch.ones_like(choice))
+
+
+def router_ops(config):
+    """``(router_projection, route_top1)`` for a router of ``config``: the Triton kernels of ``kernels/router.py``
+    (a bf16 GEMM with fp32 output: the same products; softmax, biased argmax, gate and counts in one pass), or
+    the references above. The fused top-1 needs the skip class."""
+    if not config.uses_kernel("router"):
+        return router_projection, route_top1
+    from ..kernels import router as kernels
+
+    return kernels.router_projection, (kernels.route_top1 if config.skip_class else route_top1)
 
 
 class ZayaRouter(MegatronModule):
@@ -85,6 +95,7 @@ class ZayaRouter(MegatronModule):
         self.register_buffer("balancing_step", torch.zeros((), dtype=torch.float32))
         # Tokens per class since the last bias update (all micro-batches of this step, this rank).
         self.register_buffer("tokens_per_class", torch.zeros(classes, dtype=torch.float32), persistent=False)
+        self.project, self.route = router_ops(config)
         self.count_tokens = True  # off while a layer is recomputed for the backward pass
         self.state_in: torch.Tensor | None = None
         self.state_out: torch.Tensor | None = None
@@ -107,7 +118,7 @@ class ZayaRouter(MegatronModule):
     def forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None):
         if padding_mask is not None:
             raise NotImplementedError("ZAYA1 pretraining packs sequences without padding; padding_mask unsupported")
-        u = router_projection(hidden_states, self.down_proj.weight, self.down_proj.bias)
+        u = self.project(hidden_states, self.down_proj.weight, self.down_proj.bias)
         if self.eda_scale is not None:
             # The first MoE layer's incoming state is zero. Its scale still joins the graph (zero gradient): Megatron's
             # overlapped gradient reduction waits for every trainable parameter, and its optimizer checkpoints
@@ -119,7 +130,7 @@ class ZayaRouter(MegatronModule):
         z = F.gelu(F.linear(z, self.fc1.weight.float(), self.fc1.bias.float()))
         z = F.gelu(F.linear(z, self.fc2.weight.float(), self.fc2.bias.float()))
         logits = F.linear(z, self.out_proj.weight.float()).reshape(-1, self.out_proj.out_features)
-        probs, routing_map, skip_gate, counts = route_top1(logits, self.balancing_biases, self.num_experts)
+        probs, routing_map, skip_gate, counts = self.route(logits, self.balancing_biases, self.num_experts)
         if self.training and self.count_tokens:
             self.tokens_per_class += counts.float()
         self.skip_gate = skip_gate

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import ATTENTION_TYPES, PRESETS, SKIP_MODES, ZayaConfig, ZayaConfigError, preset
+from ..config import (ATTENTION_TYPES, KERNEL_OPS, PRESETS, SKIP_MODES, ZayaConfig, ZayaConfigError,
+                      kernel_selection, preset)
 from ..optim import add_muon_args
 from .data_checks import indexed_dataset_problem
 
@@ -88,6 +89,9 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="fused LM head: compute its gradients in the forward (3 GEMMs, an fp32 [V, D] gradient "
                         "held until the backward) or recompute the logits in the backward (4 GEMMs, less memory)")
     g.add_argument("--zaya-core-attention", choices=("sdpa", "te"), default="sdpa")
+    g.add_argument("--zaya-kernels", default="all",
+                   help=f"the model's ops that run as Triton kernels: all (on a GPU; none on CPU) | none | a "
+                        f"comma-separated list of {','.join(KERNEL_OPS)}")
     g.add_argument("--zaya-cuda-graphs", action="store_true",
                    help="replay each layer's training forward and backward as CUDA graphs (one GPU per expert "
                         "set: EP = TP = PP = CP = 1); removes the host's kernel-launch time from the step")
@@ -134,7 +138,8 @@ def zaya_config_from_args(args) -> ZayaConfig:
         skip_class=args.zaya_skip_class, skip_mode=args.zaya_skip_mode, skip_bias_init=args.zaya_skip_bias_init,
         balancing_lr=args.zaya_balancing_lr, balancing_betas=tuple(args.zaya_balancing_betas),
         balancing_eps=args.zaya_balancing_eps, balance_skip_class=args.zaya_balance_skip_class,
-        residual_scaling=args.zaya_residual_scaling, cuda_graphs=args.zaya_cuda_graphs, apply_rope_fusion=False,
+        residual_scaling=args.zaya_residual_scaling, cuda_graphs=args.zaya_cuda_graphs, kernels=args.zaya_kernels,
+        apply_rope_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         pipeline_dtype=torch.float32,  # pipeline stages exchange the fp32 residual stream and router state
         # ZAYA1's residual stream is fp32 (residual_in_fp32). Not Megatron's --fp32-residual-connection flag:
@@ -164,6 +169,10 @@ def _data_prefixes(values: list[str] | None) -> list[str]:
 
 def check_args(args, world_size: int) -> None:
     """Fail early, in one line, on input Megatron would reject with a traceback (or not at all)."""
+    try:
+        kernel_selection(args.zaya_kernels)
+    except ZayaConfigError as error:
+        raise UsageError(f"--zaya-kernels: {error}") from error
     for prefix in _data_prefixes(args.data_path) + _data_prefixes(args.train_data_path):
         for suffix in (".bin", ".idx"):
             path = Path(prefix + suffix)

@@ -101,23 +101,26 @@ def live_balancing_state(model, tokens: torch.Tensor) -> None:
     """Make the reference's balancing state non-trivial: biases ``-mean(p)`` over the batch put every class,
     the skip class too, on an equal footing, so each gets tokens (set layer by layer, since each layer's biases
     change what the next one sees); Adam moments mid-run make the bias step depend on the shares' sizes."""
-    import megatron_zaya.model.router as router_module
+    routers = [layer.mlp.router for layer in model.decoder.layers]
+    routes, logits = [router.route for router in routers], []
 
-    route_top1, logits = router_module.route_top1, []
-
-    def recording(scores, *args):
-        logits.append(scores.detach())
-        return route_top1(scores, *args)
+    def recording(route):
+        def record(scores, *args):
+            logits.append(scores.detach())
+            return route(scores, *args)
+        return record
 
     generator = torch.Generator().manual_seed(1)
     model.eval()  # no token counting
     for index, layer in enumerate(model.decoder.layers):
         logits.clear()
-        router_module.route_top1 = recording
+        for router, route in zip(routers, routes):
+            router.route = recording(route)
         try:
             model(tokens)
         finally:
-            router_module.route_top1 = route_top1
+            for router, route in zip(routers, routes):
+                router.route = route
         router = layer.mlp.router
         router.balancing_biases.copy_(-logits[index].softmax(dim=-1).mean(dim=0))
         router.balancing_exp_avg.copy_(0.05 * torch.randn(router.balancing_exp_avg.shape, generator=generator))

@@ -21,15 +21,12 @@ from zaya_cli import QUICK, losses, pretrain
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 
 GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?grad norm: ([0-9.E+-]+)")
-KERNELS = "kernels.zaya_router,kernels.zaya_cca,kernels.zaya_lm_head,kernels.zaya_experts,kernels.zaya_residual"
 
 
 def _model(cuda_graphs: bool):
     from megatron_zaya.config import zaya_config
-    from megatron_zaya.patches import apply_patches
     from megatron_zaya.pretrained import build_single_process_model
 
-    apply_patches(KERNELS)
     cfg = zaya_config("test", num_layers=3, hidden_size=256, num_attention_heads=8, num_query_groups=2,
                       kv_channels=64, ffn_hidden_size=512, num_moe_experts=8, vocab_size=8192,
                       max_position_embeddings=1024, use_cpu_initialization=True, params_dtype=torch.bfloat16,

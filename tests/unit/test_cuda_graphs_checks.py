@@ -23,9 +23,10 @@ def test_refused_without_a_gpu():
         build_single_process_model(_config(cuda_graphs=True))
 
 
-def _block(pp=1, cp=1, local_experts=True):
+def _block(pp=1, cp=1, local_experts=True, grouped_experts=True):
     group = lambda size: SimpleNamespace(size=lambda: size)  # noqa: E731
-    layer = SimpleNamespace(mlp=SimpleNamespace(_dispatches_locally=lambda: local_experts))
+    layer = SimpleNamespace(mlp=SimpleNamespace(_dispatches_locally=lambda: local_experts,
+                                                experts=SimpleNamespace(grouped=grouped_experts)))
     return SimpleNamespace(pg_collection=SimpleNamespace(pp=group(pp), cp=group(cp)), layers=[layer, layer])
 
 
@@ -33,8 +34,10 @@ def _block(pp=1, cp=1, local_experts=True):
     (dict(pp=2), "pipeline parallelism: use --pipeline-model-parallel-size 1"),
     (dict(cp=2), "context parallelism: use --context-parallel-size 1"),
     (dict(local_experts=False), "experts spread over ranks: use --expert-model-parallel-size 1"),
+    (dict(grouped_experts=False), "the experts' per-expert loop (a host sync): select the experts kernel"),
 ])
-def test_refused_layouts(layout, words):
+def test_refused_layouts(layout, words, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the layout checks, as a GPU machine runs them
     with pytest.raises(ZayaConfigError) as error:
         check_cuda_graphs(_block(**layout))
     assert words in str(error.value) and "\n" not in str(error.value)

@@ -5,8 +5,7 @@ import torch
 import megatron_zaya.patches.kernels  # noqa: F401  (registers the group, whichever test runs first)
 from megatron_zaya.patches.registry import REGISTRY, skip_reason
 
-KERNEL_PATCHES = ["kernels.rmsnorm", "kernels.swiglu", "kernels.cross_entropy", "kernels.zaya_router",
-                  "kernels.zaya_residual", "kernels.zaya_cca", "kernels.zaya_lm_head", "kernels.zaya_experts"]
+KERNEL_PATCHES = ["kernels.rmsnorm", "kernels.swiglu", "kernels.cross_entropy"]
 
 
 def test_kernel_patches_are_registered_for_gpus_only_with_an_off_switch():
@@ -16,6 +15,13 @@ def test_kernel_patches_are_registered_for_gpus_only_with_an_off_switch():
         assert patch.kernel and patch.platforms == ("cuda", "rocm")
         assert "Off:" in patch.doc and patch_id in patch.doc
         assert skip_reason(patch, "cpu") is not None and skip_reason(patch, "rocm") is None
+
+
+def test_no_patch_replaces_a_megatron_zaya_symbol():
+    from megatron_zaya.patches.registry import resolve
+
+    patches, _ = resolve("all")
+    assert patches and not [p.id for p in patches if p.target.startswith("megatron_zaya")]
 
 
 def _config(normalization):
