@@ -1,10 +1,10 @@
 """Benchmark megatron_zaya's Triton kernels against their torch references at ZAYA1-8B shapes.
 
-    python benchmarks/bench_kernels.py                      # all kernels; CUDA or ROCm GPU; minutes (torch.compile)
-    python benchmarks/bench_kernels.py --kernels rmsnorm,swiglu --no-compile
-    python benchmarks/bench_kernels.py --smoke              # tiny shapes, any device: checks the script runs
-    python benchmarks/bench_kernels.py --batch 4 --kernels rmsnorm   # T = 16384 (the issue's norm anchors)
-    python benchmarks/bench_kernels.py --kernels swiglu --rounds 9   # interleaved rounds, for close calls
+    python -m benchmarks.bench_kernels                      # all kernels; CUDA or ROCm GPU; minutes (torch.compile)
+    python -m benchmarks.bench_kernels --kernels rmsnorm,swiglu --no-compile
+    python -m benchmarks.bench_kernels --smoke              # tiny shapes, any device: checks the script runs
+    python -m benchmarks.bench_kernels --batch 4 --kernels rmsnorm   # T = 16384 (the RMSNorm anchors)
+    python -m benchmarks.bench_kernels --kernels swiglu --rounds 9   # interleaved rounds, for close calls
 
 Shapes: T = 8192 tokens (4096 x 2), D = 2048, F = 2048, V = 262272, E = 16, d = 128, nq = 8, nkv = 2,
 bf16 activations. For each kernel and pass (forward; forward + backward) it prints the median time of
@@ -30,9 +30,9 @@ from collections.abc import Callable
 
 import torch
 
-from timing import gpu_or_smoke
-
 from megatron_zaya.kernels import cca, cross_entropy, grouped_gemm, residual_rmsnorm, router, swiglu
+
+from .timing import gpu_or_smoke
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -136,7 +136,7 @@ def _differentiable(outputs) -> list[torch.Tensor]:
     return [o for o in outputs if o.requires_grad]
 
 
-def _bench(fn: Callable[[], object], device: str, graph: bool = False) -> float:
+def median_ms(fn: Callable[[], object], device: str, graph: bool = False) -> float:
     """Median milliseconds of ``fn``: device time of CUDA-graph replays (``graph``) or CUDA events per call."""
     if device == "cuda":
         import triton.testing
@@ -162,7 +162,7 @@ def warm_up(fn: Callable, tensors: list[torch.Tensor], args: tuple) -> None:
     torch.autograd.grad(outputs, tensors, [torch.ones_like(o) for o in outputs])
 
 
-def _time_passes(fn: Callable, tensors: list[torch.Tensor], args: tuple, device: str,
+def time_passes(fn: Callable, tensors: list[torch.Tensor], args: tuple, device: str,
                  uniform_grad: bool = False, graph: bool = False) -> tuple[float, float, float]:
     """(forward ms, forward + backward ms, extra peak GiB of forward + backward) of ``fn(*tensors, *args)``."""
     outputs = _differentiable(fn(*tensors, *args))
@@ -180,7 +180,7 @@ def _time_passes(fn: Callable, tensors: list[torch.Tensor], args: tuple, device:
         step()
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - before) / 2**30
-    return _bench(lambda: fn(*tensors, *args), device, graph), _bench(step, device, graph), peak
+    return median_ms(lambda: fn(*tensors, *args), device, graph), median_ms(step, device, graph), peak
 
 
 def _throughput(case: Case, backward: bool, ms: float) -> str:
@@ -201,7 +201,7 @@ def run(case: Case, device: str, use_compile: bool, timer: str, rounds: int = 1)
         names = list(contenders)[round_ % len(contenders):] + list(contenders)[: round_ % len(contenders)]
         for name in names:
             try:
-                samples[name].append(_time_passes(contenders[name], tensors, args, device, case.uniform_grad, graph))
+                samples[name].append(time_passes(contenders[name], tensors, args, device, case.uniform_grad, graph))
             except Exception as error:  # report and go on: a compile failure is a result, not a crash
                 if name != "compile":
                     raise
@@ -232,7 +232,7 @@ def same_bytes_copy_ms(moved: float, device: str) -> float:
     kernel of that size can reach, which for a ~1 MB kernel is set by launch latency, not by bandwidth."""
     source = torch.empty(int(moved) // 2, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
-    return _bench(lambda: target.copy_(source), device, graph=True)
+    return median_ms(lambda: target.copy_(source), device, graph=True)
 
 
 def copy_anchor(device: str, shapes: Shapes, graph: bool) -> None:
@@ -241,7 +241,7 @@ def copy_anchor(device: str, shapes: Shapes, graph: bool) -> None:
                             ("copy [T, D] bf16", shapes.tokens * shapes.hidden)):
         x = torch.empty(elements, dtype=BF16, device=device)
         y = torch.empty_like(x)
-        ms = _bench(lambda: y.copy_(x), device, graph)
+        ms = median_ms(lambda: y.copy_(x), device, graph)
         print(f"{label:22s} {'':8s} {ms:9.3f} ms {2 * x.numel() * 2 / (ms * 1e-3) / 1e9:9.1f} GB/s")
 
 
@@ -253,7 +253,7 @@ def gemm_anchor(device: str, shapes: Shapes) -> None:
     for label, fn in (("bf16 out", lambda: a @ b), ("fp32 out", lambda: torch.mm(a, b, out_dtype=FP32)),
                       ("fp32 upcast", lambda: a.float() @ b.float())):
         try:
-            ms = _bench(fn, device)
+            ms = median_ms(fn, device)
         except (RuntimeError, NotImplementedError) as error:
             print(f"{'gemm ' + label:22s} unavailable: {str(error).splitlines()[0][:80]}")
             continue
@@ -266,7 +266,7 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the references")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device, to check the script")
     parser.add_argument("--batch", type=int, default=2,
-                        help="sequences of 4096 tokens (T = 4096 x batch; issue #6's norm anchors are at batch 4)")
+                        help="sequences of 4096 tokens (T = 4096 x batch; the RMSNorm anchors are at batch 4)")
     parser.add_argument("--timer", choices=("graph", "events"), default="graph",
                         help="memory-bound cases as CUDA-graph replays (default) or CUDA events per call")
     parser.add_argument("--rounds", type=int, default=1,

@@ -1,9 +1,9 @@
 """Benchmark Muon's Newton–Schulz on the matrices of one ZAYA1-8B layer: torch vs our Triton kernels.
 
-    python benchmarks/bench_newton_schulz.py            # needs a CUDA or ROCm GPU (about 3 minutes on an H200)
-    python benchmarks/bench_newton_schulz.py --smoke    # tiny shapes, any device: checks the script runs
+    python -m benchmarks.bench_newton_schulz            # needs a CUDA or ROCm GPU (about 3 minutes on an H200)
+    python -m benchmarks.bench_newton_schulz --smoke    # tiny shapes, any device: checks the script runs
 
-Matrices (as in docs/megatron-core-0.19-notes.md §11): q 1024×2048, k 256×2048, o 2048×1024, 16 expert
+Matrices (the reference set: q, k, o and the experts): q 1024×2048, k 256×2048, o 2048×1024, 16 expert
 fc1 4096×2048 and 16 expert fc2 2048×2048, plus ZAYA1's two value halves (128×2048 each) and the four
 router matrices. 5 quintic steps in bf16. For each shape it prints the median time of
 
@@ -22,10 +22,10 @@ router matrices. 5 quintic steps in bf16. For each shape it prints the median ti
 the ratios over ``ours``, the FLOP ratio of the loop over ``ours`` (general GEMMs, 4m²n + 2m³ per step, against
 what ``ours`` computes: the bound its kernels would reach at cuBLAS's FLOP rate), the TFLOP/s of ``ours``
 counting the loop's FLOPs, and the relative error of each path against float64. Then the layer totals
-(loop/ours of the notes §11 set is issue #5's 1.6× target), and the Newton–Schulz time per rank
+(the target for loop/ours on the reference set is 1.6×), and the Newton–Schulz time per rank
 of a whole 40-layer ZAYA1-8B step when ZayaMuon spreads the matrices over DP ranks (FLOP-balanced owners;
-Megatron's non-layer-wise Muon runs all of them on every rank). Reference point (notes §11, H200, torch
-2.11): plain torch 26.0 ms per layer; emerging_optimizers 22.1 ms; its Triton SYRK path 41.6 ms.
+Megatron's non-layer-wise Muon runs all of them on every rank). Reference point (H200, torch
+2.11, the reference set): plain torch 26.0 ms per layer; emerging_optimizers 22.1 ms; its Triton SYRK path 41.6 ms.
 
 Last, ``--step-layers`` layers (default 8) as whole optimizer steps on fp32 parameters with gradients: a real
 ``ZayaMuon.step()`` (equal shapes batched across layers) against a per-matrix torch Muon step written here
@@ -39,8 +39,6 @@ import argparse
 import statistics
 
 import torch
-
-from timing import call_times, gpu_or_smoke
 
 from megatron_zaya.kernels.newton_schulz import (
     QUINTIC_COEFFICIENTS,
@@ -59,6 +57,8 @@ from megatron_zaya.optim.muon import MuonConfig, ZayaMuon
 from megatron_zaya.optim.plan import WorkItem, assign_owners
 from megatron_zaya.optim.roles import MatrixLayout
 
+from .timing import call_times, gpu_or_smoke
+
 COEFFICIENTS = (QUINTIC_COEFFICIENTS,) * 5
 LAYER = [  # (name, count, rows, cols) of one ZAYA1-8B layer
     ("q", 1, 1024, 2048),
@@ -71,7 +71,7 @@ LAYER = [  # (name, count, rows, cols) of one ZAYA1-8B layer
     ("experts fc1", 16, 4096, 2048),
     ("experts fc2", 16, 2048, 2048),
 ]
-NOTES_SET = {"q", "k", "o", "experts fc1", "experts fc2"}  # the matrices timed in the notes
+REFERENCE_SET = {"q", "k", "o", "experts fc1", "experts fc2"}  # the first Newton–Schulz timings' matrices
 SMOKE_LAYER = [("q", 1, 64, 96), ("k", 1, 16, 96), ("experts fc1", 4, 96, 48), ("experts fc2", 4, 48, 48)]
 
 
@@ -270,7 +270,7 @@ def main() -> None:
 
     paths = ["loop", "batched"] + (["megatron"] if megatron_newton_schulz else []) + (["triton"] if use_triton else [])
     paths += ["gram", "ours"]
-    for label, subset in (("notes §11 set", [r for r in rows if r["name"] in NOTES_SET]), ("whole layer", rows)):
+    for label, subset in (("reference set", [r for r in rows if r["name"] in REFERENCE_SET]), ("whole layer", rows)):
         totals = {p: sum(r[p] for r in subset) for p in paths}
         text = ", ".join(f"{p} {t:.2f} ms" for p, t in totals.items())
         text += "; " + ", ".join(f"{p}/ours {totals[p] / totals['ours']:.2f}x" for p in paths if p != "ours")

@@ -1,7 +1,7 @@
-"""ZAYA1's CCA attention block against 16-head MHA at the same hidden size (issue #6's CCA target).
+"""ZAYA1's CCA attention block against 16-head MHA at the same hidden size (the CCA paper's speed claim).
 
-    python benchmarks/cca_vs_mha.py                          # S=4096 B=2 and S=16384 B=1, one GPU
-    python benchmarks/cca_vs_mha.py --points 8192x1 --smoke  # tiny widths on any device: checks the script
+    python -m benchmarks.cca_vs_mha                          # S=4096 B=2 and S=16384 B=1, one GPU
+    python -m benchmarks.cca_vs_mha --points 8192x1 --smoke  # tiny widths on any device: checks the script
 
 Times forward + backward (median of ``--iters`` after warm-up) of
 
@@ -12,7 +12,7 @@ Times forward + backward (median of ``--iters`` after warm-up) of
   (flash on GPUs) and the output projection;
 
 both in bf16 on ``[S, B, 2048]`` inputs, and prints mha / cca (the CCA paper's claim: ≥ 1.3× at S=4096 and
-≥ 1.7× at S=16384, issue #6). On GPUs both blocks are timed a second time as CUDA-graph replays
+≥ 1.7× at S=16384). On GPUs both blocks are timed a second time as CUDA-graph replays
 (``torch.cuda.make_graphed_callables``, forward and backward), which takes the host's launch time out of both.
 """
 
@@ -24,8 +24,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from inprocess import DEVICE, DTYPE, GPU, setup_single_process, zaya_cfg
-from timing import call_times
+from .inprocess import DEVICE, DTYPE, GPU, setup_single_process, zaya_cfg
+from .timing import call_times
 
 
 class MultiHeadAttentionBlock(torch.nn.Module):

@@ -1,6 +1,6 @@
 """Context-parallel CCA attention on one GPU: what each CP rank's attention costs against the whole sequence.
 
-    python benchmarks/cp_attention.py [--seq 32768] [--cp 2]
+    python -m benchmarks.cp_attention [--seq 32768] [--cp 2]
 
 Times forward+backward of ``SDPAttention.attend`` (ZAYA1-8B's 8 query / 2 KV heads of 128, bf16):
 the whole causal sequence on one GPU, then, for each CP rank, its two zig-zag chunks against the keys up to
@@ -16,10 +16,10 @@ import statistics
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from timing import call_times
-
 from megatron_zaya.config import zaya_config
 from megatron_zaya.model.core_attention import SDPAttention
+
+from .timing import call_times
 
 
 def timed(fn, repeats: int = 5) -> float:

@@ -1,7 +1,7 @@
-"""Issue #10's eight-rank layouts through the real ``zaya-pretrain`` CLI: on 8 GPUs, or on CPU at tiny size.
+"""Eight-rank layouts through the real ``zaya-pretrain`` CLI: on 8 GPUs, or on CPU at tiny size.
 
-    python benchmarks/eight_ranks.py --out OUT [--layouts ep8,dp8_muon] [--iters 20]     # CPU, gloo, ~8 min
-    python benchmarks/eight_ranks.py --gpu --out OUT [--layouts ep8]                      # 8 GPUs, ~7 min per layout
+    python -m benchmarks.eight_ranks --out OUT [--layouts ep8,dp8_muon] [--iters 20]     # CPU, gloo, ~8 min
+    python -m benchmarks.eight_ranks --gpu --out OUT [--layouts ep8]                      # 8 GPUs, ~7 min per layout
 
 * ``ep8``: expert parallel 8, 16 experts (2 per rank); world 8, so the dense part is data parallel 8. Adam
   (Megatron's).
@@ -29,7 +29,7 @@ global batch ``--throughput-gbs`` / 8 and the layout on eight at ``--throughput-
 docs/benchmarks.md), ``--throughput-iters`` (8) iterations each; tokens/s/GPU, TFLOP/s
 and MFU (``megatron_zaya.flops``, every token counted as routed to an expert, against ``--peak-tflops``,
 773: the bf16 GEMM rate measured on an H200), scaling efficiency = eight ranks' tokens/s/GPU over one GPU's,
-and the optimizer's share. Issue #10's targets: efficiency ≥ 85%, Muon's share ≤ 3% at DP8, losses equal to
+and the optimizer's share. The targets: efficiency ≥ 85%, Muon's share ≤ 3% at DP8, losses equal to
 one GPU's for the first 20 iterations within bf16 tolerance.
 
 Losses: Megatron's ``lm loss`` log lines (averaged over data-parallel ranks, 7 significant digits). The
@@ -54,7 +54,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_log import iterations, optimizer_ms
+from .megatron_log import iterations, optimizer_ms
 
 WORLD, BASE_ITERS = 8, 2
 SCHEDULE = ["--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",

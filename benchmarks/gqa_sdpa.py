@@ -5,7 +5,7 @@ Without Transformer Engine, Megatron's local spec attends with ``DotProductAtten
 module of Megatron's own GPT-MoE and swaps only the core attention for ``F.scaled_dot_product_attention``
 (flash kernel, causal, GQA), so that the GQA baseline attends as efficiently as ZAYA1's CCA does.
 
-CLI use (the benchmarks directory on PYTHONPATH): ``--spec gqa_sdpa gqa_sdpa_block_spec``.
+CLI use (from the repository root): ``--spec benchmarks.gqa_sdpa gqa_sdpa_block_spec``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""In-process timings for benchmarks/throughput.py (each part in its own process, JSON to --out).
+"""In-process timings for ``benchmarks.throughput`` (each part in its own process, JSON to --out).
 
-    python benchmarks/inprocess.py eager --out DIR [--smoke]   # one decoder layer: transformers eager vs ours
-    python benchmarks/inprocess.py sweep --out DIR [--smoke]   # tokens/s vs sequence length: ZAYA1 vs GQA
+    python -m benchmarks.inprocess eager --out DIR [--smoke]   # one decoder layer: transformers eager vs ours
+    python -m benchmarks.inprocess sweep --out DIR [--smoke]   # tokens/s vs sequence length: ZAYA1 vs GQA
 
 ``eager``: forward + backward of ONE decoder layer at S = 4096, B = 2 (bf16 weights, the fp32 residual stream
 as input): ``transformers``' ``ZayaDecoderLayer`` with eager attention and experts (the public reference)
@@ -21,18 +21,15 @@ import argparse
 import gc
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from timing import call_times  # noqa: E402
-
-from megatron_zaya.config import zaya_config  # noqa: E402
-from megatron_zaya.flops import (gqa_moe_forward_flops_per_token, routed_fraction,  # noqa: E402
+from megatron_zaya.config import zaya_config
+from megatron_zaya.flops import (gqa_moe_forward_flops_per_token, routed_fraction,
                                  training_flops_per_token)
+
+from .timing import call_times
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -133,7 +130,7 @@ def gqa_model(cfg):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from gqa_sdpa import gqa_sdpa_block_spec
+    from .gqa_sdpa import gqa_sdpa_block_spec
 
     tc = TransformerConfig(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,

@@ -1,6 +1,6 @@
 """ZAYA1 across two GPUs with the real ``zaya-pretrain`` CLI: each layout against one GPU, in one invocation.
 
-    python benchmarks/parallel_2gpu.py --out OUT [--parts scaling,context,references,match,resume,optimizer]
+    python -m benchmarks.parallel_2gpu --out OUT [--parts scaling,context,references,match,resume,optimizer]
 
 * ``scaling``: one GPU, DP2, EP2 (expert-parallel, 8 experts per GPU), TP2 (+SP), DP2 with overlapped gradient
   reduction, DP2 and EP2 with that and the distributed optimizer, and EP2 so with the all-gather dispatch
@@ -22,7 +22,7 @@
   and overlapped reduction, the scaling part's model, micro-batch ``--share-mbs`` and each global batch of
   ``--share-gbs``; Megatron's ``optimizer`` timer (slowest rank) over ``elapsed time per iteration`` after
   ``--share-warmup`` iterations, its sub-timers (``--timing-log-level 2``), and one iteration under
-  ``probe.py``: the optimizer phase's wall and device-busy time and its largest ops.
+  ``benchmarks.probe``: the optimizer phase's wall and device-busy time and its largest ops.
 * ``resume``: DP2 with ``--use-distributed-optimizer --deterministic-mode``: 10 iterations saving at 5, then a
   second launch that loads iteration 5 and trains 6-10; the resumed losses must equal the uninterrupted ones.
 
@@ -45,7 +45,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from megatron_log import iterations, optimizer_ms
+from .megatron_log import iterations, optimizer_ms
 
 OPTIMIZER_SUBTIMER = re.compile(r"^\s+(optimizer-[a-z-]+) \.+: \([0-9.]+, ([0-9.]+)\)", re.M)
 MODEL = ["--zaya-preset", "zaya1-8b-shallow", "--vocab-size", "262271"]
@@ -79,12 +79,12 @@ LAYOUTS = {"dp2": [], "ep2": ["--expert-model-parallel-size", "2"],
 
 
 def launch(name: str, flags: list[str], out: Path, gpus: str, nproc: int = 1, profile: str | None = None):
-    """Start ``zaya-pretrain`` on ``gpus``; with ``profile`` (FIRST:COUNT) under ``probe.py``, into OUT/<name>/."""
+    """Start ``zaya-pretrain`` on ``gpus``; with ``profile`` (FIRST:COUNT) under ``benchmarks.probe``; logs in OUT."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus, "PYTHONUNBUFFERED": "1"}
     entry = ["-m", "megatron_zaya.pretrain"]
     if profile:
         env.update(ZAYA_BENCH_OUT=str(out / name), ZAYA_BENCH_PROFILE=profile)
-        entry = [str(Path(__file__).resolve().parent / "probe.py"), *entry]
+        entry = ["-m", "benchmarks.probe", *entry]
     if nproc == 1:
         command = [sys.executable, *entry, *flags]
     else:

@@ -1,9 +1,10 @@
 """Run a training entry point unchanged, with measurement probes (benchmarks only)::
 
-    ZAYA_BENCH_OUT=DIR [ZAYA_BENCH_PROFILE=FIRST:COUNT] python benchmarks/probe.py -m megatron_zaya.pretrain ARGS
-    ZAYA_BENCH_OUT=DIR python benchmarks/probe.py tests/gpt_cpu_entry.py ARGS
+    ZAYA_BENCH_OUT=DIR [ZAYA_BENCH_PROFILE=FIRST:COUNT] python -m benchmarks.probe -m megatron_zaya.pretrain ARGS
+    ZAYA_BENCH_OUT=DIR python -m benchmarks.probe tests/gpt_cpu_entry.py ARGS
 
-The entry runs as ``__main__`` (as ``python -m megatron_zaya.pretrain`` / ``python script`` would). The probes
+The entry runs as ``__main__`` (as ``python -m megatron_zaya.pretrain`` / ``python script`` would, except that a
+script finds the repository root, not its own folder, on ``sys.path``: ``--spec benchmarks.gqa_sdpa ...``). The probes
 are torch's global module hooks, so nothing of the library, Megatron or torch is replaced:
 
 * ``DIR/memory.json`` (``memory.rank<r>.json`` on ranks other than 0): peak device memory (``torch.cuda.max_memory_allocated`` / ``_reserved``) at exit;
@@ -251,7 +252,6 @@ def main(argv: list[str]) -> None:
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
         sys.argv = list(argv)
-        sys.path.insert(0, str(Path(argv[0]).resolve().parent))
         runpy.run_path(argv[0], run_name="__main__")
 
 

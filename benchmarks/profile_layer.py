@@ -1,8 +1,8 @@
-"""Where one ZAYA1 decoder layer's forward + backward spends its time, kernel by kernel (issues #6 and #9).
+"""Where one ZAYA1 decoder layer's forward + backward spends its time, kernel by kernel.
 
-    python benchmarks/profile_layer.py                 # S=4096, B=2, ZAYA1-8B width, one GPU
-    python benchmarks/profile_layer.py --cuda-graphs   # the layer as --zaya-cuda-graphs replays it
-    python benchmarks/profile_layer.py --smoke         # tiny widths on any device: checks the script
+    python -m benchmarks.profile_layer                 # S=4096, B=2, ZAYA1-8B width, one GPU
+    python -m benchmarks.profile_layer --cuda-graphs   # the layer as --zaya-cuda-graphs replays it
+    python -m benchmarks.profile_layer --smoke         # tiny widths on any device: checks the script
 
 Builds layer 0 of a one-layer ``zaya1-8b-shallow`` model as training builds it (the kernel patches that apply
 on the device), runs forward + backward on the fp32 residual stream as ``inprocess.py eager`` does, and prints
@@ -22,9 +22,9 @@ from collections import defaultdict
 
 import torch
 
-from inprocess import DEVICE, GPU, setup_single_process, zaya_cfg
-from probe import busy_ms
-from timing import call_times
+from .inprocess import DEVICE, GPU, setup_single_process, zaya_cfg
+from .probe import busy_ms
+from .timing import call_times
 
 
 def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False):

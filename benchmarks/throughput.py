@@ -1,18 +1,18 @@
-"""Issue #9's training-throughput benchmark, one invocation: ZAYA1 through the real CLI, its baselines, a
+"""The training-throughput benchmark, one invocation: ZAYA1 through the real CLI, its baselines, a
 per-component profile and a sequence-length sweep. Results go to --out as JSON, PNG, raw logs and a
 markdown summary (also printed).
 
-    python benchmarks/throughput.py --out runs/throughput                   # everything, one H200, ~6 min
-    python benchmarks/throughput.py --out runs/t1 --parts zaya,gpt_sdpa     # a subset (see --parts)
-    python benchmarks/throughput.py --out runs/smoke --smoke                # tiny shapes, CPU, ~2 min
+    python -m benchmarks.throughput --out runs/throughput                   # everything, one H200, ~6 min
+    python -m benchmarks.throughput --out runs/t1 --parts zaya,gpt_sdpa     # a subset (see --parts)
+    python -m benchmarks.throughput --out runs/smoke --smoke                # tiny shapes, CPU, ~2 min
 
 Parts:
-  zaya      ``python -m megatron_zaya.pretrain`` (through benchmarks/probe.py): ZAYA1-8B width at --layers layers,
+  zaya      ``python -m megatron_zaya.pretrain`` (through ``benchmarks.probe``): ZAYA1-8B width at --layers layers,
             mock data, bf16, sequence 4096, micro-batch 2, global batch 8; its last --profile-iters iterations
             run under torch.profiler for the per-component breakdown (and are left out of the timings).
   gpt       Megatron-Core's stock GPT-MoE (tests/gpt_cpu_entry.py, local spec: unfused DotProductAttention) at
             the same width, GQA 8/2 heads, 16 top-1 SwiGLU experts, vocabulary and batch.
-  gpt_sdpa  the same GPT-MoE with SDPA (flash) core attention: ``--spec gqa_sdpa gqa_sdpa_block_spec``.
+  gpt_sdpa  the same GPT-MoE with SDPA (flash) core attention: ``--spec benchmarks.gqa_sdpa gqa_sdpa_block_spec``.
   eager     one decoder layer forward + backward at S=4096, B=2: transformers' eager ZAYA1 layer vs ours.
   sweep     in-process training steps at sequence 4k/8k/16k/32k (32,768 tokens per step): ZAYA1 vs the
             SDPA GQA baseline; plot ``sweep.png``.
@@ -44,9 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parent.parent  # the runs start here, where ``-m benchmarks.*`` resolves
 
 PARTS = ("zaya", "gpt", "gpt_sdpa", "eager", "sweep", "zaya_lm_recompute", "zaya_graphs", "dp2", "ep2")
 DEFAULT_PARTS = PARTS[:5]  # dp2 and ep2 need two GPUs
@@ -72,7 +70,7 @@ def world_size(part: str) -> int:
 
 
 def common_flags(args, world: int = 1) -> list[str]:
-    """The training flags of every CLI run (benchmarks/pretrain_h200.sh's); the global batch grows with the
+    """The training flags of every CLI run; the global batch grows with the
     GPUs (weak scaling: the same micro-batches per GPU)."""
     flags = ["--seq-length", str(args.seq), "--max-position-embeddings", str(args.seq),
              "--micro-batch-size", str(args.mbs), "--global-batch-size", str(args.gbs * world),
@@ -86,10 +84,10 @@ def common_flags(args, world: int = 1) -> list[str]:
 def cli_command(part: str, args) -> list[str]:
     s = shape(args.smoke, args.layers)
     vocab = ["--vocab-size", str(s["vocab_size"] - 1)]  # NullTokenizer adds the EOD token
-    probe = [sys.executable, str(HERE / "probe.py")]
+    probe = [sys.executable, "-m", "benchmarks.probe"]
     if part in TWO_GPU:  # torchrun: WORLD_SIZE set, so zaya-pretrain does not relaunch itself
         probe = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                 str(HERE / "probe.py")]
+                 "-m", "benchmarks.probe"]
     if part in ZAYA_RUNS:
         preset = "tiny" if args.smoke else "zaya1-8b-shallow"
         return probe + ["-m", "megatron_zaya.pretrain", "--zaya-preset", preset, "--num-layers", str(args.layers),
@@ -107,7 +105,7 @@ def cli_command(part: str, args) -> list[str]:
         gpt += ["--distributed-backend", "gloo", "--use-cpu-initialization", "--no-persist-layer-norm",
                 "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion"]
     if part == "gpt_sdpa":
-        gpt += ["--spec", "gqa_sdpa", "gqa_sdpa_block_spec"]
+        gpt += ["--spec", "benchmarks.gqa_sdpa", "gqa_sdpa_block_spec"]
     return probe + [str(ROOT / "tests" / "gpt_cpu_entry.py"), *gpt, *common_flags(args)]
 
 
@@ -189,7 +187,7 @@ def flops_per_token(part: str, args, routed: float) -> dict:
 def run_inprocess(part: str, args, budget: Budget) -> dict:
     out = Path(args.out) / part
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(HERE / "inprocess.py"), part, "--out", str(out), "--layers", str(args.layers)]
+    command = [sys.executable, "-m", "benchmarks.inprocess", part, "--out", str(out), "--layers", str(args.layers)]
     command += ["--smoke"] if args.smoke else []
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
     started = time.monotonic()
@@ -360,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     budget = Budget(args.budget_s)
     results = {"machine": machine(), "date": datetime.date.today().isoformat(),
-               "command": "python benchmarks/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+               "command": "python -m benchmarks.throughput " + " ".join(argv if argv is not None else sys.argv[1:]),
                "settings": vars(args)}
     for index, part in enumerate(parts):
         if budget.left() <= 0:

@@ -1,7 +1,7 @@
 """Tune the CCA convolution kernels' launch (``cca.CONV_TUNING``) on this GPU.
 
-    python benchmarks/tune_cca_convs.py            # CUDA or ROCm GPU, well under a minute
-    python benchmarks/tune_cca_convs.py --smoke    # tiny shapes, any device: checks the script runs
+    python -m benchmarks.tune_cca_convs            # CUDA or ROCm GPU, well under a minute
+    python -m benchmarks.tune_cca_convs --smoke    # tiny shapes, any device: checks the script runs
 
 For each group of launch settings (forward, the grouped and depthwise conv backward, the weight gradient) it
 times forward + backward of the ``cca_convs`` case of ``bench_kernels.py`` (the q convolutions at T = 8192,
@@ -12,18 +12,14 @@ and prints the best of every group. Copy them into ``CONV_TUNING``.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from megatron_zaya.kernels import cca
+from megatron_zaya.kernels.utils import platform
 
-from bench_kernels import SMOKE, Shapes, _time_passes, cases, warm_up  # noqa: E402
-from timing import gpu_or_smoke, settings_grid, sweep_groups  # noqa: E402
-
-from megatron_zaya.kernels import cca  # noqa: E402
-from megatron_zaya.kernels.utils import platform  # noqa: E402
+from .bench_kernels import SMOKE, Shapes, cases, time_passes, warm_up
+from .timing import gpu_or_smoke, settings_grid, sweep_groups
 
 
 #: Each group's settings are swept with the other groups at the table's values.
@@ -44,12 +40,12 @@ def main() -> None:
     key = platform(torch.device(device))
     case = next(c for c in cases(SMOKE if args.smoke else Shapes(), device) if c.name == "cca_convs")
     tensors, extra = case.make_inputs()
-    forward, both, _ = _time_passes(case.reference, tensors, extra, device, graph=graph)
+    forward, both, _ = time_passes(case.reference, tensors, extra, device, graph=graph)
     print(f"platform {key}; cuDNN conv1d reference: forward {forward:.3f} ms, forward + backward {both:.3f} ms")
 
     def forward_backward_ms() -> float:
         warm_up(case.kernel, tensors, extra)
-        return _time_passes(case.kernel, tensors, extra, device, graph=graph)[1]
+        return time_passes(case.kernel, tensors, extra, device, graph=graph)[1]
 
     best = sweep_groups(cca.CONV_TUNING[key], GROUPS, forward_backward_ms)
     print(f"best (forward + backward of the q convolutions): {best}")

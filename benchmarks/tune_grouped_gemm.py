@@ -1,7 +1,7 @@
 """Tune the grouped expert GEMM's launch settings (``grouped_gemm.GEMM_TUNING``) on this GPU.
 
-    python benchmarks/tune_grouped_gemm.py            # CUDA or ROCm GPU, one to two minutes
-    python benchmarks/tune_grouped_gemm.py --smoke    # tiny shapes, any device: checks the script runs
+    python -m benchmarks.tune_grouped_gemm            # CUDA or ROCm GPU, one to two minutes
+    python -m benchmarks.tune_grouped_gemm --smoke    # tiny shapes, any device: checks the script runs
 
 Times forward + backward of both expert GEMMs of ``bench_kernels.py`` (fc1: 2048 -> 4096 and fc2: 2048 -> 2048,
 16 experts, T = 8192 tokens, bf16) with CUDA events, for each candidate of the row-tile kernel (forward and
@@ -12,18 +12,14 @@ input gradient) and then of the weight-gradient kernel, and prints the best of e
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from megatron_zaya.kernels import grouped_gemm
+from megatron_zaya.kernels.utils import platform
 
-from bench_kernels import SMOKE, Shapes, _time_passes, cases, gemm_anchor  # noqa: E402
-from timing import gpu_or_smoke, sweep_groups  # noqa: E402
-
-from megatron_zaya.kernels import grouped_gemm  # noqa: E402
-from megatron_zaya.kernels.utils import platform  # noqa: E402
+from .bench_kernels import SMOKE, Shapes, cases, gemm_anchor, time_passes
+from .timing import gpu_or_smoke, sweep_groups
 
 ROW_TILES = [dict(block_m=m, block_n=n, block_k=k, warps=w, stages=st) for m, n, k, w, st in (
     (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3),
@@ -48,7 +44,7 @@ def main() -> None:
     flops = sum(sum(case.flops) for case in chosen)
 
     def forward_backward_ms() -> float:
-        ms = sum(_time_passes(case.kernel, tensors, extra, device)[1] for case, (tensors, extra) in zip(chosen, inputs))
+        ms = sum(time_passes(case.kernel, tensors, extra, device)[1] for case, (tensors, extra) in zip(chosen, inputs))
         print(f"  {flops / ms / 1e9:.0f} TFLOP/s", end=" ")
         return ms
 

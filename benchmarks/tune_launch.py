@@ -1,9 +1,9 @@
 """Tune a small kernel's per-platform launch table on this GPU: SwiGLU (``swiglu.SWIGLU_TUNING``) or the router
 epilogue (``router.ROUTER_TUNING``).
 
-    python benchmarks/tune_launch.py --kernel swiglu    # CUDA or ROCm GPU, about a minute each
-    python benchmarks/tune_launch.py --kernel router
-    python benchmarks/tune_launch.py --kernel router --smoke    # tiny shapes, any device: checks the script runs
+    python -m benchmarks.tune_launch --kernel swiglu    # CUDA or ROCm GPU, about a minute each
+    python -m benchmarks.tune_launch --kernel router
+    python -m benchmarks.tune_launch --kernel router --smoke    # tiny shapes, any device: checks the script runs
 
 It times the kernel's ``bench_kernels.py`` cases (T = 4096 x ``--batch``) as CUDA-graph replays: the forward
 launch by the forward time, the backward launch by the forward + backward time, summed over the cases.
@@ -14,18 +14,14 @@ group; copy them into the table.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from megatron_zaya.kernels import router, swiglu
+from megatron_zaya.kernels.utils import platform
 
-from bench_kernels import SMOKE, Shapes, _time_passes, cases, warm_up  # noqa: E402
-from timing import gpu_or_smoke, settings_grid, sweep_groups  # noqa: E402
-
-from megatron_zaya.kernels import router, swiglu  # noqa: E402
-from megatron_zaya.kernels.utils import platform  # noqa: E402
+from .bench_kernels import SMOKE, Shapes, cases, time_passes, warm_up
+from .timing import gpu_or_smoke, settings_grid, sweep_groups
 
 # kernel: (its tuning table, the bench_kernels cases it is timed on, forward candidates, backward candidates)
 TUNABLE = {
@@ -56,7 +52,7 @@ def main() -> None:
         for case, tensors, extra in inputs:
             compiled = torch.compile(case.reference)
             warm_up(compiled, tensors, extra)
-            forward_ms, both_ms, _ = _time_passes(compiled, tensors, extra, device, graph=graph)
+            forward_ms, both_ms, _ = time_passes(compiled, tensors, extra, device, graph=graph)
             print(f"torch.compile {case.name}: forward {forward_ms:.4f} ms, forward + backward {both_ms:.4f} ms")
     print(f"platform {key}; current {per_platform[key]}")
 
@@ -65,7 +61,7 @@ def main() -> None:
             total = 0.0
             for case, tensors, extra in inputs:
                 warm_up(case.kernel, tensors, extra)
-                total += _time_passes(case.kernel, tensors, extra, device, graph=graph)[index]
+                total += time_passes(case.kernel, tensors, extra, device, graph=graph)[index]
             return total
         return total_ms
 

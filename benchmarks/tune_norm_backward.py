@@ -1,7 +1,7 @@
 """Tune the RMSNorm / residual kernels' backward launch (``residual_rmsnorm.BACKWARD_TUNING``) on this GPU.
 
-    python benchmarks/tune_norm_backward.py            # CUDA or ROCm GPU, about a minute
-    python benchmarks/tune_norm_backward.py --smoke    # tiny shapes, any device: checks the script runs
+    python -m benchmarks.tune_norm_backward            # CUDA or ROCm GPU, about a minute
+    python -m benchmarks.tune_norm_backward --smoke    # tiny shapes, any device: checks the script runs
 
 For every (rows per iteration, programs per SM, warps, pipeline depth) it times forward + backward of the four
 norm cases of ``bench_kernels.py`` (rmsnorm, residual_rmsnorm, residual_norm, residual_merge at T = 4096 x
@@ -15,18 +15,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from megatron_zaya.kernels import residual_rmsnorm
+from megatron_zaya.kernels.utils import platform
 
-from bench_kernels import SMOKE, Shapes, _bench, _time_passes, cases  # noqa: E402
-from timing import gpu_or_smoke  # noqa: E402
-
-from megatron_zaya.kernels import residual_rmsnorm  # noqa: E402
-from megatron_zaya.kernels.utils import platform  # noqa: E402
+from .bench_kernels import SMOKE, Shapes, cases, median_ms, time_passes
+from .timing import gpu_or_smoke
 
 NORM_CASES = ("rmsnorm", "residual_rmsnorm", "residual_norm", "residual_merge")
 
@@ -48,7 +44,7 @@ def main() -> None:
     key = platform(torch.device(device))
     x = torch.randn(shapes.tokens, shapes.hidden, device=device).to(torch.bfloat16)
     y = torch.empty_like(x)
-    copy_gbs = 4 * x.numel() / _bench(lambda: y.copy_(x), device, graph) / 1e6
+    copy_gbs = 4 * x.numel() / median_ms(lambda: y.copy_(x), device, graph) / 1e6
     print(f"platform {key}; copy [T, D] bf16: {copy_gbs:.0f} GB/s; current {residual_rmsnorm.BACKWARD_TUNING[key]}")
     chosen = {c.name: c for c in cases(shapes, device) if c.name in NORM_CASES}
     inputs = {name: case.make_inputs() for name, case in chosen.items()}
@@ -63,7 +59,7 @@ def main() -> None:
         try:
             for name, case in chosen.items():
                 tensors, extra = inputs[name]
-                _, ms, _ = _time_passes(case.kernel, tensors, extra, device, graph=graph)
+                _, ms, _ = time_passes(case.kernel, tensors, extra, device, graph=graph)
                 shares[name] = sum(case.bytes) / ms / 1e6 / copy_gbs
         except Exception as error:  # e.g. more shared memory than the chip has: a result, not a crash
             print(f"rows {rows} programs/SM {per_sm} warps {warps or 'auto'} stages {stages}: "
