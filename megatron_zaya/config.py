@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from .settings import setting
+
 ATTENTION_TYPES = ("global", "sliding")
 SKIP_MODES = ("zero", "identity")
 # The model's ops that have a Triton kernel in megatron_zaya/kernels beside their torch reference in model/.
@@ -43,41 +45,62 @@ class ZayaConfig(TransformerConfig):
     """Megatron ``TransformerConfig`` with ZAYA1's fields (architecture spec §1–§4)."""
 
     # -- model-level shape (not in TransformerConfig) --------------------------------------------------
-    vocab_size: int = 262_272
+    vocab_size: int = setting(262_272, flag="--zaya-vocab-size", type=int, cli_default=None,
+                              help="model vocabulary (embedding rows); default: the tokenizer's, padded")
     max_position_embeddings: int = 131_072
     tie_embeddings: bool = True
-    lm_head_fp32: bool = True  # logits from an fp32 matmul ("zaya_high_prec", §1)
-    # Fused LM head only (kernels.zaya_lm_head): gradients computed in its forward, 3 GEMMs instead of 4, holding
-    # an fp32 [V, D] gradient until the backward; False recomputes the logits in the backward instead.
-    lm_head_grad_in_forward: bool = True
+    lm_head_fp32: bool = setting(True, flag="--zaya-lm-head-precision", choices={"fp32": True, "param": False},
+                                 help="fp32: logits from an fp32 matmul (ZAYA1's high-precision head, §1)")
+    lm_head_grad_in_forward: bool = setting(
+        True, flag="--zaya-lm-head-backward", choices={"in-forward": True, "recompute": False},
+        help="fused LM head: compute its gradients in the forward (3 GEMMs, an fp32 [V, D] gradient held until the "
+             "backward) or recompute the logits in the backward (4 GEMMs, less memory)")
 
     # -- CCA (§3) ---------------------------------------------------------------------------------------
-    cca_time0: int = 2  # depthwise (per-channel) causal conv taps
-    cca_time1: int = 2  # per-head grouped causal conv taps
-    key_temperature_init: float = 1.0  # learned per-KV-head key scale; 0 would zero the keys at step 0
+    cca_time0: int = setting(2, flag="--zaya-cca-time0", help="CCA depthwise (per-channel) causal conv taps")
+    cca_time1: int = setting(2, flag="--zaya-cca-time1", help="CCA per-head grouped causal conv taps")
+    key_temperature_init: float = setting(1.0, flag="--zaya-key-temperature-init",
+                                          help="init of the learned per-KV-head key scale; 0 would zero the keys")
     rotary_percent: float = 0.5  # RoPE on the first half of each head's channels, after QK-norm
     rotary_base: float = 5_000_000.0  # θ of global-attention layers
-    sliding_window: int | None = None  # tokens a sliding layer sees, itself included
-    sliding_rotary_base: float = 10_000.0  # θ of sliding-window layers
-    attention_types: list[str] | None = None  # per layer: "global" | "sliding"; None = all global
+    sliding_window: int | None = setting(None, flag="--zaya-sliding-window", type=int,
+                                         help="tokens a sliding layer attends to, itself included")
+    sliding_rotary_base: float = setting(10_000.0, flag="--zaya-sliding-rotary-base",
+                                         help="RoPE θ of sliding-window layers")
+    attention_types: list[str] | None = setting(
+        None, flag="--zaya-attention-types", type=str, cli_default=None,
+        help="comma-separated global|sliding per layer, or a shorter pattern repeated over the layers "
+             "(default: all global)")
 
     # -- router and MoE (§4) ----------------------------------------------------------------------------
-    router_hidden_size: int = 256
-    router_eda: bool = True  # exponential depth averaging of the router state across MoE layers
-    skip_class: bool = True  # an extra "skip" router class with no expert compute
-    skip_mode: Literal["zero", "identity"] = "zero"  # skipped token: 0 (ZAYA1-8B) or p_skip * x (ZAYA1-base)
-    skip_bias_init: float = -1.0
-    balancing_lr: float = 1e-3  # Adam on (observed share - 1/E), once per optimizer step
-    balancing_betas: tuple[float, float] = (0.9, 0.999)
-    balancing_eps: float = 1e-8
-    balance_skip_class: bool = False
+    router_hidden_size: int = setting(256, flag="--zaya-router-hidden-size", help="router MLP width R")
+    router_eda: bool = setting(True, flag="--zaya-no-router-eda",
+                               help="disable exponential depth averaging of the router state across MoE layers")
+    skip_class: bool = setting(True, flag="--zaya-no-skip-class",
+                               help="no extra 'skip' router class (a class with no expert compute)")
+    skip_mode: Literal["zero", "identity"] = setting(
+        "zero", flag="--zaya-skip-mode", choices={mode: mode for mode in SKIP_MODES},
+        help="a skipped token outputs 0 (ZAYA1-8B) or p_skip*x (ZAYA1-base)")
+    skip_bias_init: float = setting(-1.0, flag="--zaya-skip-bias-init", help="initial balancing bias of the skip class")
+    balancing_lr: float = setting(1e-3, flag="--zaya-balancing-lr",
+                                  help="Adam lr of the balancing biases (on observed share - 1/E, once per step)")
+    balancing_betas: tuple[float, float] = setting((0.9, 0.999), flag="--zaya-balancing-betas", type=float, nargs=2,
+                                                   help="Adam betas of the balancing biases")
+    balancing_eps: float = setting(1e-8, flag="--zaya-balancing-eps", help="Adam eps of the balancing biases")
+    balance_skip_class: bool = setting(False, flag="--zaya-balance-skip-class", help="also balance the skip class")
 
     # -- residual path (§2) -----------------------------------------------------------------------------
-    residual_scaling: bool = True  # (x + β) ⊙ α + (h + β') ⊙ α' per sublayer, plus the input affine
+    residual_scaling: bool = setting(True, flag="--zaya-no-residual-scaling",
+                                     help="plain residual adds instead of (x + β) ⊙ α + (h + β') ⊙ α' per sublayer")
 
     # -- execution --------------------------------------------------------------------------------------
-    cuda_graphs: bool = False  # training forward/backward of each layer replayed as CUDA graphs (model/cuda_graphs.py)
-    kernels: str = "all"  # ops run as Triton kernels: "all", "none" or a comma-separated list of KERNEL_OPS
+    cuda_graphs: bool = setting(
+        False, flag="--zaya-cuda-graphs",
+        help="replay each layer's training forward and backward as CUDA graphs (one GPU per expert set: EP = TP = PP "
+             "= CP = 1); removes the host's kernel-launch time from the step (model/cuda_graphs.py)")
+    kernels: str = setting("all", flag="--zaya-kernels",
+                           help="the model's ops that run as Triton kernels: all (on a GPU; none on CPU) | none | a "
+                                "comma-separated list of " + ",".join(KERNEL_OPS))
 
     # -- Megatron fields with ZAYA1's values ------------------------------------------------------------
     normalization: str = "RMSNorm"

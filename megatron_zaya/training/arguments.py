@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import (ATTENTION_TYPES, KERNEL_OPS, PRESETS, SKIP_MODES, ZayaConfig, ZayaConfigError,
-                      kernel_selection, preset)
+from ..config import ATTENTION_TYPES, PRESETS, ZayaConfig, ZayaConfigError, kernel_selection, preset
+from ..settings import add_flags, flagged_fields, values_from_args
 from ..optim import add_muon_args
 from .data_checks import indexed_dataset_problem
 
@@ -34,14 +34,14 @@ ZAYA_FLAGS = [
     "--eval-interval", "1000",  # Megatron leaves it unset and then fails on the first step; any flag overrides it
 ]
 
-# ZayaConfig preset field -> the flag that sets it.
-_PRESET_FLAGS = {
-    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
-    "num_query_groups": "--num-query-groups", "kv_channels": "--kv-channels", "ffn_hidden_size": "--ffn-hidden-size",
-    "num_moe_experts": "--num-experts", "router_hidden_size": "--zaya-router-hidden-size",
-    "vocab_size": "--zaya-vocab-size", "max_position_embeddings": "--max-position-embeddings",
-    "rotary_base": "--rotary-base", "skip_mode": "--zaya-skip-mode",
-}
+# Megatron's flags whose name is not the ZayaConfig field's (``--num-layers`` sets ``num_layers`` and so on).
+_MEGATRON_FLAGS = {"num_moe_experts": "--num-experts"}
+
+
+def field_flag(field: str) -> str:
+    """The flag that sets a ZayaConfig field: its ``setting`` flag, else Megatron's."""
+    declared = {f.name: f.metadata["flag"] for f in flagged_fields(ZayaConfig)}
+    return declared.get(field) or _MEGATRON_FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
 def preset_flags(name: str) -> list[str]:
@@ -50,7 +50,7 @@ def preset_flags(name: str) -> list[str]:
     values = preset(name)
     for field, value in values.items():
         text = str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
-        flags += [_PRESET_FLAGS[field], text]  # Megatron parses --rotary-base as an int
+        flags += [field_flag(field), text]  # Megatron parses --rotary-base as an int
     flags += ["--moe-ffn-hidden-size", str(values["ffn_hidden_size"])]
     return flags
 
@@ -62,39 +62,8 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="fill the model flags with a named shape; explicit flags win")
     g.add_argument("--zaya-patches", default=None,
                    help="patch hooks to apply: all | none | ids/groups, comma-separated (zaya-patches list)")
-    g.add_argument("--zaya-vocab-size", type=int, default=None,
-                   help="model vocabulary (embedding rows); default: the tokenizer's, padded")
-    g.add_argument("--zaya-cca-time0", type=int, default=2, help="CCA depthwise conv taps")
-    g.add_argument("--zaya-cca-time1", type=int, default=2, help="CCA per-head grouped conv taps")
-    g.add_argument("--zaya-key-temperature-init", type=float, default=1.0)
-    g.add_argument("--zaya-sliding-window", type=int, default=None, help="tokens a sliding layer attends to")
-    g.add_argument("--zaya-sliding-rotary-base", type=float, default=10_000.0)
-    g.add_argument("--zaya-attention-types", default=None,
-                   help="comma-separated global|sliding per layer, or a shorter pattern repeated over the layers")
-    g.add_argument("--zaya-router-hidden-size", type=int, default=256)
-    g.add_argument("--zaya-no-router-eda", dest="zaya_router_eda", action="store_false",
-                   help="disable exponential depth averaging of the router state")
-    g.add_argument("--zaya-no-skip-class", dest="zaya_skip_class", action="store_false")
-    g.add_argument("--zaya-skip-mode", choices=SKIP_MODES, default="zero",
-                   help="a skipped token outputs 0 (ZAYA1-8B) or p_skip*x (ZAYA1-base)")
-    g.add_argument("--zaya-skip-bias-init", type=float, default=-1.0)
-    g.add_argument("--zaya-balancing-lr", type=float, default=1e-3, help="Adam lr of the balancing biases")
-    g.add_argument("--zaya-balancing-betas", type=float, nargs=2, default=(0.9, 0.999))
-    g.add_argument("--zaya-balancing-eps", type=float, default=1e-8)
-    g.add_argument("--zaya-balance-skip-class", action="store_true", help="also balance the skip class")
-    g.add_argument("--zaya-no-residual-scaling", dest="zaya_residual_scaling", action="store_false")
-    g.add_argument("--zaya-lm-head-precision", choices=("fp32", "param"), default="fp32",
-                   help="fp32: logits from an fp32 matmul (ZAYA1's high-precision head)")
-    g.add_argument("--zaya-lm-head-backward", choices=("in-forward", "recompute"), default="in-forward",
-                   help="fused LM head: compute its gradients in the forward (3 GEMMs, an fp32 [V, D] gradient "
-                        "held until the backward) or recompute the logits in the backward (4 GEMMs, less memory)")
+    add_flags(g, ZayaConfig, "zaya_")
     g.add_argument("--zaya-core-attention", choices=("sdpa", "te"), default="sdpa")
-    g.add_argument("--zaya-kernels", default="all",
-                   help=f"the model's ops that run as Triton kernels: all (on a GPU; none on CPU) | none | a "
-                        f"comma-separated list of {','.join(KERNEL_OPS)}")
-    g.add_argument("--zaya-cuda-graphs", action="store_true",
-                   help="replay each layer's training forward and backward as CUDA graphs (one GPU per expert "
-                        "set: EP = TP = PP = CP = 1); removes the host's kernel-launch time from the step")
     g.add_argument("--zaya-loss-plot", default=None, help="write the training-loss curve here (PNG)")
     # Fault handling (docs/reliability.md).
     g.add_argument("--zaya-max-nonfinite-steps", type=int, default=5,
@@ -126,20 +95,11 @@ def zaya_config_from_args(args) -> ZayaConfig:
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     overrides = dict(
-        vocab_size=args.padded_vocab_size, max_position_embeddings=args.max_position_embeddings,
-        tie_embeddings=not args.untie_embeddings_and_output_weights,
-        lm_head_fp32=args.zaya_lm_head_precision == "fp32",
-        lm_head_grad_in_forward=args.zaya_lm_head_backward == "in-forward", cca_time0=args.zaya_cca_time0,
-        cca_time1=args.zaya_cca_time1, key_temperature_init=args.zaya_key_temperature_init,
-        rotary_percent=args.rotary_percent, rotary_base=float(args.rotary_base),
-        sliding_window=args.zaya_sliding_window, sliding_rotary_base=args.zaya_sliding_rotary_base,
-        attention_types=expand_attention_types(args.zaya_attention_types, args.num_layers),
-        router_hidden_size=args.zaya_router_hidden_size, router_eda=args.zaya_router_eda,
-        skip_class=args.zaya_skip_class, skip_mode=args.zaya_skip_mode, skip_bias_init=args.zaya_skip_bias_init,
-        balancing_lr=args.zaya_balancing_lr, balancing_betas=tuple(args.zaya_balancing_betas),
-        balancing_eps=args.zaya_balancing_eps, balance_skip_class=args.zaya_balance_skip_class,
-        residual_scaling=args.zaya_residual_scaling, cuda_graphs=args.zaya_cuda_graphs, kernels=args.zaya_kernels,
-        apply_rope_fusion=False,
+        values_from_args(ZayaConfig, args, "zaya_"), vocab_size=args.padded_vocab_size,
+        max_position_embeddings=args.max_position_embeddings,
+        tie_embeddings=not args.untie_embeddings_and_output_weights, rotary_percent=args.rotary_percent,
+        rotary_base=float(args.rotary_base),
+        attention_types=expand_attention_types(args.zaya_attention_types, args.num_layers), apply_rope_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         pipeline_dtype=torch.float32,  # pipeline stages exchange the fp32 residual stream and router state
         # ZAYA1's residual stream is fp32 (residual_in_fp32). Not Megatron's --fp32-residual-connection flag:

@@ -1,0 +1,51 @@
+"""Settings declared once (``megatron_zaya.settings``): the flags generated from ZayaConfig's fields give back the
+fields' defaults, and every non-default value a user passes reaches the config."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from megatron_zaya.config import ZayaConfig
+from megatron_zaya.settings import add_flags, flagged_fields, values_from_args
+from megatron_zaya.training.arguments import add_zaya_args, preset_flags
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    add_flags(parser, ZayaConfig, "zaya_")
+    return parser.parse_args(argv)
+
+
+def test_defaults_round_trip_through_the_flags():
+    values = values_from_args(ZayaConfig, _parse([]), "zaya_")
+    defaults = {f.name: f.default for f in dataclasses.fields(ZayaConfig)}
+    assert values and all(values[name] == defaults[name] for name in values)
+    assert "vocab_size" not in values and "attention_types" not in values  # derived at run time
+
+
+def test_user_values_reach_the_config():
+    argv = ["--zaya-cca-time0", "4", "--zaya-no-router-eda", "--zaya-balance-skip-class", "--zaya-skip-mode",
+            "identity", "--zaya-lm-head-precision", "param", "--zaya-lm-head-backward", "recompute",
+            "--zaya-balancing-betas", "0.8", "0.95", "--zaya-kernels", "router,cca", "--zaya-sliding-window", "128"]
+    values = values_from_args(ZayaConfig, _parse(argv), "zaya_")
+    assert {k: values[k] for k in (
+        "cca_time0", "router_eda", "balance_skip_class", "skip_mode", "lm_head_fp32", "lm_head_grad_in_forward",
+        "balancing_betas", "kernels", "sliding_window")} == dict(
+        cca_time0=4, router_eda=False, balance_skip_class=True, skip_mode="identity", lm_head_fp32=False,
+        lm_head_grad_in_forward=False, balancing_betas=(0.8, 0.95), kernels="router,cca", sliding_window=128)
+
+
+def test_every_zaya_flag_is_declared_on_a_field_once():
+    parser = argparse.ArgumentParser()
+    add_zaya_args(parser)
+    flags = [f.metadata["flag"] for f in flagged_fields(ZayaConfig)]
+    assert len(flags) == len(set(flags))
+    assert set(flags) <= {option for action in parser._actions for option in action.option_strings}
+
+
+def test_preset_flags_use_the_declared_flags():
+    flags = preset_flags("zaya1-base")
+    assert flags[flags.index("--zaya-router-hidden-size") + 1] == "256"
+    assert flags[flags.index("--zaya-skip-mode") + 1] == "identity"
+    assert flags[flags.index("--num-experts") + 1] == "16"
