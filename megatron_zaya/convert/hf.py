@@ -15,13 +15,11 @@ from __future__ import annotations
 import torch
 
 from ..config import ZayaConfig
+from . import ConversionError
+from .hf_base import base_kwargs_from_hf, is_base_layout
 
 HF_LAYER_TYPES = {"hybrid": "global", "hybrid_sliding": "sliding"}
 ZAYA_LAYER_TYPES = {v: k for k, v in HF_LAYER_TYPES.items()}
-
-
-class ConversionError(ValueError):
-    """The input is not a ZAYA1 checkpoint this converter understands; the message says why and what to do."""
 
 
 # ---------------------------------------------------------------------------------------------- configs
@@ -29,8 +27,6 @@ def zaya_kwargs_from_hf(hf: dict) -> dict:
     """ZayaConfig keyword arguments from a ``transformers`` ZAYA ``config.json`` dict."""
     if hf.get("model_type") != "zaya":
         raise ConversionError(f"config.json has model_type={hf.get('model_type')!r}, not 'zaya'")
-    from .hf_base import base_kwargs_from_hf, is_base_layout  # hf_base imports this module
-
     if is_base_layout(hf):
         return base_kwargs_from_hf(hf)
     for flag in ("attention_bias", "lm_head_bias"):

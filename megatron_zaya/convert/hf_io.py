@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .hf import ConversionError
+from . import ConversionError
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

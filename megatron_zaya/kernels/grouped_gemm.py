@@ -109,7 +109,8 @@ def _grouped_matmul_kernel(
 def _grouped_weight_grad_kernel(
     grad_out_ptr,  # [N, M]
     x_ptr,  # [N, K]
-    grad_w_ptr,  # [E, M, K]
+    grad_w_ptr,  # [E, M, K], or expert 0's [M, K] gradient with W_TABLE
+    grad_w_table_ptr,  # with W_TABLE: [E] int64 offsets of each expert's gradient from grad_w_ptr, in elements
     expert_row_start_ptr,  # [E]
     tokens_per_expert_ptr,  # [E]
     m_dim,
@@ -117,6 +118,8 @@ def _grouped_weight_grad_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,  # rows (tokens) per contraction step
+    W_TABLE: tl.constexpr,  # each expert's gradient at grad_w_ptr + grad_w_table[e] (the experts' own main_grads)
+    ACCUMULATE: tl.constexpr,  # add to the gradient there instead of overwriting it
 ):
     expert = tl.program_id(0)
     ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -133,8 +136,15 @@ def _grouped_weight_grad_kernel(
         x = tl.load(x_ptr + rows[:, None] * k_dim + ks[None, :],
                     mask=row_mask[:, None] & (ks[None, :] < k_dim), other=0.0)  # fmt: skip
         acc = tl.dot(grad_t, x, acc, input_precision="ieee")
-    w_ptrs = grad_w_ptr + tl.cast(expert, tl.int64) * m_dim * k_dim + ms[:, None] * k_dim + ks[None, :]
-    tl.store(w_ptrs, acc.to(grad_w_ptr.dtype.element_ty), mask=(ms[:, None] < m_dim) & (ks[None, :] < k_dim))
+    if W_TABLE:
+        w_base = grad_w_ptr + tl.load(grad_w_table_ptr + expert)
+    else:
+        w_base = grad_w_ptr + tl.cast(expert, tl.int64) * m_dim * k_dim
+    w_ptrs = w_base + ms[:, None] * k_dim + ks[None, :]
+    w_mask = (ms[:, None] < m_dim) & (ks[None, :] < k_dim)
+    if ACCUMULATE:
+        acc += tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+    tl.store(w_ptrs, acc.to(grad_w_ptr.dtype.element_ty), mask=w_mask)
 
 
 def _row_tiles(tokens_per_expert: torch.Tensor, n_rows: int, padded_rows: bool, block_m: int):
@@ -159,16 +169,16 @@ def _row_tiles(tokens_per_expert: torch.Tensor, n_rows: int, padded_rows: bool, 
     return torch.where(routed, clamped, -1), first_row, row_end, row_start
 
 
-def _offset_table(weights, device) -> torch.Tensor | None:
-    """Each expert weight's offset from the first one, in elements, as an int64 device tensor; None unless every
-    offset is a multiple of 16 elements (the kernel's alignment hint). Built once per set of addresses and kept:
-    a CUDA graph captured with it reads it at every replay, and a capture must not copy from the host (the
-    layers' eager warm-up builds it first)."""
-    base, size = weights[0].data_ptr(), weights[0].element_size()
-    offsets = tuple(w.data_ptr() - base for w in weights)
-    if any(offset % (16 * size) for offset in offsets):
+def _offset_table(tensors, device, align: int = 16) -> torch.Tensor | None:
+    """Each tensor's offset from the first one, in elements, as an int64 device tensor; None unless every offset
+    is a multiple of ``align`` elements (the kernel's alignment hint for weights). Built once per set of addresses
+    and kept: a CUDA graph captured with it reads it at every replay, and a capture must not copy from the host
+    (the layers' eager warm-up builds it first)."""
+    base, size = tensors[0].data_ptr(), tensors[0].element_size()
+    offsets = tuple(t.data_ptr() - base for t in tensors)
+    if any(offset % (align * size) for offset in offsets):
         return None
-    key = (device, base, offsets)
+    key = (device, base, offsets, size)
     if key not in _OFFSET_TABLES:
         _OFFSET_TABLES[key] = torch.tensor([o // size for o in offsets], dtype=torch.int64, device=device)
     return _OFFSET_TABLES[key]
@@ -218,6 +228,10 @@ class _GroupedGemm(torch.autograd.Function):
         out = _grouped_matmul(x, operand, True, operand.m_dim, tiles, tuning)
         ctx.save_for_backward(x, tokens_per_expert, *tiles)
         ctx.operand, ctx.tuning = operand, tuning
+        main_grads = _main_grads(weights)  # (its offset table is built here even when off: not during a capture)
+        ctx.main_grads = main_grads if ACCUMULATE_INTO_MAIN_GRAD["enabled"] else None
+        if ctx.main_grads is not None:
+            ctx.weights = weights
         return out
 
     @staticmethod
@@ -227,13 +241,39 @@ class _GroupedGemm(torch.autograd.Function):
         grad_x = _grouped_matmul(grad_out, operand, False, operand.k_dim, tiles, tuning)
         n_experts = tokens_per_expert.numel()
         grad_w = torch.empty((n_experts, operand.m_dim, operand.k_dim), dtype=x.dtype, device=x.device)
+        target, table = grad_w, None
+        if ctx.main_grads is not None:
+            target, table = ctx.main_grads[0], ctx.main_grads[1]
         block_m, block_n = tuning["wgrad_block_m"], tuning["wgrad_block_n"]
         grid = (n_experts, triton.cdiv(operand.m_dim, block_m), triton.cdiv(operand.k_dim, block_n))
-        _grouped_weight_grad_kernel[grid](grad_out, x, grad_w, tiles[3], tokens_per_expert, operand.m_dim,
-                                          operand.k_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-                                          BLOCK_R=tuning["wgrad_block_r"], num_warps=tuning["wgrad_warps"],
+        _grouped_weight_grad_kernel[grid](grad_out, x, target, target if table is None else table, tiles[3],
+                                          tokens_per_expert, operand.m_dim, operand.k_dim, BLOCK_M=block_m,
+                                          BLOCK_N=block_n, BLOCK_R=tuning["wgrad_block_r"], W_TABLE=table is not None,
+                                          ACCUMULATE=table is not None, num_warps=tuning["wgrad_warps"],
                                           num_stages=tuning["wgrad_stages"])  # fmt: skip
+        if ctx.main_grads is not None:  # grad_w is a placeholder: Megatron's gradient hooks skip it, as for its
+            for weight in ctx.weights:  # own layers with gradient-accumulation fusion, but need a gradient to fire
+                weight.grad_added_to_main_grad = True
         return grad_x, None, None, None, *((grad_w,) if operand.stacked else grad_w.unbind(0))
+
+
+#: ``enabled``: the weight gradients of experts held by Megatron's DDP (each weight has a ``main_grad`` in its
+#: gradient buffer) are accumulated by the kernel straight into ``main_grad``, in fp32, instead of being written
+#: as a bf16 [E, M, K] tensor that the DDP hooks then add expert by expert (2·E launches per layer and a
+#: rounding to bf16). Off while something must compute gradients without adding them (CUDA-graph warm-up).
+ACCUMULATE_INTO_MAIN_GRAD = {"enabled": True}
+
+
+def _main_grads(weights) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(expert 0's main_grad, offsets of every expert's main_grad)`` when each of the separate expert weights
+    has a Megatron ``main_grad`` of its shape (one dtype), else None."""
+    grads = [getattr(w, "main_grad", None) for w in weights]
+    if len(weights) < 2 or not hasattr(weights[0], "grad_added_to_main_grad"):
+        return None
+    if any(g is None or g.shape != w.shape or g.dtype != grads[0].dtype or not g.is_contiguous()
+           for g, w in zip(grads, weights)):
+        return None
+    return grads[0], _offset_table(grads, grads[0].device, align=1)
 
 
 def grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padded_rows: bool = False) -> torch.Tensor:

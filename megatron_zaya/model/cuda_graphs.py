@@ -70,6 +70,9 @@ class _CapturedLayer:
         self.outputs: tuple[torch.Tensor, ...] = ()
         self.grad_outputs: list[torch.Tensor] = []
         self.grads: tuple[torch.Tensor | None, ...] = ()  # of inputs, then of params
+        # Parameters whose backward adds its gradient to Megatron's main_grad itself (the grouped experts):
+        # a replay does not rerun the Python that tells Megatron's gradient hooks so.
+        self.grads_in_main_grad: list[torch.nn.Parameter] = []
 
 
 class _ReplayLayer(torch.autograd.Function):
@@ -93,6 +96,8 @@ class _ReplayLayer(torch.autograd.Function):
             else:
                 _load(static, given)
         captured.backward_graph.replay()
+        for param in captured.grads_in_main_grad:
+            param.grad_added_to_main_grad = True
         return (None, *captured.grads)
 
 
@@ -103,14 +108,18 @@ def _load(static: torch.Tensor, given: torch.Tensor) -> None:
 
 
 @contextmanager
-def _tokens_not_counted(layers):
-    """Warm-up passes must not add to the routers' token counts of this step."""
+def _step_untouched(layers):
+    """Warm-up passes must not add to the routers' token counts of this step, nor to the gradients."""
+    from ..kernels.grouped_gemm import ACCUMULATE_INTO_MAIN_GRAD
+
     routers = [layer.mlp.router for layer in layers]
     for router in routers:
         router.count_tokens = False
+    ACCUMULATE_INTO_MAIN_GRAD["enabled"] = False
     try:
         yield
     finally:
+        ACCUMULATE_INTO_MAIN_GRAD["enabled"] = True
         for router in routers:
             router.count_tokens = True
 
@@ -154,7 +163,7 @@ class LayerGraphs:
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), _tokens_not_counted(self.layers):
+        with torch.cuda.stream(side), _step_untouched(self.layers):
             for _ in range(WARMUP_PASSES):
                 self._warm_up(runs, first)
         torch.cuda.current_stream().wait_stream(side)
@@ -179,6 +188,7 @@ class LayerGraphs:
             with torch.cuda.graph(captured.backward_graph, pool=pool, capture_error_mode="thread_local"):
                 captured.grads = torch.autograd.grad(captured.outputs, captured.inputs + list(captured.params),
                                                      grad_outputs=captured.grad_outputs, allow_unused=True)
+            captured.grads_in_main_grad = [p for p in captured.params if getattr(p, "grad_added_to_main_grad", False)]
             next_grads = captured.grads[:len(captured.inputs)]
         torch.cuda.synchronize()
         return chain, constants

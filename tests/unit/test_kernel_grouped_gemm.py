@@ -92,3 +92,35 @@ def test_separate_expert_weights_are_read_in_place(padded_rows):
     for e, grad_e in enumerate(got[2:]):
         assert grad_e.shape == (m_dim, k_dim)
         assert_matches_oracle(f"d_weight[{e}]", grad_e, oracle[2][e])
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_weight_gradients_accumulate_into_megatron_main_grad(enabled, monkeypatch):
+    """Experts under Megatron's DDP (a ``main_grad`` per weight, views into one fp32 buffer at uneven offsets):
+    the kernel adds each expert's gradient to what ``main_grad`` holds and tells Megatron's hooks so; switched
+    off, ``main_grad`` is untouched and the gradients come back as tensors."""
+    monkeypatch.setitem(kernels.ACCUMULATE_INTO_MAIN_GRAD, "enabled", enabled)
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.tensor([5, 0, 23, 9])
+    rows, k_dim, m_dim = int(counts.sum()), 40, 24
+    x = torch.randn(rows, k_dim, generator=gen, requires_grad=True)
+    weights = [(0.2 * torch.randn(m_dim, k_dim, generator=gen)).requires_grad_() for _ in counts]
+    buffer = torch.randn(len(counts) * (m_dim * k_dim + 3), generator=gen)  # gaps of 3 between the experts
+    for e, weight in enumerate(weights):
+        start = e * (m_dim * k_dim + 3)
+        weight.main_grad = buffer[start : start + m_dim * k_dim].view(m_dim, k_dim)
+        weight.grad_added_to_main_grad = False
+    before = [w.main_grad.clone() for w in weights]
+    grad = torch.randn(rows, m_dim, generator=gen)
+
+    out = kernels.grouped_gemm(x, weights, counts)
+    got = torch.autograd.grad(out, weights, grad)
+    stacked = torch.stack([w.detach() for w in weights])
+    oracle = _run(kernels.grouped_gemm_reference, x, stacked, counts, grad, torch.float64)[2]
+    for e, weight in enumerate(weights):
+        assert weight.grad_added_to_main_grad == enabled
+        if enabled:
+            assert_matches_oracle(f"main_grad[{e}]", weight.main_grad - before[e], oracle[e])
+        else:
+            assert torch.equal(weight.main_grad, before[e])
+            assert_matches_oracle(f"d_weight[{e}]", got[e], oracle[e])
