@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,7 @@ from torch import nn
 
 from .context_parallel import preceding_rows
 from .core_attention import SDPAttention
+from .recompute import Recompute, recomputes
 
 
 def causal_qk_conv(q0, k0, conv: "HeadShardedParameters", time0: int, time1: int, head_dim: int,
@@ -115,6 +117,11 @@ def delay_channels(v: torch.Tensor, first_delayed: int, previous: torch.Tensor |
         chunks = delayed.view(previous.shape[0], -1, *delayed.shape[1:])
         delayed = torch.cat([previous, chunks[:, :-1]], dim=1).flatten(0, 1)
     return torch.cat([current, delayed], dim=-1)
+
+
+def _call_cca_qk(q0, k0, key_temperature, qk_history, *, conv, rotary_pos_emb, **options):
+    """:func:`cca_qk` with its tensors first, looked up when called (a kernel patch may have replaced it)."""
+    return cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, qk_history=qk_history, **options)
 
 
 class HeadShardedParameters(MegatronModule):
@@ -228,11 +235,21 @@ class CompressedConvAttention(MegatronModule):
         v, _ = self.linear_v(hidden_states)
         s, b = q0.shape[:2]
         qk_history, v_previous = self._context_parallel_halos(q0, k0, v)
-        q, k = cca_qk(q0, k0, self.conv, self.qk_norm.key_temperature, rotary_pos_emb,
-                      time0=self.config.cca_time0, time1=self.config.cca_time1, head_dim=self.head_dim,
-                      config=self.config, cp_group=self.pg_collection.cp, qk_history=qk_history)
+        qk = partial(_call_cca_qk, conv=self.conv, rotary_pos_emb=rotary_pos_emb, time0=self.config.cca_time0,
+                     time1=self.config.cca_time1, head_dim=self.head_dim, config=self.config,
+                     cp_group=self.pg_collection.cp)
+        recompute_qk = recomputes(self.config, "cca_qk", self.training)
+        if recompute_qk:
+            qk = Recompute(qk, [*self.conv.parameters(), *self.qk_norm.parameters()])
+        q, k = qk(q0, k0, self.qk_norm.key_temperature, qk_history)
         v = delay_channels(v, self.first_delayed_channel, v_previous).view(s, b, self.kv_heads, self.head_dim)
         dtype = v.dtype
-        context = self.core_attention(q.to(dtype), k.to(dtype), v, attention_mask,
-                                      attn_mask_type=self.attn_mask_type)
-        return self.linear_proj(context)
+        attend = partial(self.core_attention, attention_mask=attention_mask, attn_mask_type=self.attn_mask_type)
+        recompute_attention = recomputes(self.config, "core_attn", self.training)
+        if recompute_attention:
+            attend = Recompute(attend)
+        context = attend(q.to(dtype), k.to(dtype), v)
+        output = self.linear_proj(context)
+        for recomputed in [qk] * recompute_qk + [attend] * recompute_attention:
+            recomputed.drop_outputs(output[0], range(len(recomputed.outputs)))
+        return output
