@@ -22,6 +22,16 @@ ATTENTION_TYPES = ("global", "sliding")
 SKIP_MODES = ("zero", "identity")
 # The model's ops that have a Triton kernel in megatron_zaya/kernels beside their torch reference in model/.
 KERNEL_OPS = ("router", "residual", "cca", "lm_head", "experts")
+# ``--recompute-granularity selective --recompute-modules ...``: what each name recomputes in every ZAYA1 layer
+# (model/recompute.py). The default set is the cheap one: elementwise work and the small router MLP.
+RECOMPUTE_MODULES = {
+    "layernorm": "the input and pre-MoE RMSNorms (with the merge before the second); their outputs are dropped",
+    "cca_qk": "CCA's convolutions and epilogue (skip terms, QK-norm, key temperature, RoPE)",
+    "router": "the router MLP (EDA, RMSNorm, GELU MLP, top-1)",
+    "core_attn": "the softmax attention; its output is dropped (one more attention forward in the backward)",
+    "moe": "the whole MoE sublayer (router, dispatch, experts: one more MoE forward in the backward)",
+}
+DEFAULT_RECOMPUTE_MODULES = ("layernorm", "cca_qk", "router")
 
 
 class ZayaConfigError(ValueError):
@@ -101,6 +111,9 @@ class ZayaConfig(TransformerConfig):
     kernels: str = setting("all", flag="--zaya-kernels",
                            help="the model's ops that run as Triton kernels: all (on a GPU; none on CPU) | none | a "
                                 "comma-separated list of " + ",".join(KERNEL_OPS))
+    # Selective recomputation, run by ZAYA1's layer itself: ``__post_init__`` moves ``recompute_modules`` here and
+    # leaves Megatron's field empty, so that Megatron's own layer and MoE code recompute nothing.
+    zaya_recompute_modules: tuple[str, ...] = ()
 
     # -- Megatron fields with ZAYA1's values ------------------------------------------------------------
     normalization: str = "RMSNorm"
@@ -127,6 +140,10 @@ class ZayaConfig(TransformerConfig):
             self.moe_ffn_hidden_size = self.ffn_hidden_size
         if self.attention_types is None:
             self.attention_types = ["global"] * self.num_layers
+        if self.recompute_granularity == "selective":
+            if self.recompute_modules or not self.zaya_recompute_modules:  # (not on a copy of a built config)
+                self.zaya_recompute_modules = tuple(self.recompute_modules or DEFAULT_RECOMPUTE_MODULES)
+            self.recompute_modules = []
         super().__post_init__()
 
     def validate_zaya(self) -> None:
@@ -164,16 +181,18 @@ class ZayaConfig(TransformerConfig):
                 fail(f"unknown attention types {sorted(unknown)}", f"use {ATTENTION_TYPES}")
             if "sliding" in self.attention_types and not self.sliding_window:
                 fail("sliding layers are configured without sliding_window", "set sliding_window > 0")
-        if self.cuda_graphs and self.recompute_granularity is not None:
-            fail("--zaya-cuda-graphs with activation recomputation (a captured layer cannot be re-run in the backward)",
-                 "drop --recompute-granularity or --zaya-cuda-graphs")
+        if self.cuda_graphs and self.recompute_granularity == "full":
+            fail("--zaya-cuda-graphs with full recomputation (the graphs capture whole layers, forward and backward)",
+                 "use --recompute-granularity selective, or drop --zaya-cuda-graphs")
         if self.cuda_graphs and (self.hidden_dropout or self.attention_dropout):
             fail("--zaya-cuda-graphs with dropout (replays would reuse the captured random offsets)",
                  "set --hidden-dropout 0 --attention-dropout 0 or drop --zaya-cuda-graphs")
         kernel_selection(self.kernels)
-        if self.recompute_granularity == "selective":
-            fail("selective recomputation is not supported by the ZAYA1 layer",
-                 "use --recompute-granularity full (every layer is recomputed)")
+        if self.recompute_granularity == "selective" and self.recompute_modules:
+            unknown = [name for name in self.recompute_modules if name not in RECOMPUTE_MODULES]
+            if unknown:
+                fail(f"--recompute-modules {' '.join(unknown)} is not a ZAYA1 piece",
+                     f"choose from {' '.join(RECOMPUTE_MODULES)}")
 
     def uses_kernel(self, op: str) -> bool:
         """Whether the model runs ``op`` (one of ``KERNEL_OPS``) as its Triton kernel rather than its torch reference.
@@ -262,4 +281,5 @@ def zaya_config(name: str | None = None, **overrides) -> ZayaConfig:
     return ZayaConfig(**kwargs)
 
 
-__all__ = ["ZayaConfig", "ZayaConfigError", "KERNEL_OPS", "PRESETS", "ARCHITECTURE_FIELDS", "architecture", "preset", "zaya_config"]
+__all__ = ["ZayaConfig", "ZayaConfigError", "KERNEL_OPS", "PRESETS", "RECOMPUTE_MODULES", "DEFAULT_RECOMPUTE_MODULES",
+           "ARCHITECTURE_FIELDS", "architecture", "preset", "zaya_config"]

@@ -84,6 +84,18 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
     return flags + argv
 
 
+def _memory_plan_world_size(argv: list[str]) -> int | None:
+    """``--zaya-memory-plan [N]``: N, else the launcher's world size, else 1; None without the flag."""
+    if not _has(argv, "--zaya-memory-plan"):
+        return None
+    value = _flag_value(argv, "--zaya-memory-plan")
+    if value is None or value.startswith("-"):
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    if not value.isdigit() or int(value) < 1:
+        raise UsageError(f"--zaya-memory-plan {value}: give a number of GPUs >= 1, or nothing")
+    return int(value)
+
+
 def _relaunch_on_all_gpus(argv: list[str]) -> None:
     """Started without a launcher on a machine with several GPUs: re-run under torchrun on all of them."""
     import torch
@@ -142,6 +154,10 @@ def run(argv: list[str]) -> None:
     from .patches import apply_patches
 
     cuda = torch.cuda.is_available()
+    plan_size = _memory_plan_world_size(argv)
+    if plan_size is not None:  # the plan is for GPUs and for the world size asked, whatever this machine is
+        cuda = True
+        os.environ["WORLD_SIZE"] = str(plan_size)
     argv = build_argv(argv, cuda)
     patches = apply_patches(_flag_value(argv, "--zaya-patches"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -162,6 +178,11 @@ def run(argv: list[str]) -> None:
     if args.pipeline_model_parallel_size > 1 and patches.get("pipeline.stage_tensor_width") not in APPLIED:
         raise UsageError("pipeline parallelism needs the pipeline.stage_tensor_width patch (stages exchange hidden + "
                          "router-state channels); add it to --zaya-patches")
+    if plan_size is not None:
+        from . import memory_plan
+
+        print(memory_plan.report(*memory_plan.from_args(args)), flush=True)
+        return
     _check_checkpoint_matches(args)
     if args.save:
         reliability.check_save_dir(args.save)
@@ -199,7 +220,8 @@ def _finish(args, plot: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    _relaunch_on_all_gpus(argv)
+    if not _has(argv, "--zaya-memory-plan"):
+        _relaunch_on_all_gpus(argv)
     try:
         run(argv)
     except UsageError as error:

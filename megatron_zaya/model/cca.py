@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,7 @@ from torch import nn
 
 from .context_parallel import preceding_rows
 from .core_attention import SDPAttention
+from .recompute import Recompute, recomputes
 
 
 def causal_qk_conv(q0, k0, conv: "HeadShardedParameters", time0: int, time1: int, head_dim: int,
@@ -224,6 +226,10 @@ class CompressedConvAttention(MegatronModule):
             skip_bias_add=True, is_expert=False, tp_comm_buffer_name="proj", tp_group=self.tp_group,
         )
 
+    def _call_qk(self, q0, k0, key_temperature, qk_history, *, conv, rotary_pos_emb, **options):
+        """The chosen q/k function with its tensors first (what recomputation takes as inputs)."""
+        return self.qk(q0, k0, conv, key_temperature, rotary_pos_emb, qk_history=qk_history, **options)
+
     def _context_parallel_halos(self, q0, k0, v):
         """Under context parallelism: the pre-conv q‖k positions and the delayed value channels of the token(s)
         before each of this rank's two chunks (``qk_history``, ``v_previous``); ``(None, None)`` without CP."""
@@ -243,11 +249,21 @@ class CompressedConvAttention(MegatronModule):
         v, _ = self.linear_v(hidden_states)
         s, b = q0.shape[:2]
         qk_history, v_previous = self._context_parallel_halos(q0, k0, v)
-        q, k = self.qk(q0, k0, self.conv, self.qk_norm.key_temperature, rotary_pos_emb,
-                      time0=self.config.cca_time0, time1=self.config.cca_time1, head_dim=self.head_dim,
-                      config=self.config, cp_group=self.pg_collection.cp, qk_history=qk_history)
+        qk = partial(self._call_qk, conv=self.conv, rotary_pos_emb=rotary_pos_emb, time0=self.config.cca_time0,
+                     time1=self.config.cca_time1, head_dim=self.head_dim, config=self.config,
+                     cp_group=self.pg_collection.cp)
+        recompute_qk = recomputes(self.config, "cca_qk", self.training)
+        if recompute_qk:
+            qk = Recompute(qk, [*self.conv.parameters(), *self.qk_norm.parameters()])
+        q, k = qk(q0, k0, self.qk_norm.key_temperature, qk_history)
         v = delay_channels(v, self.first_delayed_channel, v_previous).view(s, b, self.kv_heads, self.head_dim)
         dtype = v.dtype
-        context = self.core_attention(q.to(dtype), k.to(dtype), v, attention_mask,
-                                      attn_mask_type=self.attn_mask_type)
-        return self.linear_proj(context)
+        attend = partial(self.core_attention, attention_mask=attention_mask, attn_mask_type=self.attn_mask_type)
+        recompute_attention = recomputes(self.config, "core_attn", self.training)
+        if recompute_attention:
+            attend = Recompute(attend)
+        context = attend(q.to(dtype), k.to(dtype), v)
+        output = self.linear_proj(context)
+        for recomputed in [qk] * recompute_qk + [attend] * recompute_attention:
+            recomputed.drop_outputs(output[0], range(len(recomputed.outputs)))
+        return output

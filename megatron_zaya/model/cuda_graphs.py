@@ -20,8 +20,9 @@ A replay repeats the kernels, not the Python: what a layer's forward does to sta
 redone, and module hooks do not run. The one such effect in ZAYA1 is the router's in-place token count, which
 is a kernel and replays. Hence the limits, checked when the block is built (one-line errors): one pipeline
 stage (a stage's graphs hold one micro-batch's activations, 1F1B interleaves several), context parallel 1 (halo
-exchanges), every expert local (EP = TP = 1), no activation recomputation, no dropout (RNG offsets), and the
-grouped experts. ``--overlap-param-gather`` is refused by the CLI: its forward pre-hooks on modules would not
+exchanges), every expert local (EP = TP = 1), no full recomputation (selective recomputation runs inside the
+captured forward and backward: ``recompute.py``), no dropout (RNG offsets), and the grouped experts.
+``--overlap-param-gather`` is refused by the CLI: its forward pre-hooks on modules would not
 run. A hook that keeps tensors from call to call (a global forward hook, a probe) must skip calls made while
 ``torch.cuda.is_current_stream_capturing()``: the graph would read tensors the hook later drops.
 

@@ -5,7 +5,8 @@ are ``input_layernorm``, ``self_attention`` = CCA, ``self_attn_bda`` = residual 
 ``pre_mlp_layernorm``, ``mlp`` = ``ZayaMoELayer``, ``mlp_bda`` = residual scaling); only ``forward``
 differs, because ZAYA1 keeps the residual stream in fp32 and threads the router state r from layer to layer.
 ``ZayaTransformerBlock`` adds the input affine after the embedding and the per-layer RoPE table, and
-recomputes every layer in the backward pass with ``--recompute-granularity full``.
+recomputes every layer in the backward pass with ``--recompute-granularity full``; with ``selective`` the
+layer recomputes the pieces named by ``--recompute-modules`` (``recompute.py``).
 
 Pipeline parallelism: a stage hands the next one the residual stream *and* the router state of its last layer
 (the next layer's EDA input), concatenated on the channel dim into one fp32 tensor ``[s, b, D + R]`` (just
@@ -26,6 +27,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from ..config import ZayaConfigError
 from .cuda_graphs import LayerGraphs, check_cuda_graphs
 from .norm import InputScaling, residual_dtype
+from .recompute import Recompute, recomputes
 
 
 def norm_residual(norm, residual: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -86,13 +88,30 @@ class ZayaTransformerLayer(TransformerLayer):
         """``hidden_states [s, b, D]`` (the residual stream) -> ``(hidden_states, router_state [s, b, R])``."""
         dtype = self.config.params_dtype
         residual = hidden_states
-        attention_output, _ = self.self_attention(
-            self.norm_residual(self.input_layernorm, residual, dtype), attention_mask=attention_mask,
-            rotary_pos_emb=rotary_pos_emb,
-        )
-        mlp_input, residual = self.merge_and_norm(self.self_attn_bda, self.pre_mlp_layernorm, attention_output,
-                                                  residual, dtype)
-        mlp_output, router_state = self.mlp(mlp_input, router_state=router_state)
+        norms = recomputes(self.config, "layernorm", self.training)
+        if norms:  # the norms' outputs are dropped until the backward reaches their sublayer
+            input_norm = Recompute(lambda x: self.norm_residual(self.input_layernorm, x, dtype),
+                                   self.input_layernorm.parameters())
+            pre_mlp_norm = Recompute(
+                lambda h, x: self.merge_and_norm(self.self_attn_bda, self.pre_mlp_layernorm, h, x, dtype),
+                [*self.self_attn_bda.parameters(), *self.pre_mlp_layernorm.parameters()],
+            )
+        else:
+            input_norm = partial(self.norm_residual, self.input_layernorm, dtype=dtype)
+            pre_mlp_norm = partial(self.merge_and_norm, self.self_attn_bda, self.pre_mlp_layernorm, dtype=dtype)
+        attention_output, _ = self.self_attention(input_norm(residual), attention_mask=attention_mask,
+                                                  rotary_pos_emb=rotary_pos_emb)
+        if norms:
+            input_norm.drop_outputs(attention_output)
+        mlp_input, residual = pre_mlp_norm(attention_output, residual)
+        if recomputes(self.config, "moe", self.training):
+            mlp = Recompute(_count_tokens_once(self, lambda x, router_state: self.mlp(x, router_state=router_state)),
+                            self.mlp.parameters())
+            mlp_output, router_state = mlp(mlp_input, router_state)
+        else:
+            mlp_output, router_state = self.mlp(mlp_input, router_state=router_state)
+        if norms:
+            pre_mlp_norm.drop_outputs(mlp_output)
         return self.mlp_bda(mlp_output, residual), router_state
 
 

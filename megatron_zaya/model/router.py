@@ -27,6 +27,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
 from .norm import rms_norm
+from .recompute import Recompute, recomputes
 
 
 def router_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -95,7 +96,7 @@ class ZayaRouter(MegatronModule):
         self.register_buffer("balancing_step", torch.zeros((), dtype=torch.float32))
         # Tokens per class since the last bias update (all micro-batches of this step, this rank).
         self.register_buffer("tokens_per_class", torch.zeros(classes, dtype=torch.float32), persistent=False)
-        self.project, self.route = router_ops(config)
+        self.project, self.route_top1 = router_ops(config)
         self.count_tokens = True  # off while a layer is recomputed for the backward pass
         self.state_in: torch.Tensor | None = None
         self.state_out: torch.Tensor | None = None
@@ -118,23 +119,28 @@ class ZayaRouter(MegatronModule):
     def forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None):
         if padding_mask is not None:
             raise NotImplementedError("ZAYA1 pretraining packs sequences without padding; padding_mask unsupported")
+        route = Recompute(self._route, self.parameters()) if recomputes(self.config, "router", self.training) \
+            else self._route
+        probs, routing_map, self.state_out, self.skip_gate, counts = route(hidden_states, self.state_in)
+        if self.training and self.count_tokens:
+            self.tokens_per_class += counts.float()
+        return probs, routing_map
+
+    def _route(self, hidden_states: torch.Tensor, state_in: torch.Tensor | None):
+        """-> probs, routing map, router state r_l, skip gate, tokens per class (see the module docstring)."""
         u = self.project(hidden_states, self.down_proj.weight, self.down_proj.bias)
         if self.eda_scale is not None:
             # The first MoE layer's incoming state is zero. Its scale still joins the graph (zero gradient): Megatron's
             # overlapped gradient reduction waits for every trainable parameter, and its optimizer checkpoints
             # stack the layers' states, so every layer must look alike.
-            previous = self.state_in if self.state_in is not None else u.new_zeros(())
+            previous = state_in if state_in is not None else u.new_zeros(())
             u = u + previous * self.eda_scale.float()
-        self.state_out = u
         z = rms_norm(u, self.norm_weight.float(), self.config.layernorm_epsilon)
         z = F.gelu(F.linear(z, self.fc1.weight.float(), self.fc1.bias.float()))
         z = F.gelu(F.linear(z, self.fc2.weight.float(), self.fc2.bias.float()))
         logits = F.linear(z, self.out_proj.weight.float()).reshape(-1, self.out_proj.out_features)
-        probs, routing_map, skip_gate, counts = self.route(logits, self.balancing_biases, self.num_experts)
-        if self.training and self.count_tokens:
-            self.tokens_per_class += counts.float()
-        self.skip_gate = skip_gate
-        return probs, routing_map
+        probs, routing_map, skip_gate, counts = self.route_top1(logits, self.balancing_biases, self.num_experts)
+        return probs, routing_map, u, skip_gate, counts
 
     @torch.no_grad()
     def update_balancing_biases(self, tokens_per_class: torch.Tensor) -> None:

@@ -65,6 +65,9 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_flags(g, ZayaConfig, "zaya_")
     g.add_argument("--zaya-core-attention", choices=("sdpa", "te"), default="sdpa")
     g.add_argument("--zaya-loss-plot", default=None, help="write the training-loss curve here (PNG)")
+    g.add_argument("--zaya-memory-plan", type=int, nargs="?", const=-1, default=None, metavar="WORLD_SIZE",
+                   help="print the per-GPU memory plan of this command for WORLD_SIZE GPUs (default: the launcher's "
+                        "world size, else 1) and exit, without building the model")
     # Fault handling (docs/reliability.md).
     g.add_argument("--zaya-max-nonfinite-steps", type=int, default=5,
                    help="stop after this many steps in a row with a non-finite loss or gradient (each one is "

@@ -102,7 +102,7 @@ def live_balancing_state(model, tokens: torch.Tensor) -> None:
     the skip class too, on an equal footing, so each gets tokens (set layer by layer, since each layer's biases
     change what the next one sees); Adam moments mid-run make the bias step depend on the shares' sizes."""
     routers = [layer.mlp.router for layer in model.decoder.layers]
-    routes, logits = [router.route for router in routers], []
+    routes, logits = [router.route_top1 for router in routers], []
 
     def recording(route):
         def record(scores, *args):
@@ -115,12 +115,12 @@ def live_balancing_state(model, tokens: torch.Tensor) -> None:
     for index, layer in enumerate(model.decoder.layers):
         logits.clear()
         for router, route in zip(routers, routes):
-            router.route = recording(route)
+            router.route_top1 = recording(route)
         try:
             model(tokens)
         finally:
             for router, route in zip(routers, routes):
-                router.route = route
+                router.route_top1 = route
         router = layer.mlp.router
         router.balancing_biases.copy_(-logits[index].softmax(dim=-1).mean(dim=0))
         router.balancing_exp_avg.copy_(0.05 * torch.randn(router.balancing_exp_avg.shape, generator=generator))

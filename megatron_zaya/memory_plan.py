@@ -1,0 +1,302 @@
+"""Per-GPU memory plan of a ``zaya-pretrain`` command, without building the model: ``zaya-pretrain ...
+--zaya-memory-plan [WORLD_SIZE]`` prints it and exits.
+
+The plan counts the parameters each rank holds (TP, PP, EP and the data-parallel sharding of the optimizer from
+the flags), multiplies them by the bytes each kind of state takes (``STATE_BYTES``, the one place to adjust),
+and adds the activations a micro-batch saves for the backward: per layer, the tensors of ``layer_terms`` (the
+tensors ZAYA1's operations save, per token, per sequence position and per layer, and which
+``--recompute-modules`` piece drops each one), the LM head, the CUDA-graph pool, and the optimizer step's
+transient. Its peak is the larger of the backward's (state + activations + LM-head gradients) and the step's
+(state + transient). ``benchmarks/memory_check.py`` runs a short training on a GPU and prints the measured peak
+beside this plan.
+
+Activations come in two sets: ``kernels`` (the Triton kernels applied on GPUs: what their ``save_for_backward``
+keep) and ``torch`` (the eager operations, on CPU), each checked against the tensors a layer really saves
+(tests/unit/test_memory_plan.py: on CPU for ``torch``; the GPU check for ``kernels``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+GIB = 2**30
+
+# ---- bytes per parameter held between steps. Adjust here when the optimizer's layout changes. ----------------
+STATE_BYTES = {
+    "weight": 2,  # bf16 (4 without --bf16)
+    "grad": 4,  # fp32 main_grad buffer; 2 with --grad-reduce-in-bf16
+    "muon_master": 4,  # fp32 master weight of a Muon matrix: / DP with --use-distributed-optimizer
+    "muon_momentum": 4,  # fp32 momentum: 2 with BF16_MOMENTUM_FLAG; / DP with --use-distributed-optimizer
+    "adamw_state": 12,  # fp32 master + exp_avg + exp_avg_sq: / DP with --use-distributed-optimizer
+}
+BF16_MOMENTUM_FLAG = "zaya_muon_bf16_momentum"  # the args attribute of the bf16 Muon momentum flag
+# The optimizer step's temporaries, per parameter of the rank. Today's zaya_muon step converts whole-model
+# gradients: 137.0 vs 120.3 thousand MiB (peak vs between steps) for ZAYA1-8B on one H200 is 1.98 B/param.
+STEP_TRANSIENT_BYTES = {"zaya_muon": 2.0, "adam": 0.0, "sgd": 0.0}
+GRAPH_GRAD_BYTES = 2  # --zaya-cuda-graphs: each layer's backward graph keeps its parameter gradients (param dtype)
+LM_HEAD_TILE_ELEMENTS = 2**28  # kernels/cross_entropy.py: fp32 logits per chunk of the fused LM head
+RESERVE_GIB = 2.0  # per GPU, outside torch's allocations: CUDA/ROCm context, NCCL/RCCL buffers, fragmentation
+GPUS_GIB = {"H200": 140.4, "MI300X": 192.0, "MI355X": 288.0}  # capacity as the runtime reports it
+
+
+@dataclass(frozen=True)
+class Term:
+    """Bytes one layer saves for its backward: ``per_token`` x tokens + ``per_sequence`` x sequences (the
+    micro-batch) + ``per_position`` x sequence positions + ``fixed``. ``piece``: the ``--recompute-modules`` name
+    that drops it (None: kept); ``only_with``: a name whose recomputation makes the layer keep it."""
+
+    what: str
+    per_token: float = 0.0
+    per_sequence: float = 0.0
+    per_position: float = 0.0
+    fixed: float = 0.0
+    piece: str | None = None
+    only_with: str | None = None
+
+
+def layer_terms(cfg, path: str = "kernels", routed_share: float = 1.0) -> list[Term]:
+    """The tensors one ZAYA1 layer (of this TP rank) saves, for ``path`` "kernels" (GPU) or "torch" (eager).
+
+    Widths: D hidden, Q = query heads x head dim, K = KV heads x head dim (the value width too), F expert FFN,
+    R router width, C router classes, h / hk query / KV heads (per TP rank), rot the RoPE dims, e the parameter
+    dtype's bytes. ``routed_share``: the share of tokens that reach an expert (the eager experts keep
+    activations for routed tokens only; the kernels' static buffer keeps all tokens).
+    """
+    tp = cfg.tensor_model_parallel_size
+    d, D, F, R = cfg.kv_channels, cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.router_hidden_size
+    h, hk = cfg.num_attention_heads // tp, cfg.num_query_groups // tp
+    Q, K, C = h * d, hk * d, cfg.num_router_classes
+    rot, e = int(d * cfg.rotary_percent), _dtype_bytes(cfg)
+    t0, t1 = cfg.cca_time0, cfg.cca_time1
+    if path == "kernels":
+        return [
+            Term("layer input (fp32 residual) + norm statistics", 4 * D + 4),
+            Term("input norm output", 2 * D, piece="layernorm"),
+            Term("CCA q0, k0", 2 * (Q + K)),
+            Term("CCA convolution outputs", 2 * (Q + K), piece="cca_qk"),
+            Term("RoPE cos, sin", per_position=8 * rot, piece="cca_qk"),
+            Term("q, k (cca_qk's outputs: the cast to bf16 is a no-op)", 2 * (Q + K), piece="cca_qk"),
+            Term("v", 2 * K),
+            Term("attention output + logsumexp", 2 * Q + 4 * h, piece="core_attn"),
+            Term("attention projection output", 2 * D),
+            Term("pre-MoE norm statistics", 4, piece="layernorm"),
+            Term("residual after attention (fp32)", 4 * D),
+            Term("pre-MoE norm output", 2 * D, piece="layernorm"),
+            Term("router MLP (fp32) and logits", 24 * R + 4 * C + 8, fixed=4 * (2 * R * R + R * C + R), piece="router"),
+            Term("router state (the next layer's EDA input)", 4 * R),
+            Term("dispatch permutations", 16, piece="moe"),
+            Term("experts: permuted tokens, fc1 output, probs, SwiGLU output", 2 * D + 4 * F + 4 + 2 * F,
+                 piece="moe"),
+            Term("MoE output", 2 * D),
+        ]
+    pad = (t0 - 1) + (t1 - 1)
+    return [
+        Term("layer input (fp32 residual)", 4 * D),
+        Term("input norm: statistics, cast, output", 4 + 2 * e * D, piece="layernorm"),
+        Term("CCA convolutions", 8 * (Q + K), per_sequence=4 * (Q + K) * (pad + t1 - 1),
+             fixed=4 * (Q + K) * (t0 + d * t1), piece="cca_qk"),
+        Term("CCA QK-norm and temperature", 4 * Q + 8 * K + 12 * (h + hk), piece="cca_qk"),
+        Term("RoPE cos, sin", per_position=16 * rot, piece="cca_qk"),
+        Term("CCA q0, k0, inputs of the recomputed convolutions and epilogue", e * (Q + K), only_with="cca_qk"),
+        # in fp32 attention saves cca_qk's outputs themselves (the cast to the parameter dtype is a no-op)
+        Term("q, k", e * (Q + K), piece="cca_qk" if e == 4 else None),
+        Term("v", e * K),
+        Term("attention output + logsumexp", e * Q + 4 * h, piece="core_attn"),
+        Term("attention merge (fp32)", 8 * D, piece="layernorm"),
+        Term("attention projection output, input of the recomputed merge", e * D, only_with="layernorm"),
+        Term("pre-MoE norm: residual, statistics, cast", 4 * D + 4 + e * D, piece="layernorm"),
+        Term("pre-MoE norm output", e * D, piece="layernorm"),
+        Term("router input (fp32 copy)", 4 * D if e != 4 else 0, piece="router"),
+        Term("router MLP (fp32), probabilities, choice, routing map", 24 * R + 4 + 4 * C + 8 + cfg.num_moe_experts + 1,
+             piece="router"),
+        Term("router state (the next layer's EDA input)", 4 * R),
+        Term("dispatch permutations", 16, piece="moe"),
+        Term("experts: permuted tokens and probabilities", e * D + 4, piece="moe"),
+        Term("experts: fc1, SwiGLU and fc2 inputs (routed tokens)", 6 * e * F * routed_share, piece="moe"),
+        Term("MoE merge (fp32)", 8 * D),
+    ]
+
+
+def _dtype_bytes(cfg) -> int:
+    import torch
+
+    return torch.tensor([], dtype=cfg.params_dtype).element_size()
+
+
+def layer_bytes(cfg, tokens: int, sequences: int, recompute: tuple[str, ...] = (), path: str = "kernels",
+                routed_share: float = 1.0) -> float:
+    """Bytes one layer keeps for the backward: ``tokens`` on this rank in ``sequences`` sequences (the
+    micro-batch); ``recompute``: the ``--recompute-modules`` pieces."""
+    dropped = set(recompute) | ({"router"} if "moe" in recompute else set())
+    total = 0.0
+    for term in layer_terms(cfg, path, routed_share):
+        if term.piece in dropped or (term.only_with is not None and term.only_with not in recompute):
+            continue
+        positions = tokens // sequences
+        total += term.per_token * tokens + term.per_sequence * sequences + term.per_position * positions + term.fixed
+    return total
+
+
+def stack_bytes(cfg, layers: int, tokens: int, sequences: int, recompute: tuple[str, ...] = (),
+                path: str = "kernels", routed_shares: list[float] | None = None) -> float:
+    """Bytes ``layers`` consecutive layers keep: :func:`layer_bytes` each, less the last layer's router state
+    when the router is recomputed (only the next layer's recomputation keeps a layer's state)."""
+    shares = routed_shares or [1.0] * layers
+    total = sum(layer_bytes(cfg, tokens, sequences, recompute, path, share) for share in shares)
+    if {"router", "moe"} & set(recompute):
+        total -= 4 * cfg.router_hidden_size * tokens
+    return total
+
+
+# ---- parameters ------------------------------------------------------------------------------------------
+@dataclass
+class Parallel:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    cp: int = 1
+    dp: int = 1
+    expert_dp: int = 1
+
+
+def parameter_counts(cfg, par: Parallel, stage: int = 0) -> dict[str, float]:
+    """Parameters on one rank of pipeline ``stage``, by optimizer (Muon matrices, AdamW) and by data-parallel
+    group ("dense" reduced over DP, "expert" over the expert-data-parallel group)."""
+    tp, D, d, R = par.tp, cfg.hidden_size, cfg.kv_channels, cfg.router_hidden_size
+    Q, K = cfg.num_attention_heads * d, cfg.num_query_groups * d
+    C, F, E, V = cfg.num_router_classes, cfg.moe_ffn_hidden_size, cfg.num_moe_experts, cfg.vocab_size
+    layers = cfg.num_layers / par.pp
+    conv = (Q + K) * (cfg.cca_time0 + 1 + d * cfg.cca_time1 + 1) + cfg.num_query_groups
+    vectors = 2 * D + (8 * D if cfg.residual_scaling else 0) + 4 * R + (R if cfg.router_eda else 0)
+    per_layer = {
+        "muon dense": (D * Q + 2 * D * K + Q * D) / tp + D * R + 2 * R * R + R * C,
+        "adamw dense": conv / tp + vectors,
+        "muon expert": 3 * D * F * E / (par.ep * par.etp),
+    }
+    counts = {name: n * layers for name, n in per_layer.items()}
+    first, last = stage == 0, stage == par.pp - 1
+    embedding = V * D / tp
+    counts["adamw dense"] += embedding * (first + (last and (par.pp > 1 or not cfg.tie_embeddings)))
+    counts["adamw dense"] += (2 * D if first and cfg.residual_scaling else 0) + (D if last else 0)
+    return counts
+
+
+# ---- the plan ----------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """What the plan needs from the command line (``from_args``)."""
+
+    micro_batch: int
+    seq: int
+    global_batch: int
+    optimizer: str = "zaya_muon"
+    bf16: bool = True
+    distributed_optimizer: bool = False
+    grad_bf16: bool = False
+    bf16_momentum: bool = False
+    recompute: str | None = None  # None | "full" | "selective"
+    recompute_modules: tuple[str, ...] = ()
+    cuda_graphs: bool = False
+    sequence_parallel: bool = False
+    lm_head_grad_in_forward: bool = True
+    path: str = "kernels"
+
+
+def plan(cfg, par: Parallel, run: Run, stage: int = 0) -> dict[str, float]:
+    """Bytes per GPU by component (pipeline ``stage``; stage 0 holds the most micro-batches in flight)."""
+    counts = parameter_counts(cfg, par, stage)
+    params = sum(counts.values())
+    shard = {"dense": par.dp, "expert": par.expert_dp} if run.distributed_optimizer else {"dense": 1, "expert": 1}
+    weight = STATE_BYTES["weight"] if run.bf16 else 4
+    grad = 2 if run.grad_bf16 else STATE_BYTES["grad"]
+    master = STATE_BYTES["muon_master"] if run.bf16 else 0
+    momentum = 2 if run.bf16_momentum else STATE_BYTES["muon_momentum"]
+    adam = STATE_BYTES["adamw_state"] - (0 if run.bf16 else 4)
+    muon = run.optimizer == "zaya_muon"
+    out = {"weights": weight * params, "gradients": grad * params, "master weights": 0.0, "optimizer state": 0.0}
+    for name, n in counts.items():
+        kind, group = name.split()
+        if kind == "muon" and muon:
+            out["master weights"] += master * n / shard[group]
+            out["optimizer state"] += momentum * n / shard[group]
+        else:
+            out["master weights"] += (adam - 8) * n / shard[group]
+            out["optimizer state"] += 8 * n / shard[group]
+
+    tokens = run.micro_batch * run.seq // par.cp // (par.tp if run.sequence_parallel else 1)
+    layers = math.ceil(cfg.num_layers / par.pp)
+    if run.recompute == "full":  # each layer keeps its inputs; one layer's activations live during its backward
+        per_layer = (4 * cfg.hidden_size + 4 * cfg.router_hidden_size) * tokens
+        activations = per_layer * layers + layer_bytes(cfg, tokens, run.micro_batch, (), run.path)
+    else:
+        modules = run.recompute_modules if run.recompute == "selective" else ()
+        activations = stack_bytes(cfg, layers, tokens, run.micro_batch, modules, run.path)
+    in_flight = min(par.pp - stage, max(1, run.global_batch // (run.micro_batch * par.dp))) if par.pp > 1 else 1
+    D, V = cfg.hidden_size, cfg.vocab_size / par.tp
+    edge = (stage == 0) * (2 + 4) * D * tokens + (stage == par.pp - 1) * (4 + 2 + 4 + 16) * D * tokens
+    out["activations per micro-batch"] = activations + edge
+    out["activations in flight"] = (in_flight - 1) * out["activations per micro-batch"]
+    last = stage == par.pp - 1
+    chunk = 2 ** round(math.log2(max(1, LM_HEAD_TILE_ELEMENTS // V)))
+    held = 4 * V * D if run.lm_head_grad_in_forward else 0  # the fp32 weight gradient, forward to backward
+    out["LM-head chunks"] = last * max(held + 6 * V * D, (4 + 2) * V * min(chunk, tokens) + held)
+    graphs = run.cuda_graphs
+    layer_params = params - (V * D if stage == 0 or last else 0)
+    out["CUDA-graph pool"] = graphs * (GRAPH_GRAD_BYTES * layer_params + 2 * 4 * (D + cfg.router_hidden_size) * tokens)
+    out["optimizer-step transient"] = STEP_TRANSIENT_BYTES.get(run.optimizer, 0.0) * params
+    state = out["weights"] + out["gradients"] + out["master weights"] + out["optimizer state"] + out["CUDA-graph pool"]
+    backward = state + out["activations per micro-batch"] + out["activations in flight"] + out["LM-head chunks"]
+    out["between steps"] = state + (graphs * out["activations per micro-batch"])
+    out["peak"] = max(backward, state + out["optimizer-step transient"])
+    return out
+
+
+def largest_micro_batch(cfg, par: Parallel, run: Run, capacity_gib: float) -> int:
+    """The largest micro-batch (up to 1024) whose peak fits ``capacity_gib`` minus ``RESERVE_GIB``; 0: none."""
+    fits = 0
+    for mbs in range(1, 1025):
+        if plan(cfg, par, dataclasses.replace(run, micro_batch=mbs))["peak"] > (capacity_gib - RESERVE_GIB) * GIB:
+            break
+        fits = mbs
+    return fits
+
+
+def report(cfg, par: Parallel, run: Run) -> str:
+    """The plan as text: one line per component, the peak, and the largest micro-batch per GPU type."""
+    result = plan(cfg, par, run)
+    params = sum(parameter_counts(cfg, par).values())
+    lines = [f"[zaya] memory plan per GPU (pipeline stage 0): TP{par.tp} PP{par.pp} EP{par.ep} CP{par.cp} "
+             f"DP{par.dp}, {params / 1e9:.3f}B parameters on this rank, micro-batch {run.micro_batch} x seq "
+             f"{run.seq}, {run.optimizer}{' distributed' if run.distributed_optimizer else ''}, "
+             f"recompute {run.recompute or 'none'} {' '.join(run.recompute_modules)}".rstrip()]
+    for name, value in result.items():
+        if name == "peak":
+            lines.append("  " + "-" * 44)
+        lines.append(f"  {name:<28s} {value / GIB:9.2f} GiB")
+    for gpu, gib in GPUS_GIB.items():
+        lines.append(f"  largest micro-batch on {gpu:<7s} ({gib:.0f} GiB): {largest_micro_batch(cfg, par, run, gib)}")
+    return "\n".join(lines)
+
+
+def from_args(args) -> tuple[object, Parallel, Run]:
+    """(ZayaConfig, Parallel, Run) of a parsed ``zaya-pretrain`` command line."""
+    from .training.arguments import zaya_config_from_args
+
+    cfg = zaya_config_from_args(args)
+    par = Parallel(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                   ep=args.expert_model_parallel_size,
+                   etp=args.expert_tensor_parallel_size or args.tensor_model_parallel_size,
+                   cp=args.context_parallel_size, dp=args.data_parallel_size)
+    model_parallel = par.pp * par.ep * par.etp
+    par.expert_dp = max(1, args.world_size // model_parallel)
+    run = Run(micro_batch=args.micro_batch_size, seq=args.seq_length, global_batch=args.global_batch_size,
+              optimizer=args.optimizer, bf16=bool(args.bf16), distributed_optimizer=bool(args.use_distributed_optimizer),
+              grad_bf16=not args.accumulate_allreduce_grads_in_fp32 if args.bf16 else False,
+              bf16_momentum=bool(getattr(args, BF16_MOMENTUM_FLAG, False)), recompute=args.recompute_granularity,
+              recompute_modules=tuple(cfg.zaya_recompute_modules), cuda_graphs=bool(args.zaya_cuda_graphs),
+              sequence_parallel=bool(args.sequence_parallel),
+              lm_head_grad_in_forward=cfg.lm_head_grad_in_forward)
+    return cfg, par, run

@@ -1,0 +1,105 @@
+"""Selective recomputation (gradients unchanged, saved bytes down) and the memory planner's formulas, measured
+against the tensors a ZAYA1 model really saves for its backward (torch's saved-tensor hooks, CPU, float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from zaya_cli import pretrain
+
+from megatron_zaya.config import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_MODULES, ZayaConfigError, zaya_config
+from megatron_zaya.memory_plan import Parallel, parameter_counts, stack_bytes
+from megatron_zaya.optim.roles import classify
+from megatron_zaya.pretrained import build_single_process_model
+
+SHAPES = {"test": (16, 2), "tiny": (32, 3)}  # preset: (sequence, micro-batch)
+
+
+def _run(preset: str, modules: list[str] | None):
+    """Build the model (same seed), one training forward and backward; returns (model, cfg, gradients,
+    bytes the layers saved, the routed share of each layer)."""
+    kwargs = dict(recompute_granularity="selective", recompute_modules=modules) if modules else {}
+    cfg = zaya_config(preset, use_cpu_initialization=True, params_dtype=torch.float32, **kwargs)
+    torch.manual_seed(0)
+    model = build_single_process_model(cfg)
+    model.train()
+    seq, batch = SHAPES[preset]
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    state = {p.untyped_storage()._cdata for p in [*model.parameters(), *model.buffers()]}
+    inside, saved = [False], {}
+    for layer in model.decoder.layers:
+        layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+        layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if inside[0] and storage._cdata not in state:
+            saved.setdefault(storage._cdata, storage)  # one storage counted once, however many views are saved
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(ids, position_ids=None, attention_mask=None, labels=ids).float().mean()
+    held = sum(storage.nbytes() for storage in saved.values())  # after the forward: dropped outputs count 0
+    counts = torch.stack([layer.mlp.router.tokens_per_class for layer in model.decoder.layers])
+    routed = (counts[:, :-1].sum(1) / counts.sum(1)).tolist()
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return cfg, grads, held, routed
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {preset: _run(preset, None) for preset in SHAPES}
+
+
+@pytest.mark.parametrize("modules", [[name] for name in RECOMPUTE_MODULES] + [list(DEFAULT_RECOMPUTE_MODULES)])
+def test_recomputed_gradients_equal_and_saved_bytes_match_the_formula(reference, modules):
+    _, ref_grads, ref_held, _ = reference["test"]
+    cfg, grads, held, routed = _run("test", modules)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        scale = ref_grads[name].abs().max().clamp_min(1e-30)
+        assert (grad - ref_grads[name]).abs().max() <= 1e-6 * scale, name
+    seq, batch = SHAPES["test"]
+    expected = stack_bytes(cfg, cfg.num_layers, seq * batch, batch, cfg.zaya_recompute_modules, "torch", routed)
+    assert held == pytest.approx(expected, abs=8)  # the first layer's 4-byte zero EDA state is not a term
+    assert held < ref_held
+
+
+@pytest.mark.parametrize("preset", list(SHAPES))
+def test_formula_matches_the_saved_tensors_at_two_shapes(reference, preset):
+    cfg, _, held, routed = reference[preset]
+    seq, batch = SHAPES[preset]
+    assert held == pytest.approx(stack_bytes(cfg, cfg.num_layers, seq * batch, batch, (), "torch", routed), abs=8)
+
+
+def test_parameter_counts_match_the_built_model_and_its_optimizer_roles(reference):
+    cfg = zaya_config("test", use_cpu_initialization=True, params_dtype=torch.float32)
+    model = build_single_process_model(cfg)
+    built = {"muon": 0, "adamw": 0}
+    for name, param in model.named_parameters():
+        built[classify(name, param).optimizer] += param.numel()
+    counts = parameter_counts(cfg, Parallel())
+    assert counts["muon dense"] + counts["muon expert"] == built["muon"]
+    assert counts["adamw dense"] == built["adamw"]
+
+
+def test_selective_recompute_names_and_graphs():
+    with pytest.raises(ZayaConfigError, match="--recompute-modules mlp is not a ZAYA1 piece"):
+        zaya_config("test", recompute_granularity="selective", recompute_modules=["mlp"])
+    cfg = zaya_config("test", recompute_granularity="selective", recompute_modules=None, cuda_graphs=True)
+    assert cfg.zaya_recompute_modules == DEFAULT_RECOMPUTE_MODULES and cfg.recompute_modules == []
+    with pytest.raises(ZayaConfigError, match="full recomputation"):
+        zaya_config("test", recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                    cuda_graphs=True)
+
+
+def test_cli_prints_the_plan_and_exits(tmp_path):
+    result = pretrain(["--zaya-preset", "zaya1-8b", "--mock-data", "--seq-length", "4096", "--micro-batch-size", "1",
+                       "--global-batch-size", "8", "--bf16", "--optimizer", "zaya_muon", "--train-iters", "8",
+                       "--zaya-memory-plan", "8", "--use-distributed-optimizer"], tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "DP8, 8.840B parameters" in result.stdout and "largest micro-batch on MI355X" in result.stdout
+    assert not list(tmp_path.iterdir())  # nothing built, nothing written
+    bad = pretrain(["--zaya-preset", "test", "--mock-data", "--zaya-memory-plan", "0"], tmp_path, timeout=300)
+    assert bad.returncode == 2 and "--zaya-memory-plan 0" in bad.stderr.strip().splitlines()[-1]
