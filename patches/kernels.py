@@ -261,12 +261,13 @@ def use_triton_cca() -> None:
     from megatron_zaya.model import cca
 
     def fused_cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, time0, time1, head_dim, config, cp_group,
-                     qk_history=None):
-        angles = rotary_pos_emb[:, 0, 0, :].float()  # [s, rot]: Megatron's table, already this CP rank's
+                     qk_history=None, document_offsets=None):
+        # [s, 1 or b, rot]: Megatron's table (already this CP rank's), per sequence with packed documents
+        angles = rotary_pos_emb[:, :, 0, :].float()
         q, k = cca_qk(q0, k0, conv.q_depthwise_weight.squeeze(1), conv.q_depthwise_bias,
                       conv.k_depthwise_weight.squeeze(1), conv.k_depthwise_bias, conv.q_grouped_weight,
                       conv.q_grouped_bias, conv.k_grouped_weight, conv.k_grouped_bias, key_temperature,
-                      angles.cos(), angles.sin(), qk_history)  # the kernel takes depthwise weights as [C, taps]
+                      angles.cos(), angles.sin(), qk_history, document_offsets)  # depthwise weights as [C, taps]
         return q, k
 
     replace_attr(cca, "cca_qk", fused_cca_qk)

@@ -24,15 +24,18 @@ def patched(monkeypatch):
                     kernels.use_grouped_experts(), kernels.use_fused_residual())
 
 
-def test_patched_model_equals_torch_path(patched):
+@pytest.mark.parametrize("packed", [False, True], ids=["one-sequence", "packed-documents"])
+def test_patched_model_equals_torch_path(patched, packed):
     cfg = zaya_config("test", use_cpu_initialization=True, params_dtype=torch.float32,
                       moe_token_dispatcher_type="allgather", cca_time0=3)
     net = build_single_process_model(cfg).train()
     ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
+    # Per sequence: its own document starts, so the RoPE angles differ by sequence too.
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in ([4, 1, 8], [2, 2, 9])])
 
     def run():
         net.zero_grad(set_to_none=True)
-        loss = net(ids, labels=ids)
+        loss = net(ids, position_ids=positions if packed else None, labels=ids)
         loss.sum().backward()
         return loss.detach(), {k: p.grad.clone() for k, p in net.named_parameters() if p.grad is not None}
 
