@@ -81,7 +81,7 @@ class SDPAttention(MegatronModule):
             mask = mask & (q_documents[:, start:end, None] == k_documents[:, None, keys])
             outs.append(F.scaled_dot_product_attention(
                 q[:, :, start:end], k[:, :, keys], v[:, :, keys], attn_mask=mask[:, None], scale=self.softmax_scale,
-                enable_gqa=k.shape[1] != q.shape[1]))  # fmt: skip
+                enable_gqa=k.shape[1] != q.shape[1]))
         return torch.cat(outs, dim=2)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
