@@ -68,7 +68,8 @@ def load_megatron(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = None)
 
 
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | None = None):
-    """A ZAYA1 model ready for ``model(input_ids [b, s]) -> logits [b, s, vocab]`` (eval mode).
+    """A ZAYA1 model ready for ``model(input_ids [b, s]) -> logits [b, s, vocab]`` (eval mode); with
+    ``position_ids=[b, s]``, each position 0 starts a document that sees nothing before it (packed documents).
 
     ``path`` is a Hugging Face directory (``config.json``) or a Megatron checkpoint directory
     (``latest_checkpointed_iteration.txt``). torch.distributed and Megatron's parallel state are set up for

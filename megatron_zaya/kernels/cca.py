@@ -43,23 +43,37 @@ from .utils import persistent_programs, platform, triton_runs
 
 
 def causal_qk_convs(x: torch.Tensor, depthwise_w, depthwise_b, grouped_w, grouped_b, heads: int,
-                    history: torch.Tensor | None = None) -> torch.Tensor:
+                    history: torch.Tensor | None = None, document_offsets: torch.Tensor | None = None) -> torch.Tensor:
     """The CCA convolutions: x [S, B, C] -> [S, B, C]; depthwise_w [C, t0], grouped_w [C, C // heads, t1].
 
     ``history [n, (t0 - 1) + (t1 - 1), B, C]`` (context parallelism): x is n chunks, each preceded by its
-    history instead of zeros.
+    history instead of zeros. ``document_offsets [S, B]`` (packed documents): each position's earlier tokens in
+    its document. Output p takes input p - l0 - l1 (depthwise tap lag l0, grouped tap lag l1) only where
+    l0 + l1 <= offset(p), as the document alone after zeros would; the depthwise bias enters every grouped tap.
     """
-    pad = (depthwise_w.shape[-1] - 1) + (grouped_w.shape[-1] - 1)
+    t0, t1 = depthwise_w.shape[-1], grouped_w.shape[-1]
+    pad = (t0 - 1) + (t1 - 1)
     seq, batch, channels = x.shape
-    if history is None:
-        chunks, y = 1, F.pad(x.permute(1, 2, 0), (pad, 0))  # [B, C, S + pad]: left zeros, causal
-    else:
-        chunks = history.shape[0]
-        y = torch.cat([history.to(x.dtype), x.view(chunks, seq // chunks, batch, channels)], dim=1)
+    chunks = 1 if history is None else history.shape[0]
+    before = x.new_zeros(1, pad, batch, channels) if history is None else history.to(x.dtype)
+    y = torch.cat([before, x.view(chunks, seq // chunks, batch, channels)], dim=1)  # [n, pad + S/n, B, C]
+    if document_offsets is None:
         y = y.permute(0, 2, 3, 1).reshape(chunks * batch, channels, -1)  # [n·B, C, pad + S/n]
-    y = F.conv1d(y, depthwise_w.unsqueeze(1), depthwise_b, groups=channels)
-    y = F.conv1d(y, grouped_w, grouped_b, groups=heads)
-    return y.view(chunks, batch, channels, -1).permute(0, 3, 1, 2).reshape(seq, batch, channels)
+        y = F.conv1d(y, depthwise_w.unsqueeze(1), depthwise_b, groups=channels)
+        y = F.conv1d(y, grouped_w, grouped_b, groups=heads)
+        return y.view(chunks, batch, channels, -1).permute(0, 3, 1, 2).reshape(seq, batch, channels)
+    offsets, length = document_offsets.view(chunks, seq // chunks, batch, 1), seq // chunks
+    head_dim = channels // heads
+    out = grouped_b.expand(chunks, length, batch, channels)
+    for l1 in range(t1):
+        taps = depthwise_b.expand(chunks, length, batch, channels)
+        for l0 in range(t0):
+            lag = l0 + l1
+            taps = taps + y[:, pad - lag: pad - lag + length] * (offsets >= lag) * depthwise_w[:, t0 - 1 - l0]
+        by_head = taps.unflatten(-1, (heads, head_dim))
+        tap_weight = grouped_w[..., t1 - 1 - l1].view(heads, head_dim, head_dim)  # [head, out, in]
+        out = out + torch.einsum("nlbhi,hoi->nlbho", by_head, tap_weight).flatten(-2)
+    return out.reshape(seq, batch, channels)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -85,20 +99,22 @@ def _split_history(history, q_width: int):
     return (None, None) if history is None else (history[..., :q_width], history[..., q_width:])
 
 
-def cca_qk_reference(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin, history=None):
+def cca_qk_reference(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin, history=None,
+                     document_offsets=None):
     """CCA q/k: q0 [S, B, nq*d], k0 [S, B, nkv*d] -> q [S, B, nq, d], k [S, B, nkv, d] in q0's dtype.
 
     Depthwise conv weights wq1 [nq*d, t0], wk1 [nkv*d, t0]; grouped wq2 [nq*d, d, t1], wk2 [nkv*d, d, t1];
     biases [channels]; temp [nkv]; cos, sin [S, rot] or [S, B, rot] (NeoX layout: both halves equal);
     ``history [n, t0 + t1 - 2, B, nq*d + nkv*d]``: the pre-conv q0‖k0 before each of n chunks (see
-    :func:`causal_qk_convs`).
+    :func:`causal_qk_convs`); ``document_offsets [S, B]``: see :func:`causal_qk_convs`.
     """
     seq, batch = q0.shape[:2]
     n_kv, head_dim = temp.numel(), wq2.shape[1]
     n_q = q0.shape[-1] // head_dim
     q_history, k_history = _split_history(history, q0.shape[-1])
-    q_conv = causal_qk_convs(q0, wq1, bq1, wq2, bq2, n_q, q_history).reshape(seq, batch, n_q, head_dim)
-    k_conv = causal_qk_convs(k0, wk1, bk1, wk2, bk2, n_kv, k_history).reshape(seq, batch, n_kv, head_dim)
+    q_conv = causal_qk_convs(q0, wq1, bq1, wq2, bq2, n_q, q_history, document_offsets)
+    k_conv = causal_qk_convs(k0, wk1, bk1, wk2, bk2, n_kv, k_history, document_offsets)
+    q_conv, k_conv = q_conv.reshape(seq, batch, n_q, head_dim), k_conv.reshape(seq, batch, n_kv, head_dim)
     q_res = (q0.view(seq, batch, n_q, head_dim) + k0.view(seq, batch, n_kv, head_dim).repeat_interleave(
         n_q // n_kv, dim=2)) * 0.5  # fmt: skip
     k_res = q_res.view(seq, batch, n_kv, n_q // n_kv, head_dim).mean(dim=3)
@@ -277,7 +293,18 @@ def _qk_epilogue_backward_kernel(
 # (row = position * B + b, the [S, B, C] layout). Positions count within a chunk: under context parallelism
 # x is n chunks of L positions, each preceded by its own history; otherwise n = 1, L = S, and positions before
 # 0 read zeros. Both convolutions' products accumulate in fp32; the depthwise output is rounded to x's dtype
-# before the grouped conv's tensor-core dot, as in the reference.
+# before the grouped conv's tensor-core dot, as in the reference. Packed documents (HAS_DOCS): ``offsets``
+# [n·L, B] gives each position's earlier tokens in its document, and a term reaching further back is left out
+# (see :func:`causal_qk_convs`).
+
+
+@triton.jit
+def _earlier_tokens(offsets_ptr, chunk, pos, b, valid, length, batch):
+    """Earlier tokens of its document at each row's position. A position before the chunk (pos < 0) continues
+    the document of the chunk's first token, so it has that token's count + pos (negative: another document)."""
+    first = tl.load(offsets_ptr + (chunk * length + tl.maximum(pos, 0)) * batch + b, mask=valid & (pos < length),
+                    other=0)  # fmt: skip
+    return first + tl.minimum(pos, 0)
 
 
 @triton.jit
@@ -297,27 +324,46 @@ def _rows(x_ptr, history_ptr, chunk, pos, b, cols, valid, length, batch, channel
 
 
 @triton.jit
-def _depthwise(x_ptr, history_ptr, w1_ptr, b1_ptr, chunk, pos, b, cols, valid, length, batch, channels,
-               T0: tl.constexpr, PAD: tl.constexpr, HAS_HISTORY: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-               HEAD_DIM: tl.constexpr):  # fmt: skip
-    """The depthwise conv at positions ``pos`` (taps on pos - T0 + 1 .. pos, bias included), in x's dtype."""
+def _depthwise(x_ptr, history_ptr, w1_ptr, b1_ptr, chunk, pos, visible, b, cols, valid, length, batch, channels,
+               T0: tl.constexpr, PAD: tl.constexpr, HAS_HISTORY: tl.constexpr, HAS_DOCS: tl.constexpr,
+               BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
+    """The depthwise conv at positions ``pos`` (taps on pos - T0 + 1 .. pos, bias included), in x's dtype; with
+    HAS_DOCS only the taps at most ``visible`` tokens back."""
     y = tl.zeros([BLOCK_ROWS, HEAD_DIM], tl.float32) + tl.load(b1_ptr + cols).to(tl.float32)[None, :]
     for j in tl.static_range(T0):
         w = tl.load(w1_ptr + cols * T0 + j).to(tl.float32)
         x = _rows(x_ptr, history_ptr, chunk, pos - (T0 - 1) + j, b, cols, valid, length, batch, channels, PAD,
                   HAS_HISTORY)  # fmt: skip
+        if HAS_DOCS:
+            x = tl.where((visible >= T0 - 1 - j)[:, None], x, 0.0)
         y += x.to(tl.float32) * w[None, :]
     return y.to(x_ptr.dtype.element_ty)
 
 
 @triton.jit
+def _grouped_input(x_ptr, history_ptr, w1_ptr, b1_ptr, chunk, pos, earlier, lag, b, cols, valid, length, batch,
+                   channels, T0: tl.constexpr, PAD: tl.constexpr, HAS_HISTORY: tl.constexpr, HAS_DOCS: tl.constexpr,
+                   BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
+    """What the grouped conv's tap ``lag`` reads for outputs at ``pos``: the depthwise conv at pos - lag. With
+    HAS_DOCS (``earlier``: the outputs' earlier tokens in their documents), its taps within the document, and
+    the depthwise bias alone where pos - lag lies before the document (a zero-padded position)."""
+    y = _depthwise(x_ptr, history_ptr, w1_ptr, b1_ptr, chunk, pos - lag, earlier - lag, b, cols, valid, length,
+                   batch, channels, T0, PAD, HAS_HISTORY, HAS_DOCS, BLOCK_ROWS, HEAD_DIM)  # fmt: skip
+    if HAS_DOCS:
+        bias = tl.load(b1_ptr + cols).to(tl.float32).to(y.dtype)
+        y = tl.where((earlier >= lag)[:, None], y, bias[None, :])
+    return y
+
+
+@triton.jit
 def _conv_forward_kernel(
     x_ptr, history_ptr,  # [n·L, B, C]; [n, PAD, B, C] when HAS_HISTORY
+    offsets_ptr,  # [n·L, B] int32 when HAS_DOCS
     w1_ptr, b1_ptr, w2_ptr, b2_ptr,  # [C, T0], [C], [C, D, T1], [C]
     out_ptr,  # [n·L, B, C]
     length, batch, channels,
     T0: tl.constexpr, T1: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    HAS_HISTORY: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_HISTORY: tl.constexpr, HAS_DOCS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """out(p) = b2 + sum over taps of y(p - T1 + 1 + tap) @ w2[:, :, tap]^T for one head; y = the depthwise conv."""
     PAD: tl.constexpr = (T0 - 1) + (T1 - 1)
@@ -329,10 +375,11 @@ def _conv_forward_kernel(
     pos, b = tl.cast(row // batch, tl.int64), row % batch
     d = tl.arange(0, HEAD_DIM)
     cols = head * HEAD_DIM + d
+    earlier = _earlier_tokens(offsets_ptr, chunk, pos, b, valid, length, batch) if HAS_DOCS else pos
     acc = tl.zeros([BLOCK_ROWS, HEAD_DIM], tl.float32)
     for tap in tl.static_range(T1):
-        y = _depthwise(x_ptr, history_ptr, w1_ptr, b1_ptr, chunk, pos - (T1 - 1) + tap, b, cols, valid, length,
-                       batch, channels, T0, PAD, HAS_HISTORY, BLOCK_ROWS, HEAD_DIM)  # fmt: skip
+        y = _grouped_input(x_ptr, history_ptr, w1_ptr, b1_ptr, chunk, pos, earlier, T1 - 1 - tap, b, cols, valid,
+                           length, batch, channels, T0, PAD, HAS_HISTORY, HAS_DOCS, BLOCK_ROWS, HEAD_DIM)  # fmt: skip
         # [in, out]: the contraction dim has the small stride (T1), which the dot wants (a transposed tile is 4x slower)
         w = tl.load(w2_ptr + cols[None, :] * (HEAD_DIM * T1) + d[:, None] * T1 + tap).to(y.dtype)
         acc = tl.dot(y, w, acc, input_precision=DOT_PRECISION)
@@ -345,11 +392,14 @@ def _conv_forward_kernel(
 @triton.jit
 def _conv_grouped_grad_kernel(
     grad_ptr, w2_ptr,  # grad [n·L, B, C] of the output; w2 as [H, T1, D_in, D_out] (D_out, contracted, unit stride)
+    offsets_ptr,  # [n·L, B] int32 when HAS_DOCS
     grad_y_ptr,  # [n, L + T1 - 1, B, C]: the depthwise output's gradient at positions -(T1 - 1) .. L - 1
     length, batch, channels,
-    T1: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    T1: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_DOCS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """dy(u) = sum over taps of g(u + T1 - 1 - tap) @ w2[:, :, tap] for one head: the grouped conv's input grad."""
+    """dy(u) = sum over taps of g(u + T1 - 1 - tap) @ w2[:, :, tap] for one head: the grouped conv's input grad
+    (with HAS_DOCS, only from outputs in u's document)."""
     block, head = tl.program_id(0), tl.program_id(1)
     extent = length + T1 - 1
     blocks_per_chunk = tl.cdiv(extent * batch, BLOCK_ROWS)
@@ -362,6 +412,9 @@ def _conv_grouped_grad_kernel(
     grad_y = tl.zeros([BLOCK_ROWS, HEAD_DIM], tl.float32)
     for tap in tl.static_range(T1):
         g = _rows(grad_ptr, grad_ptr, chunk, pos + (T1 - 1 - tap), b, cols, valid, length, batch, channels, 0, False)
+        if HAS_DOCS:
+            earlier = _earlier_tokens(offsets_ptr, chunk, pos + (T1 - 1 - tap), b, valid, length, batch)
+            g = tl.where((earlier >= T1 - 1 - tap)[:, None], g, 0.0)
         w = tl.load(w2_ptr + ((head * T1 + tap) * HEAD_DIM + d[None, :]) * HEAD_DIM + d[:, None])  # [out, in]
         w = w.to(g.dtype)
         grad_y = tl.dot(g, w, grad_y, input_precision=DOT_PRECISION)
@@ -373,15 +426,16 @@ def _conv_grouped_grad_kernel(
 @triton.jit
 def _conv_depthwise_grad_kernel(
     grad_ptr, grad_y_ptr, x_ptr, history_ptr, w1_ptr,  # grad, x [n·L, B, C]; grad_y from the kernel above
+    offsets_ptr,  # [n·L, B] int32 when HAS_DOCS
     grad_x_ptr, grad_history_ptr,  # like x and history
-    partial_ptr,  # [programs along axis 0, 2 + T0, C] fp32: per-program sums for d b2, d b1, d w1[:, j]
+    partial_ptr,  # [programs along axis 0, 1 + T0, C] fp32: per-program sums for d b2, d w1[:, j]
     length, batch, channels,
     T0: tl.constexpr, T1: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    HAS_HISTORY: tl.constexpr,
+    HAS_HISTORY: tl.constexpr, HAS_DOCS: tl.constexpr,
 ):  # fmt: skip
-    """Rows are positions -PAD .. L - 1 of each chunk: dx(p) = sum_j w1[j] dy(p + T0 - 1 - j); positions < 0
-    are the history's gradient. The bias and depthwise-tap gradients are sums over the same rows, left per
-    program for one reduction."""
+    """Rows are positions -PAD .. L - 1 of each chunk: dx(p) = sum_j w1[j] dy(p + T0 - 1 - j) (with HAS_DOCS,
+    the terms whose dy position has p in its document); positions < 0 are the history's gradient. The output
+    bias and depthwise-tap gradients are sums over the same rows, left per program for one reduction."""
     PAD: tl.constexpr = (T0 - 1) + (T1 - 1)
     block, head = tl.program_id(0), tl.program_id(1)
     blocks_per_chunk = tl.cdiv((length + PAD) * batch, BLOCK_ROWS)
@@ -393,20 +447,25 @@ def _conv_depthwise_grad_kernel(
     # grad_y holds positions -(T1 - 1) .. L - 1 of each chunk: a chunk of length L + T1 - 1 starting there
     grad_y = _rows(grad_y_ptr, grad_y_ptr, chunk, pos + (T1 - 1), b, cols, valid, length + T1 - 1, batch, channels,
                    0, False).to(tl.float32)  # fmt: skip
+    earlier = _earlier_tokens(offsets_ptr, chunk, pos, b, valid, length, batch) if HAS_DOCS else pos
     grad_x = grad_y * tl.load(w1_ptr + cols * T0 + (T0 - 1)).to(tl.float32)[None, :]
     for j in tl.static_range(T0 - 1):
         later = _rows(grad_y_ptr, grad_y_ptr, chunk, pos + (T1 - 1) + (T0 - 1 - j), b, cols, valid,
-                      length + T1 - 1, batch, channels, 0, False)  # fmt: skip
-        grad_x += later.to(tl.float32) * tl.load(w1_ptr + cols * T0 + j).to(tl.float32)[None, :]
+                      length + T1 - 1, batch, channels, 0, False).to(tl.float32)  # fmt: skip
+        if HAS_DOCS:
+            later_earlier = _earlier_tokens(offsets_ptr, chunk, pos + (T0 - 1 - j), b, valid, length, batch)
+            later = tl.where((later_earlier >= T0 - 1 - j)[:, None], later, 0.0)
+        grad_x += later * tl.load(w1_ptr + cols * T0 + j).to(tl.float32)[None, :]
 
-    partial = partial_ptr + block * ((2 + T0) * channels) + cols
+    partial = partial_ptr + block * ((1 + T0) * channels) + cols
     g = _rows(grad_ptr, grad_ptr, chunk, pos, b, cols, valid, length, batch, channels, 0, False)
     tl.store(partial, tl.sum(g.to(tl.float32), axis=0))
-    tl.store(partial + channels, tl.sum(grad_y, axis=0))
     for j in tl.static_range(T0):
         x = _rows(x_ptr, history_ptr, chunk, pos - (T0 - 1) + j, b, cols, valid, length, batch, channels, PAD,
                   HAS_HISTORY)  # fmt: skip
-        tl.store(partial + (2 + j) * channels, tl.sum(grad_y * x.to(tl.float32), axis=0))
+        if HAS_DOCS:
+            x = tl.where((earlier >= T0 - 1 - j)[:, None], x, 0.0)
+        tl.store(partial + (1 + j) * channels, tl.sum(grad_y * x.to(tl.float32), axis=0))
 
     inside = valid & (pos >= 0)
     offsets = ((chunk * length + pos) * batch + b) * channels
@@ -421,11 +480,11 @@ def _conv_depthwise_grad_kernel(
 
 @triton.jit
 def _conv_weight_grad_kernel(
-    grad_ptr, x_ptr, history_ptr, w1_ptr, b1_ptr,
+    grad_ptr, x_ptr, history_ptr, offsets_ptr, w1_ptr, b1_ptr,
     partial_ptr,  # [programs along axis 2, C, D, T1] fp32
     length, batch, channels, total_rows, rows_per_program,
     T0: tl.constexpr, T1: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    HAS_HISTORY: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_HISTORY: tl.constexpr, HAS_DOCS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One head's grouped weight gradient for one tap over a span of rows: sum_t g(t)^T y(t - T1 + 1 + tap),
     the depthwise output y recomputed from x."""
@@ -442,8 +501,9 @@ def _conv_weight_grad_kernel(
         chunk, within = row // chunk_rows, row % chunk_rows
         pos, b = within // batch, within % batch
         g = _rows(grad_ptr, grad_ptr, chunk, pos, b, cols, valid, length, batch, channels, 0, False)
-        y = _depthwise(x_ptr, history_ptr, w1_ptr, b1_ptr, chunk, pos - (T1 - 1) + tap, b, cols, valid, length,
-                       batch, channels, T0, PAD, HAS_HISTORY, BLOCK_ROWS, HEAD_DIM)  # fmt: skip
+        earlier = _earlier_tokens(offsets_ptr, chunk, pos, b, valid, length, batch) if HAS_DOCS else pos
+        y = _grouped_input(x_ptr, history_ptr, w1_ptr, b1_ptr, chunk, pos, earlier, T1 - 1 - tap, b, cols, valid,
+                           length, batch, channels, T0, PAD, HAS_HISTORY, HAS_DOCS, BLOCK_ROWS, HEAD_DIM)  # fmt: skip
         acc = tl.dot(tl.trans(g), y.to(g.dtype), acc, input_precision=DOT_PRECISION)
     offsets = split * (channels * HEAD_DIM * T1) + cols[:, None] * (HEAD_DIM * T1) + d[None, :] * T1 + tap
     tl.store(partial_ptr + offsets, acc)
@@ -516,49 +576,56 @@ class _CausalConvs(torch.autograd.Function):
     """:func:`causal_qk_convs` by the convolution kernels: one launch forward, three backward, no padded copies."""
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, history):
+    def forward(ctx, x, w1, b1, w2, b2, history, offsets):
         x, w1, b1, w2, b2 = (t.contiguous() for t in (x, w1, b1, w2, b2))
         history = None if history is None else history.to(x.dtype).contiguous()
+        offsets = None if offsets is None else offsets.to(torch.int32).contiguous()
         chunks = 1 if history is None else history.shape[0]
         seq, batch, channels = x.shape
         tuning, head_dim = CONV_TUNING[platform(x.device)], w2.shape[1]
         out = torch.empty_like(x)
         grid = (chunks * triton.cdiv(seq // chunks * batch, tuning["rows"]), channels // head_dim)
         _conv_forward_kernel[grid](
-            x, x if history is None else history, w1, b1, w2, b2, out, seq // chunks, batch, channels,
-            T0=w1.shape[-1], T1=w2.shape[-1], HEAD_DIM=head_dim, BLOCK_ROWS=tuning["rows"],
-            HAS_HISTORY=history is not None, DOT_PRECISION=_dot_precision(x), num_warps=tuning["warps"])  # fmt: skip
-        ctx.save_for_backward(x, history, w1, b1, w2)
+            x, x if history is None else history, x if offsets is None else offsets, w1, b1, w2, b2, out, seq // chunks,
+            batch, channels, T0=w1.shape[-1], T1=w2.shape[-1], HEAD_DIM=head_dim, BLOCK_ROWS=tuning["rows"],
+            HAS_HISTORY=history is not None, HAS_DOCS=offsets is not None, DOT_PRECISION=_dot_precision(x),
+            num_warps=tuning["warps"])  # fmt: skip
+        ctx.save_for_backward(x, history, offsets, w1, b1, w2)
         ctx.grouped_bias_dtype = b2.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x, history, w1, b1, w2 = ctx.saved_tensors
+        x, history, offsets, w1, b1, w2 = ctx.saved_tensors
         chunks = 1 if history is None else history.shape[0]
         seq, batch, channels = x.shape
         length, total = seq // chunks, seq * batch
         t0, t1, head_dim = w1.shape[-1], w2.shape[-1], w2.shape[1]
         heads, tuning, precision = channels // head_dim, CONV_TUNING[platform(x.device)], _dot_precision(x)
         history_or_x = x if history is None else history
+        offsets_or_x, has_docs = (x, False) if offsets is None else (offsets, True)
         grad = grad.contiguous()
 
         grad_y = torch.empty((chunks, length + t1 - 1, batch, channels), dtype=x.dtype, device=x.device)
         w2_by_tap = w2.view(heads, head_dim, head_dim, t1).permute(0, 3, 2, 1).contiguous()  # [H, T1, in, out]
         grid = (chunks * triton.cdiv((length + t1 - 1) * batch, tuning["grouped_rows"]), heads)
-        _conv_grouped_grad_kernel[grid](grad, w2_by_tap, grad_y, length, batch, channels, T1=t1, HEAD_DIM=head_dim,
-                                        BLOCK_ROWS=tuning["grouped_rows"], DOT_PRECISION=precision,
-                                        num_warps=tuning["grouped_warps"])  # fmt: skip
+        _conv_grouped_grad_kernel[grid](grad, w2_by_tap, offsets_or_x, grad_y, length, batch, channels, T1=t1,
+                                        HEAD_DIM=head_dim, BLOCK_ROWS=tuning["grouped_rows"], HAS_DOCS=has_docs,
+                                        DOT_PRECISION=precision, num_warps=tuning["grouped_warps"])  # fmt: skip
 
         grad_x = torch.empty_like(x)
         grad_history = None if history is None else torch.empty_like(history)
         blocks = chunks * triton.cdiv((length + t0 + t1 - 2) * batch, tuning["depthwise_rows"])
-        partial = torch.empty((blocks, 2 + t0, channels), dtype=torch.float32, device=x.device)
+        partial = torch.empty((blocks, 1 + t0, channels), dtype=torch.float32, device=x.device)
         _conv_depthwise_grad_kernel[(blocks, heads)](
-            grad, grad_y, x, history_or_x, w1, grad_x, grad_x if history is None else grad_history, partial, length,
-            batch, channels, T0=t0, T1=t1, HEAD_DIM=head_dim, BLOCK_ROWS=tuning["depthwise_rows"],
-            HAS_HISTORY=history is not None, num_warps=tuning["depthwise_warps"])  # fmt: skip
-        sums = partial.sum(0)  # [d b2, d b1, d w1[:, 0], ...]
+            grad, grad_y, x, history_or_x, w1, offsets_or_x, grad_x, grad_x if history is None else grad_history,
+            partial, length, batch, channels, T0=t0, T1=t1, HEAD_DIM=head_dim, BLOCK_ROWS=tuning["depthwise_rows"],
+            HAS_HISTORY=history is not None, HAS_DOCS=has_docs, num_warps=tuning["depthwise_warps"])  # fmt: skip
+        sums = partial.sum(0)  # [d b2, d w1[:, 0], ...]
+        # The depthwise bias reaches every output through every grouped tap (inside a document or as the padding's
+        # value), so its gradient is d b2 through the summed grouped taps.
+        grad_b1 = torch.einsum("hoit,ho->hi", w2.float().view(heads, head_dim, head_dim, t1),
+                               sums[0].view(heads, head_dim)).flatten()
 
         rows = tuning["weight_rows"]
         splits = triton.cdiv(persistent_programs(x.device, triton.cdiv(total, rows) * heads * t1), heads * t1)
@@ -566,22 +633,23 @@ class _CausalConvs(torch.autograd.Function):
         splits = triton.cdiv(total, rows_per_program)
         partial_w = torch.empty((splits, *w2.shape), dtype=torch.float32, device=x.device)
         _conv_weight_grad_kernel[(heads, t1, splits)](
-            grad, x, history_or_x, w1, b1, partial_w, length, batch, channels, total, rows_per_program, T0=t0, T1=t1,
-            HEAD_DIM=head_dim, BLOCK_ROWS=rows, HAS_HISTORY=history is not None, DOT_PRECISION=precision,
-            num_warps=tuning["weight_warps"], num_stages=tuning["weight_stages"])  # fmt: skip
-        return (grad_x, sums[2:].t().to(w1.dtype), sums[1].to(b1.dtype), partial_w.sum(0).to(w2.dtype),
-                sums[0].to(ctx.grouped_bias_dtype), grad_history)  # fmt: skip
+            grad, x, history_or_x, offsets_or_x, w1, b1, partial_w, length, batch, channels, total, rows_per_program,
+            T0=t0, T1=t1, HEAD_DIM=head_dim, BLOCK_ROWS=rows, HAS_HISTORY=history is not None, HAS_DOCS=has_docs,
+            DOT_PRECISION=precision, num_warps=tuning["weight_warps"], num_stages=tuning["weight_stages"])  # fmt: skip
+        return (grad_x, sums[1:].t().to(w1.dtype), grad_b1.to(b1.dtype), partial_w.sum(0).to(w2.dtype),
+                sums[0].to(ctx.grouped_bias_dtype), grad_history, None)  # fmt: skip
 
 
 def causal_qk_convs_fused(x: torch.Tensor, depthwise_w, depthwise_b, grouped_w, grouped_b, heads: int,
-                          history: torch.Tensor | None = None) -> torch.Tensor:
+                          history: torch.Tensor | None = None, document_offsets: torch.Tensor | None = None
+                          ) -> torch.Tensor:
     """:func:`causal_qk_convs` (same contract) by the Triton kernels where they run: tensors on a GPU (or
     interpreted) and a head size that is a power of two >= 16 (a ``tl.dot`` operand); else the reference."""
     head_dim = grouped_w.shape[1]
     if head_dim < 16 or head_dim & (head_dim - 1) or heads * head_dim != x.shape[-1] \
             or not triton_runs(_conv_forward_kernel, x, depthwise_w, grouped_w):
-        return causal_qk_convs(x, depthwise_w, depthwise_b, grouped_w, grouped_b, heads, history)
-    return _CausalConvs.apply(x, depthwise_w, depthwise_b, grouped_w, grouped_b, history)
+        return causal_qk_convs(x, depthwise_w, depthwise_b, grouped_w, grouped_b, heads, history, document_offsets)
+    return _CausalConvs.apply(x, depthwise_w, depthwise_b, grouped_w, grouped_b, history, document_offsets)
 
 
 # ----------------------------------------------------------------------------------------- public API
@@ -605,16 +673,17 @@ def _check_shapes(q0, k0, wq2, temp, cos, sin) -> None:
         raise ValueError("cca_qk: " + "; ".join(problems))
 
 
-def cca_qk(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin, history=None):
+def cca_qk(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin, history=None, document_offsets=None):
     """CCA q/k by the Triton kernels (convolutions, then steps 2-4); same contract as :func:`cca_qk_reference`."""
     _check_shapes(q0, k0, wq2, temp, cos, sin)
     if not triton_runs(_qk_epilogue_forward_kernel, q0, k0, temp, cos):
-        return cca_qk_reference(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin, history)
+        return cca_qk_reference(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin, history,
+                                document_offsets)
     seq, batch = q0.shape[:2]
     head_dim, n_kv = wq2.shape[1], temp.numel()
     n_q = q0.shape[-1] // head_dim
     q_history, k_history = _split_history(history, q0.shape[-1])
-    q_conv = causal_qk_convs_fused(q0, wq1, bq1, wq2, bq2, n_q, q_history)
-    k_conv = causal_qk_convs_fused(k0, wk1, bk1, wk2, bk2, n_kv, k_history)
+    q_conv = causal_qk_convs_fused(q0, wq1, bq1, wq2, bq2, n_q, q_history, document_offsets)
+    k_conv = causal_qk_convs_fused(k0, wk1, bk1, wk2, bk2, n_kv, k_history, document_offsets)
     q, k = _QKEpilogue.apply(q_conv, k_conv, q0, k0, temp, cos, sin, head_dim)
     return q.view(seq, batch, n_q, head_dim), k.view(seq, batch, n_kv, head_dim)

@@ -18,7 +18,8 @@ conv channels of those heads, and their value channels. The conv and temperature
 ``nn.Parameter``s sharded on dim 0, stored separately for the q and k parts so that each TP shard is a
 contiguous slice (the checkpoint layout is the same for every TP size). Context parallelism feeds the
 convolutions and the value delay the positions just before each of a rank's chunks, and attention the keys
-and values of the whole sequence (``context_parallel.py``).
+and values of the whole sequence (``context_parallel.py``). Packed documents (``documents.py``) stop all three
+mixings, and RoPE's positions, at each document's first token.
 """
 
 from __future__ import annotations
@@ -40,49 +41,77 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
 from torch import nn
 
+from . import documents
 from .context_parallel import preceding_rows
 from .core_attention import SDPAttention
 from .recompute import Recompute, recomputes
 
 
 def causal_qk_conv(q0, k0, conv: "HeadShardedParameters", time0: int, time1: int, head_dim: int,
-                   history: torch.Tensor | None = None):
+                   history: torch.Tensor | None = None, document_offsets: torch.Tensor | None = None):
     """Step 3 of the module docstring: ``[s, b, Cq], [s, b, Ck] -> [s, b, Cq], [s, b, Ck]`` (no skip terms).
 
     ``history [n, time0 + time1 - 2, b, Cq + Ck]`` (context parallelism): the sequence is ``n`` independent
-    chunks, each preceded by its history instead of zeros.
+    chunks, each preceded by its history instead of zeros. ``document_offsets [s, b]`` (packed documents): how
+    many earlier tokens of its document each token has; see :func:`_document_convs`.
     """
     packed = torch.cat([q0, k0], dim=-1)  # [s, b, C]
     s, b, channels = packed.shape
     pad = (time0 - 1) + (time1 - 1)
-    if history is None:
-        chunks = 1
-        packed = F.pad(packed.permute(1, 2, 0), (pad, 0))  # [b, C, pad + s]: causal, left zeros only
-    else:
-        chunks = history.shape[0]
-        packed = torch.cat([history.to(packed.dtype), packed.view(chunks, s // chunks, b, channels)], dim=1)
-        packed = packed.permute(0, 2, 3, 1).reshape(chunks * b, channels, -1)  # [n·b, C, pad + s/n]
+    chunks = 1 if history is None else history.shape[0]
     w1 = torch.cat([conv.q_depthwise_weight, conv.k_depthwise_weight]).to(packed.dtype)
     b1 = torch.cat([conv.q_depthwise_bias, conv.k_depthwise_bias]).to(packed.dtype)
     w2 = torch.cat([conv.q_grouped_weight, conv.k_grouped_weight]).to(packed.dtype)
     b2 = torch.cat([conv.q_grouped_bias, conv.k_grouped_bias]).to(packed.dtype)
-    mixed = F.conv1d(packed, w1, b1, groups=channels)
-    mixed = F.conv1d(mixed, w2, b2, groups=channels // head_dim)
-    mixed = mixed.view(chunks, b, channels, -1).permute(0, 3, 1, 2).reshape(s, b, channels)
+    if history is None:
+        history = packed.new_zeros(1, pad, b, channels)  # causal: zeros before the sequence
+    padded = torch.cat([history.to(packed.dtype), packed.view(chunks, s // chunks, b, channels)], dim=1)
+    if document_offsets is not None:
+        offsets = document_offsets.view(chunks, s // chunks, b)
+        mixed = _document_convs(padded, offsets, w1, b1, w2, b2, head_dim).reshape(s, b, channels)
+    else:
+        padded = padded.permute(0, 2, 3, 1).reshape(chunks * b, channels, -1)  # [n·b, C, pad + s/n]
+        mixed = F.conv1d(padded, w1, b1, groups=channels)
+        mixed = F.conv1d(mixed, w2, b2, groups=channels // head_dim)
+        mixed = mixed.view(chunks, b, channels, -1).permute(0, 3, 1, 2).reshape(s, b, channels)
     return mixed[..., : q0.shape[-1]], mixed[..., q0.shape[-1]:]
 
 
+def _document_convs(padded, offsets, w1, b1, w2, b2, head_dim: int) -> torch.Tensor:
+    """Both convolutions at positions that read only their own document: ``padded [n, pad + L, b, C]``,
+    ``offsets [n, L, b]`` -> ``[n, L, b, C]``.
+
+    Output p sums input p - l0 - l1 through depthwise tap lag l0 and grouped tap lag l1. Alone with zeros
+    before it, a document gives that term only where ``l0 + l1 <= offsets[p]``; the depthwise bias still
+    enters every grouped tap (the padded positions' depthwise output is its bias).
+    """
+    t0, t1 = w1.shape[-1], w2.shape[-1]
+    pad, length = (t0 - 1) + (t1 - 1), offsets.shape[1]
+    heads = padded.shape[-1] // head_dim
+    grouped = w2.view(heads, head_dim, head_dim, t1)  # [head, out, in, tap]
+    out = b2.expand(*padded[:, pad:].shape)
+    for l1 in range(t1):
+        depthwise = b1.expand(*padded[:, pad:].shape)
+        for l0 in range(t0):
+            lag = l0 + l1
+            earlier = padded[:, pad - lag: pad - lag + length] * (offsets >= lag)[..., None]
+            depthwise = depthwise + earlier * w1[:, 0, t0 - 1 - l0]
+        by_head = depthwise.unflatten(-1, (heads, head_dim))
+        out = out + torch.einsum("nlbhi,hoi->nlbho", by_head, grouped[..., t1 - 1 - l1]).flatten(-2)
+    return out
+
+
 def cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, time0, time1, head_dim, config, cp_group,
-           qk_history=None):
+           qk_history=None, document_offsets=None):
     """Steps 2-5: pre-conv projections ``q0 [s,b,nq·d], k0 [s,b,nkv·d]`` -> q ``[s,b,nq,d]``, k ``[s,b,nkv,d]``.
 
-    Computed in fp32 (the reference's high-precision QK path) and returned in fp32. ``qk_history``: see
-    :func:`causal_qk_conv`.
+    Computed in fp32 (the reference's high-precision QK path) and returned in fp32. ``qk_history``,
+    ``document_offsets``: see :func:`causal_qk_conv`. ``rotary_pos_emb [s, 1 or b, 1, rot]``.
     """
     s, b = q0.shape[:2]
     q_heads, kv_heads = q0.shape[-1] // head_dim, k0.shape[-1] // head_dim
     history = None if qk_history is None else qk_history.float()
-    q_conv, k_conv = causal_qk_conv(q0.float(), k0.float(), conv, time0, time1, head_dim, history)
+    q_conv, k_conv = causal_qk_conv(q0.float(), k0.float(), conv, time0, time1, head_dim, history, document_offsets)
 
     q0h = q0.float().view(s, b, q_heads, head_dim)
     k0h = k0.float().view(s, b, kv_heads, head_dim)
@@ -103,24 +132,26 @@ def cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, time0, time1, head_
 
 
 def fused_cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, time0, time1, head_dim, config, cp_group,
-                 qk_history=None):
+                 qk_history=None, document_offsets=None):
     """:func:`cca_qk` as two Triton passes (``kernels/cca.py``): both convolutions, then the epilogue (skip
     terms, L2 norm, temperature, partial RoPE). Reads the RoPE angles of this rank's positions from Megatron's
-    rotary table; returns q and k in q0's dtype."""
+    rotary table (per sequence with packed documents); returns q and k in q0's dtype."""
     from ..kernels.cca import cca_qk as kernel
 
-    angles = rotary_pos_emb[:, 0, 0, :].float()  # [s, rot]: Megatron's table, already this CP rank's
+    angles = rotary_pos_emb[:, :, 0, :].float()  # [s, 1 or b, rot]
     return kernel(q0, k0, conv.q_depthwise_weight.squeeze(1), conv.q_depthwise_bias,
                   conv.k_depthwise_weight.squeeze(1), conv.k_depthwise_bias, conv.q_grouped_weight,
                   conv.q_grouped_bias, conv.k_grouped_weight, conv.k_grouped_bias, key_temperature,
-                  angles.cos(), angles.sin(), qk_history)  # the kernel takes depthwise weights as [C, taps]
+                  angles.cos(), angles.sin(), qk_history, document_offsets)  # depthwise weights as [C, taps]
 
 
-def delay_channels(v: torch.Tensor, first_delayed: int, previous: torch.Tensor | None = None) -> torch.Tensor:
+def delay_channels(v: torch.Tensor, first_delayed: int, previous: torch.Tensor | None = None,
+                   document_offsets: torch.Tensor | None = None) -> torch.Tensor:
     """Shift channels ``[first_delayed:]`` of ``v [s, b, C]`` one token later (zeros at t=0).
 
     ``previous [n, 1, b, C - first_delayed]`` (context parallelism): ``v`` is ``n`` chunks, each shifted in
-    from its own preceding token.
+    from its own preceding token. ``document_offsets [s, b]`` (packed documents): zeros at each document's first
+    token (offset 0).
     """
     if first_delayed >= v.shape[-1]:
         return v
@@ -130,6 +161,8 @@ def delay_channels(v: torch.Tensor, first_delayed: int, previous: torch.Tensor |
     else:
         chunks = delayed.view(previous.shape[0], -1, *delayed.shape[1:])
         delayed = torch.cat([previous, chunks[:, :-1]], dim=1).flatten(0, 1)
+    if document_offsets is not None:
+        delayed = delayed * (document_offsets > 0)[..., None].to(delayed.dtype)
     return torch.cat([current, delayed], dim=-1)
 
 
@@ -243,22 +276,30 @@ class CompressedConvAttention(MegatronModule):
         return (torch.cat([q_history, k_history], dim=-1) if halo else None), v_previous
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **unused):
-        """``hidden_states [s(/tp), b, D]`` -> ``(out [s(/tp), b, D], None)``."""
+        """``hidden_states [s(/tp), b, D]`` -> ``(out [s(/tp), b, D], None)``.
+
+        ``attention_mask``: None (one causal sequence), or packed documents: the position ids of the whole
+        sequence ``[S, b]`` (``documents.py``); ``rotary_pos_emb`` then holds each token's own angles.
+        """
         q0, _ = self.linear_q(hidden_states)  # [s, b, nq·d / tp]; the sequence is gathered under SP
         k0, _ = self.linear_k(hidden_states)
         v, _ = self.linear_v(hidden_states)
         s, b = q0.shape[:2]
         qk_history, v_previous = self._context_parallel_halos(q0, k0, v)
+        offsets = document_ids = None
+        if attention_mask is not None:
+            offsets = documents.tokens_before(attention_mask, self.pg_collection.cp)
+            document_ids = documents.document_ids(attention_mask)
         qk = partial(self._call_qk, conv=self.conv, rotary_pos_emb=rotary_pos_emb, time0=self.config.cca_time0,
                      time1=self.config.cca_time1, head_dim=self.head_dim, config=self.config,
-                     cp_group=self.pg_collection.cp)
+                     cp_group=self.pg_collection.cp, document_offsets=offsets)
         recompute_qk = recomputes(self.config, "cca_qk", self.training)
         if recompute_qk:
             qk = Recompute(qk, [*self.conv.parameters(), *self.qk_norm.parameters()])
         q, k = qk(q0, k0, self.qk_norm.key_temperature, qk_history)
-        v = delay_channels(v, self.first_delayed_channel, v_previous).view(s, b, self.kv_heads, self.head_dim)
+        v = delay_channels(v, self.first_delayed_channel, v_previous, offsets).view(s, b, self.kv_heads, self.head_dim)
         dtype = v.dtype
-        attend = partial(self.core_attention, attention_mask=attention_mask, attn_mask_type=self.attn_mask_type)
+        attend = partial(self.core_attention, attention_mask=document_ids, attn_mask_type=self.attn_mask_type)
         recompute_attention = recomputes(self.config, "core_attn", self.training)
         if recompute_attention:
             attend = Recompute(attend)

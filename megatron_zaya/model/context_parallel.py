@@ -60,3 +60,10 @@ def preceding_rows(locals_and_rows: list[tuple[torch.Tensor, int]], cp_group) ->
     previous = torch.stack([preceding[i] for i in local_chunk_ids(cp_group)])  # [2, sum of widths]
     return [part.view(2, rows, *local.shape[1:])
             for part, (local, rows) in zip(previous.split(widths, dim=1), locals_and_rows, strict=True)]
+
+
+def local_chunks(full: torch.Tensor, cp_group) -> torch.Tensor:
+    """The inverse of :func:`gather_sequence` (no communication): the whole sequence ``[2·cp·L, ...]`` -> this
+    rank's two chunks ``[2L, ...]``."""
+    chunks = full.view(2 * cp_group.size(), full.shape[0] // (2 * cp_group.size()), *full.shape[1:])
+    return chunks[list(local_chunk_ids(cp_group))].flatten(0, 1)

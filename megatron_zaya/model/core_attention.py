@@ -8,6 +8,11 @@ spec §3.7). These classes fill ``CCASubmodules.core_attention`` and follow Mega
 
 Under context parallelism the keys and values of the whole sequence are all-gathered, and each of the rank's
 two chunks attends to the keys up to its own end (``context_parallel.py``).
+
+Packed documents (``documents.py``): ``attention_mask`` is then the document ids of the whole sequence
+``[S, b]``, and a query sees only the keys of its own document. The queries go in blocks of
+``DOCUMENT_QUERY_BLOCK``, each against the keys up to its end with a ``[block, keys]`` mask, so that no
+``[S, S]`` tensor exists; the shapes do not depend on the documents (CUDA graphs replay them).
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from torch.nn.attention.bias import causal_lower_right
 
-from .context_parallel import gather_sequence, local_chunk_ids
+from .context_parallel import gather_sequence, local_chunk_ids, local_chunks
+
+DOCUMENT_QUERY_BLOCK = 1024
 
 
 def sliding_window_mask(q_len: int, kv_len: int, window: int, device: torch.device) -> torch.Tensor:
@@ -46,30 +53,55 @@ class SDPAttention(MegatronModule):
         cp_group = getattr(pg_collection, "cp", None)
         self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
 
-    def attend(self, q, k, v):
-        """q ``[b, heads, Lq, d]`` at the last Lq positions of k, v ``[b, kv_heads, Lk, d]``."""
+    def attend(self, q, k, v, q_documents=None, k_documents=None):
+        """q ``[b, heads, Lq, d]`` at the last Lq positions of k, v ``[b, kv_heads, Lk, d]``; with packed
+        documents, their document ids ``[b, Lq]`` and ``[b, Lk]``."""
         q_len, kv_len = q.shape[2], k.shape[2]
+        gqa = k.shape[1] != q.shape[1]
+        if q_documents is not None:
+            return self.attend_documents(q, k, v, q_documents, k_documents)
         if self.window is not None:
             mask = sliding_window_mask(q_len, kv_len, self.window, q.device)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale,
-                                                  enable_gqa=k.shape[1] != q.shape[1])
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale, enable_gqa=gqa)
         if q_len == kv_len:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                                  enable_gqa=k.shape[1] != q.shape[1])
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, kv_len),
-                                              scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
+                                              scale=self.softmax_scale, enable_gqa=gqa)
+
+    def attend_documents(self, q, k, v, q_documents, k_documents):
+        """:meth:`attend` within documents, a block of queries at a time (see the module docstring)."""
+        q_len, kv_len = q.shape[2], k.shape[2]
+        outs = []
+        for start in range(0, q_len, DOCUMENT_QUERY_BLOCK):
+            end = min(start + DOCUMENT_QUERY_BLOCK, q_len)
+            key_end = kv_len - q_len + end  # the block's last query sits at key key_end - 1
+            key_start = 0 if self.window is None else max(0, key_end - (end - start) - self.window + 1)
+            keys = slice(key_start, key_end)
+            mask = sliding_window_mask(end - start, key_end - key_start, self.window or key_end, q.device)
+            mask = mask & (q_documents[:, start:end, None] == k_documents[:, None, keys])
+            outs.append(F.scaled_dot_product_attention(
+                q[:, :, start:end], k[:, :, keys], v[:, :, keys], attn_mask=mask[:, None], scale=self.softmax_scale,
+                enable_gqa=k.shape[1] != q.shape[1]))
+        return torch.cat(outs, dim=2)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         s, b, heads, d = query.shape
+        documents = None if attention_mask is None else attention_mask.t()  # [b, S]
         if self.cp_group is None:
-            out = self.attend(*(t.permute(1, 2, 0, 3) for t in (query, key, value)))  # [b, heads, s, d]
+            out = self.attend(*(t.permute(1, 2, 0, 3) for t in (query, key, value)), documents, documents)
             return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
         key, value = (gather_sequence(t, self.cp_group).permute(1, 2, 0, 3) for t in (key, value))
+        local_documents = None if documents is None else local_chunks(attention_mask, self.cp_group).t()
         chunk = s // 2
         outs = []
-        for q, chunk_id in zip(query.split(chunk), local_chunk_ids(self.cp_group), strict=True):
+        for index, (q, chunk_id) in enumerate(zip(query.split(chunk), local_chunk_ids(self.cp_group), strict=True)):
             end = (chunk_id + 1) * chunk  # the chunk's queries are the last positions of keys[:end]
             start = 0 if self.window is None else max(0, end - chunk - self.window + 1)
-            outs.append(self.attend(q.permute(1, 2, 0, 3), key[:, :, start:end], value[:, :, start:end]))
+            q_documents = k_documents = None
+            if documents is not None:
+                q_documents = local_documents[:, index * chunk:(index + 1) * chunk]
+                k_documents = documents[:, start:end]
+            outs.append(self.attend(q.permute(1, 2, 0, 3), key[:, :, start:end], value[:, :, start:end],
+                                    q_documents, k_documents))
         return torch.cat(outs, dim=2).permute(2, 0, 1, 3).reshape(s, b, heads * d)

@@ -21,6 +21,8 @@ from megatron.core.transformer.enums import ModelType
 from torch import nn
 
 from ..config import ZayaConfig, ZayaConfigError
+from . import documents
+from .documents import rotary_table
 from .layer import ZayaTransformerBlock
 
 
@@ -85,10 +87,19 @@ class ZayaModel(LanguageModule):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None, **unused):
+        """Without ``position_ids``, each sequence is one causal stream. With ``position_ids [b, s]``, a sequence
+        packs documents, each starting where its position id is 0 (``documents.py``): attention, the CCA
+        convolutions and the value delay stay within a document, and RoPE uses these positions. A dense
+        ``attention_mask`` is not used (Megatron's loader makes one under ``--reset-attention-mask``)."""
         embeddings = self.embedding(input_ids=input_ids, position_ids=position_ids) if self.pre_process else None
-        seq_len = self.rotary_length(input_ids)
-        rotary = {kind: rope(seq_len) for kind, rope in self.rotary_pos_emb.items()}
-        hidden = self.decoder(embeddings, attention_mask=attention_mask, rotary_pos_emb=rotary)
+        if position_ids is None:
+            seq_len = self.rotary_length(input_ids)
+            rotary = {kind: rope(seq_len) for kind, rope in self.rotary_pos_emb.items()}
+            sequence_positions = None
+        else:
+            rotary = {kind: rotary_table(rope.inv_freq, position_ids) for kind, rope in self.rotary_pos_emb.items()}
+            sequence_positions = documents.sequence_positions(position_ids, self.pg_collection.cp)
+        hidden = self.decoder(embeddings, attention_mask=sequence_positions, rotary_pos_emb=rotary)
         if not self.post_process:
             return hidden
 

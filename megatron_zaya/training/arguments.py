@@ -189,6 +189,12 @@ def check_args(args, world_size: int) -> None:
     if args.zaya_cuda_graphs and args.overlap_param_gather:
         raise UsageError("--zaya-cuda-graphs with --overlap-param-gather: the graphed layers would skip its wait for "
                          "the parameters' all-gather; drop one of them")
+    if args.reset_position_ids != args.reset_attention_mask:
+        raise UsageError("packed documents take --reset-position-ids and --reset-attention-mask together (ZAYA1 finds "
+                         "document starts from the reset position ids); give both or neither")
+    if args.reset_position_ids and (pp > 2 or args.virtual_pipeline_model_parallel_size):
+        raise UsageError("--reset-position-ids with more than two pipeline stages (or virtual stages): only the "
+                         "first and last stage read the batch's position ids; use at most 2 stages, no virtual ones")
     if getattr(args, "cuda_graph_impl", "none") != "none":
         raise UsageError(f"--cuda-graph-impl {args.cuda_graph_impl}: Megatron's graphs do not capture ZAYA1 layers; "
                          "use --zaya-cuda-graphs")

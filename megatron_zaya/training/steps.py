@@ -23,7 +23,7 @@ from .arguments import zaya_config_from_args
 from .balancing import finalize_model_grads_with_balancing
 from .loss_curve import LOSS_CURVE
 
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
@@ -38,9 +38,12 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 
 
 def get_batch(data_iterator, vp_stage=None):
-    """This rank's micro-batch: read on TP rank 0, broadcast over TP, sliced for context parallelism."""
+    """This rank's micro-batch: read on TP rank 0, broadcast over TP, sliced for context parallelism.
+
+    No dense attention mask: the model finds packed documents from the position ids (``model/documents.py``).
+    """
     if not is_first_or_last_pipeline_stage(vp_stage):
-        return None, None, None, None, None
+        return None, None, None, None
     args = get_args()
     tp_rank = mpu.get_tensor_model_parallel_rank()
     batch = {}
@@ -50,7 +53,7 @@ def get_batch(data_iterator, vp_stage=None):
                  for k, v in next(data_iterator).items()}
     batch = get_batch_on_this_tp_rank(
         batch, has_cu_seqlens=False, is_hybrid_cp=False,
-        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        create_attention_mask_in_dataloader=False,
         broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
         broadcast_group=mpu.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
         tp_rank=tp_rank, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
@@ -74,12 +77,13 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def forward_step(data_iterator, model):
     """One micro-batch forward: per-token losses and the loss function to reduce them."""
-    tokens, labels, loss_mask, position_ids, attention_mask = get_batch(data_iterator, getattr(model, "vp_stage", None))
+    tokens, labels, loss_mask, position_ids = get_batch(data_iterator, getattr(model, "vp_stage", None))
     if labels is not None and loss_mask is not None:
         # Masked tokens (--eod-mask-loss, padding) are ignored by the LM head too: the fused head then sees one
         # loss gradient for every token it counts and keeps the gradients it computed in its forward.
         labels = labels.masked_fill(loss_mask == 0, IGNORE_INDEX)
-    output = model(tokens, position_ids, attention_mask, labels=labels)
+    # Position ids mark packed documents (--reset-position-ids --reset-attention-mask); else one causal sequence.
+    output = model(tokens, position_ids if get_args().reset_position_ids else None, labels=labels)
     return output, partial(loss_func, loss_mask)
 
 
@@ -94,7 +98,7 @@ def dataset_config(args) -> GPTDatasetConfig:
         split=args.split, num_dataset_builder_threads=args.num_dataset_builder_threads,
         path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, tokenizer=get_tokenizer(),
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
+        eod_mask_loss=args.eod_mask_loss, create_attention_mask=False,  # [s, s] per sample; the model needs none
     )
 
 

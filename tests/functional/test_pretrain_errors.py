@@ -21,6 +21,7 @@ CASES = {
                                            "--overlap-param-gather", "--overlap-grad-reduce"],
                                           ["--zaya-cuda-graphs", "--overlap-param-gather"]),
     "pipeline stages": (["--pipeline-model-parallel-size", "3"], ["--num-layers 4", "--pipeline-model-parallel-size 3"]),
+    "document mask without position ids": (["--reset-attention-mask"], ["--reset-position-ids", "together"]),
 }
 
 

@@ -150,3 +150,61 @@ def test_convolution_kernels_equal_conv1d(taps, with_history):
     for name, ours, want in zip(names, kernel, oracle):
         assert ours.dtype == torch.float32, name
         assert_matches_oracle(name, ours, want)
+
+
+def _document_offsets(lengths: list[list[int]]) -> torch.Tensor:
+    """[S, B]: each position's earlier tokens in its document, for documents of ``lengths`` per sequence."""
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths], dim=1)
+
+
+# 15 positions (three chunks of 5 with history): length-1 documents, documents shorter than the halo, documents
+# across chunk borders; a different packing per sequence.
+DOCUMENTS = [[4, 1, 2, 6, 1, 1], [1, 7, 3, 4], [15]]
+
+
+@pytest.mark.parametrize("taps", [(2, 2), (3, 2), (1, 4)])
+def test_convolutions_with_documents_equal_each_document_alone(taps):
+    """The reference, float64: packed documents give what each document gives on its own."""
+    gen = torch.Generator().manual_seed(8)
+    t0, t1 = taps
+    heads, d = 2, 4
+    x = torch.randn(15, len(DOCUMENTS), heads * d, generator=gen, dtype=torch.float64)
+    weights = [torch.randn(heads * d, t0, generator=gen, dtype=torch.float64),
+               torch.randn(heads * d, generator=gen, dtype=torch.float64),
+               torch.randn(heads * d, d, t1, generator=gen, dtype=torch.float64),
+               torch.randn(heads * d, generator=gen, dtype=torch.float64)]  # fmt: skip
+    packed = kernels.causal_qk_convs(x, *weights, heads, document_offsets=_document_offsets(DOCUMENTS))
+    for b, lengths in enumerate(DOCUMENTS):
+        alone = [kernels.causal_qk_convs(piece, *weights, heads) for piece in x[:, b:b + 1].split(lengths)]
+        torch.testing.assert_close(packed[:, b:b + 1], torch.cat(alone), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("taps", [(2, 2), (3, 2), (2, 3)])
+@pytest.mark.parametrize("with_history", [False, True])
+def test_convolution_kernels_with_documents_equal_the_reference(taps, with_history):
+    """The convolution kernels with packed documents (interpreted, fp32) against the reference in float64,
+    forward and every gradient, the history's included (context parallelism: three chunks)."""
+    gen = torch.Generator().manual_seed(9)
+    t0, t1 = taps
+    seq, heads, d = 15, 2, 16
+    batch = len(DOCUMENTS)
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64)).requires_grad_()
+
+    args = [randn(seq, batch, heads * d), randn(heads * d, t0), randn(heads * d), randn(heads * d, d, t1, scale=0.3),
+            randn(heads * d), randn(3, t0 + t1 - 2, batch, heads * d) if with_history else None]  # fmt: skip
+    offsets = _document_offsets(DOCUMENTS)
+    grad = torch.randn(seq, batch, heads * d, generator=gen, dtype=torch.float64)
+    names = ["out", "d_x", "d_dw", "d_db", "d_gw", "d_gb", "d_history"]
+
+    def run(fn, tensors):
+        out = fn(*tensors[:5], heads, tensors[5], offsets)
+        leaves = [t for t in tensors if t is not None]
+        return [out, *torch.autograd.grad(out, leaves, grad.to(out.dtype))]
+
+    fp32 = [None if t is None else t.detach().float().requires_grad_() for t in args]
+    kernel = run(kernels.causal_qk_convs_fused, fp32)
+    oracle = run(kernels.causal_qk_convs, args)
+    for name, ours, want in zip(names, kernel, oracle):
+        assert_matches_oracle(name, ours, want)

@@ -3,6 +3,7 @@ falls back to its torch reference): the model built with every kernel op equals 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_zaya.config import KERNEL_OPS, zaya_config
@@ -31,14 +32,17 @@ def test_kernel_choice_is_made_when_the_model_is_built():
     assert not zaya_config("test").uses_kernel("cca")  # "all" on a CPU: the references
 
 
-def test_model_with_kernels_equals_torch_path():
+@pytest.mark.parametrize("packed", [False, True], ids=["one-sequence", "packed-documents"])
+def test_model_with_kernels_equals_torch_path(packed):
     plain, fused = _pair(use_cpu_initialization=True, params_dtype=torch.float32,
                          moe_token_dispatcher_type="allgather", cca_time0=3)
     ids = torch.randint(0, plain.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
+    # Per sequence: its own document starts, so the RoPE angles differ by sequence too.
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in ([4, 1, 8], [2, 2, 9])])
 
     def run(net):
         net.train().zero_grad(set_to_none=True)
-        loss = net(ids, labels=ids)
+        loss = net(ids, position_ids=positions if packed else None, labels=ids)
         loss.sum().backward()
         return loss.detach(), {k: p.grad.clone() for k, p in net.named_parameters() if p.grad is not None}
 
