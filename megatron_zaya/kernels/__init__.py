@@ -1,14 +1,17 @@
-"""Triton kernels for ZAYA1 (CUDA and ROCm), each with its plain-torch reference in the same module.
+"""Triton kernels for ZAYA1 (CUDA and ROCm), each beside its plain-torch reference.
 
 Every module exposes ``<op>(...)`` (the Triton kernel, forward and backward, falling back to the reference
-off-GPU) and ``<op>_reference(...)`` with the same signature:
+off-GPU) and ``<op>_reference(...)`` with the same signature. Where the model computes the op itself, the
+reference is the model's function, imported from ``megatron_zaya/model/`` (the router, the norms, the residual
+merge, the CCA convolutions); the model picks the kernel or its reference when it is built (``ZayaConfig.kernels``).
 
 * ``residual_rmsnorm``: ``residual_rms_norm`` (ZAYA residual scaling + RMSNorm), ``rms_norm``, ``TritonRMSNorm``
 * ``swiglu``: ``swiglu`` (packed gate|up, optional per-token weights / bias)
 * ``router``: ``route_top1`` (softmax, biased top-1, gate, MoD skip class, expert counts)
 * ``cross_entropy``: ``cross_entropy``, ``linear_cross_entropy`` (LM head + loss without [T, V] logits)
-* ``cca``: ``cca_qk`` (CCA convolutions + skip terms + QK norm + temperature + partial RoPE), ``value_time_delay``
+* ``cca``: ``cca_qk`` (CCA convolutions + skip terms + QK norm + temperature + partial RoPE)
 * ``grouped_gemm``: ``grouped_gemm`` (top-1 experts, tokens sorted by expert)
 
-``patches/kernels.py`` swaps some of them in for Megatron-Core defaults; ``testing.py`` runs them on CPU.
+``patches/kernels.py`` swaps RMSNorm, SwiGLU and the cross-entropy in for Megatron-Core's own defaults;
+``testing.py`` runs the kernels on CPU for the tests.
 """

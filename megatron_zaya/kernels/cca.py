@@ -1,4 +1,4 @@
-"""CCA (compressed convolutional attention) q/k projection and value time-delay (docs/zaya1-architecture.md §3).
+"""CCA (compressed convolutional attention) q/k projection (docs/architecture.md §3).
 
 From the pre-conv projections q0 [S, B, nq*d] and k0 [S, B, nkv*d] (g = nq / nkv query heads per KV head):
 
@@ -12,7 +12,8 @@ From the pre-conv projections q0 [S, B, nq*d] and k0 [S, B, nkv*d] (g = nq / nkv
 3. L2 norm of each head to sqrt(d) (norm clamped at finfo(dtype).eps), then k *= temp[j];
 4. rotary embedding (NeoX rotate-half) on dims [0, rot) of every head; dims [rot, d) carry no position.
 
-Two families of Triton kernels, each with the reference above it:
+Two families of Triton kernels; the convolutions' torch reference is the model's (``model/cca.py``'s
+``causal_convs``), the epilogue's is ``cca_qk_reference`` below:
 
 * the convolutions (``causal_qk_convs_fused``): one forward kernel per q or k (both convs; a program holds a
   block of token rows of one head, the depthwise taps as fp32 multiply-adds, the grouped conv as one
@@ -24,7 +25,7 @@ Two families of Triton kernels, each with the reference above it:
   per token, with every head of a token in one program (the k skip term needs all g query heads of its group).
   In fp32 internally.
 
-The value time-delay is a GEMM plus a one-token shift of 128 channels: plain torch, no kernel.
+The value time-delay is a GEMM plus a one-token shift of 128 channels: plain torch in ``model/cca.py``, no kernel.
 """
 
 from __future__ import annotations
@@ -36,44 +37,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..model.cca import causal_convs as causal_qk_convs
 from .utils import persistent_programs, platform, triton_runs
 
 
 # ----------------------------------------------------------------------------------------- references
-
-
-def causal_qk_convs(x: torch.Tensor, depthwise_w, depthwise_b, grouped_w, grouped_b, heads: int,
-                    history: torch.Tensor | None = None, document_offsets: torch.Tensor | None = None) -> torch.Tensor:
-    """The CCA convolutions: x [S, B, C] -> [S, B, C]; depthwise_w [C, t0], grouped_w [C, C // heads, t1].
-
-    ``history [n, (t0 - 1) + (t1 - 1), B, C]`` (context parallelism): x is n chunks, each preceded by its
-    history instead of zeros. ``document_offsets [S, B]`` (packed documents): each position's earlier tokens in
-    its document. Output p takes input p - l0 - l1 (depthwise tap lag l0, grouped tap lag l1) only where
-    l0 + l1 <= offset(p), as the document alone after zeros would; the depthwise bias enters every grouped tap.
-    """
-    t0, t1 = depthwise_w.shape[-1], grouped_w.shape[-1]
-    pad = (t0 - 1) + (t1 - 1)
-    seq, batch, channels = x.shape
-    chunks = 1 if history is None else history.shape[0]
-    before = x.new_zeros(1, pad, batch, channels) if history is None else history.to(x.dtype)
-    y = torch.cat([before, x.view(chunks, seq // chunks, batch, channels)], dim=1)  # [n, pad + S/n, B, C]
-    if document_offsets is None:
-        y = y.permute(0, 2, 3, 1).reshape(chunks * batch, channels, -1)  # [n·B, C, pad + S/n]
-        y = F.conv1d(y, depthwise_w.unsqueeze(1), depthwise_b, groups=channels)
-        y = F.conv1d(y, grouped_w, grouped_b, groups=heads)
-        return y.view(chunks, batch, channels, -1).permute(0, 3, 1, 2).reshape(seq, batch, channels)
-    offsets, length = document_offsets.view(chunks, seq // chunks, batch, 1), seq // chunks
-    head_dim = channels // heads
-    out = grouped_b.expand(chunks, length, batch, channels)
-    for l1 in range(t1):
-        taps = depthwise_b.expand(chunks, length, batch, channels)
-        for l0 in range(t0):
-            lag = l0 + l1
-            taps = taps + y[:, pad - lag: pad - lag + length] * (offsets >= lag) * depthwise_w[:, t0 - 1 - l0]
-        by_head = taps.unflatten(-1, (heads, head_dim))
-        tap_weight = grouped_w[..., t1 - 1 - l1].view(heads, head_dim, head_dim)  # [head, out, in]
-        out = out + torch.einsum("nlbhi,hoi->nlbho", by_head, tap_weight).flatten(-2)
-    return out.reshape(seq, batch, channels)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -119,18 +87,6 @@ def cca_qk_reference(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, 
         n_q // n_kv, dim=2)) * 0.5  # fmt: skip
     k_res = q_res.view(seq, batch, n_kv, n_q // n_kv, head_dim).mean(dim=3)
     return _rope_and_norm_reference(q_conv + q_res, k_conv + k_res, temp, cos, sin)
-
-
-def value_time_delay(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """v = x @ weight.T [S, B, nkv*d] with the second half of the channels taken from the previous token.
-
-    ``weight`` [nkv*d, D] stacks the current-token rows over the delayed rows (transformers'
-    ``v_proj_current`` then ``v_proj_delayed``); the delayed half is 0 at t = 0 (the projection has no bias).
-    """
-    v = F.linear(x, weight)
-    half = v.shape[-1] // 2
-    delayed = F.pad(v[:-1, ..., half:], (0, 0) * (v.dim() - 1) + (1, 0))
-    return torch.cat([v[..., :half], delayed], dim=-1)
 
 
 # ----------------------------------------------------------------------------------------- kernels

@@ -47,71 +47,63 @@ from .core_attention import SDPAttention
 from .recompute import Recompute, recomputes
 
 
-def causal_qk_conv(q0, k0, conv: "HeadShardedParameters", time0: int, time1: int, head_dim: int,
-                   history: torch.Tensor | None = None, document_offsets: torch.Tensor | None = None):
-    """Step 3 of the module docstring: ``[s, b, Cq], [s, b, Ck] -> [s, b, Cq], [s, b, Ck]`` (no skip terms).
+def causal_convs(x: torch.Tensor, depthwise_w, depthwise_b, grouped_w, grouped_b, heads: int,
+                 history: torch.Tensor | None = None, document_offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """Step 3 of the module docstring on raw weights: x [s, b, C] -> [s, b, C]; depthwise_w [C, t0],
+    grouped_w [C, C // heads, t1] (one group per head).
 
-    ``history [n, time0 + time1 - 2, b, Cq + Ck]`` (context parallelism): the sequence is ``n`` independent
-    chunks, each preceded by its history instead of zeros. ``document_offsets [s, b]`` (packed documents): how
-    many earlier tokens of its document each token has; see :func:`_document_convs`.
+    ``history [n, (t0 - 1) + (t1 - 1), b, C]`` (context parallelism): x is n chunks, each preceded by its history
+    instead of zeros. ``document_offsets [s, b]`` (packed documents): each position's earlier tokens in its
+    document. Output p takes input p - l0 - l1 (depthwise tap lag l0, grouped tap lag l1) only where
+    l0 + l1 <= offset(p), as the document alone after zeros would; the depthwise bias enters every grouped tap.
     """
-    packed = torch.cat([q0, k0], dim=-1)  # [s, b, C]
-    s, b, channels = packed.shape
-    pad = (time0 - 1) + (time1 - 1)
+    t0, t1 = depthwise_w.shape[-1], grouped_w.shape[-1]
+    pad = (t0 - 1) + (t1 - 1)
+    seq, batch, channels = x.shape
     chunks = 1 if history is None else history.shape[0]
-    w1 = torch.cat([conv.q_depthwise_weight, conv.k_depthwise_weight]).to(packed.dtype)
-    b1 = torch.cat([conv.q_depthwise_bias, conv.k_depthwise_bias]).to(packed.dtype)
-    w2 = torch.cat([conv.q_grouped_weight, conv.k_grouped_weight]).to(packed.dtype)
-    b2 = torch.cat([conv.q_grouped_bias, conv.k_grouped_bias]).to(packed.dtype)
-    if history is None:
-        history = packed.new_zeros(1, pad, b, channels)  # causal: zeros before the sequence
-    padded = torch.cat([history.to(packed.dtype), packed.view(chunks, s // chunks, b, channels)], dim=1)
-    if document_offsets is not None:
-        offsets = document_offsets.view(chunks, s // chunks, b)
-        mixed = _document_convs(padded, offsets, w1, b1, w2, b2, head_dim).reshape(s, b, channels)
-    else:
-        padded = padded.permute(0, 2, 3, 1).reshape(chunks * b, channels, -1)  # [n·b, C, pad + s/n]
-        mixed = F.conv1d(padded, w1, b1, groups=channels)
-        mixed = F.conv1d(mixed, w2, b2, groups=channels // head_dim)
-        mixed = mixed.view(chunks, b, channels, -1).permute(0, 3, 1, 2).reshape(s, b, channels)
+    before = x.new_zeros(1, pad, batch, channels) if history is None else history.to(x.dtype)
+    y = torch.cat([before, x.view(chunks, seq // chunks, batch, channels)], dim=1)  # [n, pad + s/n, b, C]
+    if document_offsets is None:
+        y = y.permute(0, 2, 3, 1).reshape(chunks * batch, channels, -1)  # [n·b, C, pad + s/n]
+        y = F.conv1d(y, depthwise_w.unsqueeze(1), depthwise_b, groups=channels)
+        y = F.conv1d(y, grouped_w, grouped_b, groups=heads)
+        return y.view(chunks, batch, channels, -1).permute(0, 3, 1, 2).reshape(seq, batch, channels)
+    offsets, length = document_offsets.view(chunks, seq // chunks, batch, 1), seq // chunks
+    head_dim = channels // heads
+    out = grouped_b.expand(chunks, length, batch, channels)
+    for l1 in range(t1):
+        taps = depthwise_b.expand(chunks, length, batch, channels)
+        for l0 in range(t0):
+            lag = l0 + l1
+            taps = taps + y[:, pad - lag: pad - lag + length] * (offsets >= lag) * depthwise_w[:, t0 - 1 - l0]
+        by_head = taps.unflatten(-1, (heads, head_dim))
+        tap_weight = grouped_w[..., t1 - 1 - l1].view(heads, head_dim, head_dim)  # [head, out, in]
+        out = out + torch.einsum("nlbhi,hoi->nlbho", by_head, tap_weight).flatten(-2)
+    return out.reshape(seq, batch, channels)
+
+
+def causal_qk_conv(q0, k0, conv: "HeadShardedParameters", head_dim: int, history: torch.Tensor | None = None,
+                   document_offsets: torch.Tensor | None = None):
+    """:func:`causal_convs` on ``q0 ‖ k0``: ``[s, b, Cq], [s, b, Ck] -> [s, b, Cq], [s, b, Ck]`` (no skip terms)."""
+    packed = torch.cat([q0, k0], dim=-1)  # [s, b, C]
+    weights = [torch.cat([getattr(conv, f"q_{name}"), getattr(conv, f"k_{name}")]).to(packed.dtype)
+               for name in ("depthwise_weight", "depthwise_bias", "grouped_weight", "grouped_bias")]
+    weights[0] = weights[0].squeeze(1)  # [C, 1, t0] -> [C, t0]
+    mixed = causal_convs(packed, *weights, packed.shape[-1] // head_dim, history, document_offsets)
     return mixed[..., : q0.shape[-1]], mixed[..., q0.shape[-1]:]
 
 
-def _document_convs(padded, offsets, w1, b1, w2, b2, head_dim: int) -> torch.Tensor:
-    """Both convolutions at positions that read only their own document: ``padded [n, pad + L, b, C]``,
-    ``offsets [n, L, b]`` -> ``[n, L, b, C]``.
-
-    Output p sums input p - l0 - l1 through depthwise tap lag l0 and grouped tap lag l1. Alone with zeros
-    before it, a document gives that term only where ``l0 + l1 <= offsets[p]``; the depthwise bias still
-    enters every grouped tap (the padded positions' depthwise output is its bias).
-    """
-    t0, t1 = w1.shape[-1], w2.shape[-1]
-    pad, length = (t0 - 1) + (t1 - 1), offsets.shape[1]
-    heads = padded.shape[-1] // head_dim
-    grouped = w2.view(heads, head_dim, head_dim, t1)  # [head, out, in, tap]
-    out = b2.expand(*padded[:, pad:].shape)
-    for l1 in range(t1):
-        depthwise = b1.expand(*padded[:, pad:].shape)
-        for l0 in range(t0):
-            lag = l0 + l1
-            earlier = padded[:, pad - lag: pad - lag + length] * (offsets >= lag)[..., None]
-            depthwise = depthwise + earlier * w1[:, 0, t0 - 1 - l0]
-        by_head = depthwise.unflatten(-1, (heads, head_dim))
-        out = out + torch.einsum("nlbhi,hoi->nlbho", by_head, grouped[..., t1 - 1 - l1]).flatten(-2)
-    return out
-
-
-def cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, time0, time1, head_dim, config, cp_group,
+def cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, head_dim, config, cp_group,
            qk_history=None, document_offsets=None):
     """Steps 2-5: pre-conv projections ``q0 [s,b,nq·d], k0 [s,b,nkv·d]`` -> q ``[s,b,nq,d]``, k ``[s,b,nkv,d]``.
 
     Computed in fp32 (the reference's high-precision QK path) and returned in fp32. ``qk_history``,
-    ``document_offsets``: see :func:`causal_qk_conv`. ``rotary_pos_emb [s, 1 or b, 1, rot]``.
+    ``document_offsets``: see :func:`causal_convs`. ``rotary_pos_emb [s, 1 or b, 1, rot]``.
     """
     s, b = q0.shape[:2]
     q_heads, kv_heads = q0.shape[-1] // head_dim, k0.shape[-1] // head_dim
     history = None if qk_history is None else qk_history.float()
-    q_conv, k_conv = causal_qk_conv(q0.float(), k0.float(), conv, time0, time1, head_dim, history, document_offsets)
+    q_conv, k_conv = causal_qk_conv(q0.float(), k0.float(), conv, head_dim, history, document_offsets)
 
     q0h = q0.float().view(s, b, q_heads, head_dim)
     k0h = k0.float().view(s, b, kv_heads, head_dim)
@@ -131,7 +123,7 @@ def cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, time0, time1, head_
     return q, k
 
 
-def fused_cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, time0, time1, head_dim, config, cp_group,
+def fused_cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, head_dim, config, cp_group,
                  qk_history=None, document_offsets=None):
     """:func:`cca_qk` as two Triton passes (``kernels/cca.py``): both convolutions, then the epilogue (skip
     terms, L2 norm, temperature, partial RoPE). Reads the RoPE angles of this rank's positions from Megatron's
@@ -290,9 +282,8 @@ class CompressedConvAttention(MegatronModule):
         if attention_mask is not None:
             offsets = documents.tokens_before(attention_mask, self.pg_collection.cp)
             document_ids = documents.document_ids(attention_mask)
-        qk = partial(self._call_qk, conv=self.conv, rotary_pos_emb=rotary_pos_emb, time0=self.config.cca_time0,
-                     time1=self.config.cca_time1, head_dim=self.head_dim, config=self.config,
-                     cp_group=self.pg_collection.cp, document_offsets=offsets)
+        qk = partial(self._call_qk, conv=self.conv, rotary_pos_emb=rotary_pos_emb, head_dim=self.head_dim,
+                     config=self.config, cp_group=self.pg_collection.cp, document_offsets=offsets)
         recompute_qk = recomputes(self.config, "cca_qk", self.training)
         if recompute_qk:
             qk = Recompute(qk, [*self.conv.parameters(), *self.qk_norm.parameters()])

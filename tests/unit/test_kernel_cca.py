@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megatron_zaya.kernels.testing import assert_matches_oracle, load_kernel_module
+from megatron_zaya.model.cca import delay_channels
 
 kernels = load_kernel_module("megatron_zaya.kernels.cca")
 SEQ, BATCH, N_Q, N_KV, HEAD_DIM, ROT, T0, T1 = 6, 2, 4, 2, 16, 8, 2, 2
@@ -82,13 +83,14 @@ def test_reference_matches_transformers_cca_projection_and_qk_norm():
     torch.testing.assert_close(k, k_hf.permute(2, 0, 1, 3))
 
     v_weight = torch.cat([projection.v_proj_current.weight, projection.v_proj_delayed.weight])
-    v = kernels.value_time_delay(sbd, v_weight)
+    v = delay_channels(torch.nn.functional.linear(sbd, v_weight), v_weight.shape[0] // 2)
     torch.testing.assert_close(v.view(SEQ, BATCH, N_KV, HEAD_DIM), v_hf.transpose(0, 1))
 
 
 def test_value_time_delay_shifts_the_second_half_by_one_token():
     x, weight = torch.randn(5, 2, 8), torch.randn(6, 8)
-    v, projected = kernels.value_time_delay(x, weight), x @ weight.t()
+    projected = x @ weight.t()
+    v = delay_channels(projected, 3)
     torch.testing.assert_close(v[..., :3], projected[..., :3])
     torch.testing.assert_close(v[1:, :, 3:], projected[:-1, :, 3:])
     assert (v[0, :, 3:] == 0).all()
