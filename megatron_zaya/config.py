@@ -3,7 +3,7 @@
 Every ZAYA1 sublayer pair is ``x += CCA(norm(x)); x += MoE(norm(x))`` with learned residual scaling, so the
 Megatron defaults that ZAYA1 fixes (RMSNorm, SwiGLU experts, no linear biases, top-1 routing, no dropout,
 an fp32 residual stream) are re-declared here with ZAYA1's values. Section numbers refer to
-``shared/docs/zaya1-architecture.md``.
+``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def kernel_selection(kernels: str) -> tuple[str, ...]:
 
 @dataclass
 class ZayaConfig(TransformerConfig):
-    """Megatron ``TransformerConfig`` with ZAYA1's fields (architecture spec §1–§4)."""
+    """Megatron ``TransformerConfig`` with ZAYA1's fields (docs/architecture.md §1–§4)."""
 
     # -- model-level shape (not in TransformerConfig) --------------------------------------------------
     vocab_size: int = setting(262_272, flag="--zaya-vocab-size", type=int, cli_default=None,

@@ -1,6 +1,6 @@
 """Cross-entropy over a large vocabulary, alone or fused with the LM head so [T, V] logits never exist.
 
-ZAYA1's vocabulary has V = 262,272 entries (docs/zaya1-architecture.md §1) and its LM head runs in fp32:
+ZAYA1's vocabulary has V = 262,272 entries (docs/architecture.md §1) and its LM head runs in fp32:
 the fp32 logits of 8192 tokens alone take 8.6 GB, their gradient as much again.
 
 * ``cross_entropy(logits [..., V], labels [...]) -> loss [...]`` fp32: two Triton kernels, one pass each

@@ -1,7 +1,7 @@
 """ZAYA residual scaling fused with the next RMSNorm, and a plain RMSNorm (Triton, forward and backward).
 
 ZAYA1 merges each sublayer output ``h`` into the fp32 residual stream ``res`` with two learned per-channel
-affines and normalises the result for the next sublayer (docs/zaya1-architecture.md §2):
+affines and normalises the result for the next sublayer (docs/architecture.md §2):
 
     new_res = (h + hidden_bias) * hidden_scale + (res + residual_bias) * residual_scale      # in fp32
     normed  = weight * rmsnorm(new_res.to(weight.dtype))

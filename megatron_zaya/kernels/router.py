@@ -1,6 +1,6 @@
 """ZAYA router epilogue: softmax, biased top-1, gate, skip class and expert counts (Triton, forward and backward).
 
-The ZAYA router MLP emits logits over E experts + 1 "MoD skip" class (docs/zaya1-architecture.md §4.4-4.8):
+The ZAYA router MLP emits logits over E experts + 1 "MoD skip" class (docs/architecture.md §4.4-4.8):
 
     p      = softmax(logits.float())                      # [T, E+1]
     choice = argmax(p + balancing_biases)                 # biases act on probabilities, for selection only

@@ -1,6 +1,6 @@
 """SwiGLU on the packed [gate ‖ up] fc1 output, optionally scaled per token (Triton, forward and backward).
 
-ZAYA1's experts store fc1 as one [2F, D] matrix, first F rows = gate, last F = up (docs/zaya1-architecture.md
+ZAYA1's experts store fc1 as one [2F, D] matrix, first F rows = gate, last F = up (docs/architecture.md
 §4.6), so the activation reads x [..., 2F] and writes silu(gate) * up [..., F]. The optional per-token
 ``weights`` [..., 1] is Megatron's ``weighted_bias_swiglu`` (the router probability applied inside the
 expert); the optional ``bias`` [2F] is Megatron's ``bias_swiglu``. Math in fp32, output in x's dtype.

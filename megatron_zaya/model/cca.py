@@ -1,4 +1,4 @@
-"""Compressed Convolutional Attention (CCA / CCGQA), ZAYA1's self-attention (architecture spec §3).
+"""Compressed Convolutional Attention (CCA / CCGQA), ZAYA1's self-attention (docs/architecture.md §3).
 
 Per token x ∈ R^D (shapes for ZAYA1-8B: D=2048, n_q=8 query heads, n_kv=2 KV heads, d=128):
 

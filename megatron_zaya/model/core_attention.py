@@ -1,7 +1,7 @@
 """Core attention kernels for CCA: causal (optionally sliding-window) GQA softmax attention.
 
-CCA attends in its compressed space with ordinary softmax attention, so any kernel works (architecture
-spec §3.7). These classes fill ``CCASubmodules.core_attention`` and follow Megatron's
+CCA attends in its compressed space with ordinary softmax attention, so any kernel works
+(docs/architecture.md §3.7). These classes fill ``CCASubmodules.core_attention`` and follow Megatron's
 ``CoreAttentionBuilder`` protocol: ``cls(config=, layer_number=, attn_mask_type=, attention_type=, ...)``,
 ``forward(q, k, v, attention_mask, attn_mask_type=None, ...)`` with q ``[s, b, heads, d]`` and k, v
 ``[s, b, kv_heads, d]``, returning ``[s, b, heads * d]``.

@@ -1,4 +1,4 @@
-"""The ZAYA1 layer and block: ``x = merge(x, CCA(norm(x))); x = merge(x, MoE(norm(x), r))`` (spec §2).
+"""The ZAYA1 layer and block: ``x = merge(x, CCA(norm(x))); x = merge(x, MoE(norm(x), r))`` (docs/architecture.md §2).
 
 ``ZayaTransformerLayer`` is built by Megatron's spec system exactly like a ``TransformerLayer`` (its slots
 are ``input_layernorm``, ``self_attention`` = CCA, ``self_attn_bda`` = residual scaling,

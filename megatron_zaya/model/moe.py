@@ -1,8 +1,8 @@
 """ZAYA1's MoE sublayer: Megatron's ``MoELayer`` (token dispatchers, experts) with the ZAYA1 router.
 
 Megatron's ``MoELayer.forward(hidden, padding_mask=)`` has no room for the router state that ZAYA1 carries
-from one MoE layer to the next (EDA, spec §4.2), so ``ZayaMoELayer.forward`` takes it as an argument and
-returns the next one, handing it to the router around the unchanged Megatron forward.
+from one MoE layer to the next (EDA, docs/architecture.md §4.2), so ``ZayaMoELayer.forward`` takes it as an
+argument and returns the next one, handing it to the router around the unchanged Megatron forward.
 
 A token that chooses the skip class goes to no expert, which Megatron's dropless alltoall dispatcher does not
 expect (it sizes its permuted-token buffer as tokens × top-k); ``SkipAwareAlltoAllTokenDispatcher`` sizes it

@@ -1,4 +1,4 @@
-"""RMSNorm and ZAYA1's residual scaling (architecture spec §1-§2).
+"""RMSNorm and ZAYA1's residual scaling (docs/architecture.md §1-§2).
 
 ``RMSNorm`` follows the reference numerics: statistics in fp32, the normalised value cast back to the input
 dtype, then scaled by the weight. Unlike Megatron's ``WrappedTorchNorm`` it supports sequence parallelism

@@ -1,4 +1,4 @@
-"""The ZAYA1 router: an MLP over a depth-averaged router state, top-1 with balancing biases (spec §4).
+"""The ZAYA1 router: an MLP over a depth-averaged router state, top-1 with balancing biases (docs/architecture.md §4).
 
 For the tokens x̂ of one MoE layer l (after its pre-MoE RMSNorm):
 

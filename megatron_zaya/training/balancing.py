@@ -7,7 +7,7 @@ function a model builder set there). It runs Megatron's own ``finalize_model_gra
 1. sums each router's per-class token counts of this step over the tensor-, data- and context-parallel
    ranks of its pipeline stage (with sequence parallelism every TP rank routes different tokens; without
    it the TP ranks count the same tokens, which scales all counts alike and leaves the shares unchanged);
-2. takes one Adam step per router on its biases with gradient ``share - 1/E`` (spec §4.8);
+2. takes one Adam step per router on its biases with gradient ``share - 1/E`` (docs/architecture.md §4.8);
 3. every ``--log-interval`` steps, logs the load of the most unbalanced layer in Megatron's
    ``key: value |`` form and every layer's load to TensorBoard / W&B when those are enabled.
 """
