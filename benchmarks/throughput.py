@@ -10,7 +10,7 @@ Parts:
   zaya      ``python -m megatron_zaya.pretrain`` (through ``benchmarks.probe``): ZAYA1-8B width at --layers layers,
             mock data, bf16, sequence 4096, micro-batch 2, global batch 8; its last --profile-iters iterations
             run under torch.profiler for the per-component breakdown (and are left out of the timings).
-  gpt       Megatron-Core's stock GPT-MoE (tests/gpt_cpu_entry.py, local spec: unfused DotProductAttention) at
+  gpt       Megatron-Core's stock GPT-MoE (benchmarks/gpt_entry.py, local spec: unfused DotProductAttention) at
             the same width, GQA 8/2 heads, 16 top-1 SwiGLU experts, vocabulary and batch.
   gpt_sdpa  the same GPT-MoE with SDPA (flash) core attention: ``--spec benchmarks.gqa_sdpa gqa_sdpa_block_spec``.
   eager     one decoder layer forward + backward at S=4096, B=2: transformers' eager ZAYA1 layer vs ours.
@@ -106,7 +106,7 @@ def cli_command(part: str, args) -> list[str]:
                 "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion"]
     if part == "gpt_sdpa":
         gpt += ["--spec", "benchmarks.gqa_sdpa", "gqa_sdpa_block_spec"]
-    return probe + [str(ROOT / "tests" / "gpt_cpu_entry.py"), *gpt, *common_flags(args)]
+    return probe + ["-m", "benchmarks.gpt_entry", *gpt, *common_flags(args)]
 
 
 class Budget:

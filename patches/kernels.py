@@ -6,7 +6,7 @@ tensor-parallel vocab, ...) back to the original. These serve Megatron's own mod
 its kernels itself when it is built (``ZayaConfig.kernels``, ``--zaya-kernels``).
 
 Turn one off by leaving it out of ``--zaya-patches`` / ``ZAYA_PATCHES`` (an allow-list of ids or groups,
-e.g. ``--zaya-patches startup,cpu,optim,kernels.rmsnorm``), or all of them by leaving out ``kernels``.
+e.g. ``--zaya-patches startup,cpu,optim,kernels.swiglu``), or all of them by leaving out ``kernels``.
 Nothing heavy is imported here until a patch is applied.
 """
 
@@ -17,45 +17,6 @@ import functools
 from .registry import register, replace_attr
 
 GPU = ("cuda", "rocm")
-
-
-class TritonOrTorchNorm:
-    """Megatron's ``WrappedTorchNorm`` with RMSNorm built as ``TritonRMSNorm`` (LayerNorm/L2Norm unchanged)."""
-
-    torch_norm = None  # the WrappedTorchNorm replaced, set by the patch
-
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
-        if config.normalization == "RMSNorm":
-            from megatron_zaya.kernels.residual_rmsnorm import TritonRMSNorm
-
-            return TritonRMSNorm(config, hidden_size, eps)
-        return cls.torch_norm(config, hidden_size, eps, **kwargs)
-
-
-@register(
-    "kernels.rmsnorm", target="megatron.core.transformer.torch_norm.WrappedTorchNorm", platforms=GPU, kernel=True
-)
-def use_triton_rmsnorm() -> None:
-    """Build RMSNorm in Megatron's local (no Transformer Engine) specs with the Triton ``TritonRMSNorm``.
-
-    Without TE or apex, ``LocalSpecProvider`` and the GPT block spec build every norm through
-    ``WrappedTorchNorm``, i.e. ``torch.nn.RMSNorm``: unfused eager math (~300 GB/s effective on an H200)
-    that also refuses sequence parallelism. ``TritonRMSNorm`` is one read and one write per element,
-    supports SP, computes ZayaRMSNorm's math, and keeps the checkpoint layout (a single ``weight``).
-    Replaced where the specs look it up at call time: ``megatron.core.models.backends.WrappedTorchNorm``
-    and the ``LNImpl`` globals of ``backends`` and ``gpt_layer_specs`` (when they are WrappedTorchNorm,
-    i.e. apex is absent). TE specs (``TENorm``) are untouched. Off: leave ``kernels.rmsnorm`` out of
-    ``--zaya-patches`` / ``ZAYA_PATCHES``.
-    """
-    from megatron.core.models import backends
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    torch_norm = backends.WrappedTorchNorm
-    TritonOrTorchNorm.torch_norm = torch_norm
-    replace_attr(backends, "WrappedTorchNorm", TritonOrTorchNorm)
-    for module in (backends, gpt_layer_specs):
-        if module.LNImpl is torch_norm:
-            replace_attr(module, "LNImpl", TritonOrTorchNorm)
 
 
 def _triton_bias_swiglu(original):

@@ -5,7 +5,7 @@ import torch
 import megatron_zaya.patches.kernels  # noqa: F401  (registers the group, whichever test runs first)
 from megatron_zaya.patches.registry import REGISTRY, skip_reason
 
-KERNEL_PATCHES = ["kernels.rmsnorm", "kernels.swiglu", "kernels.cross_entropy"]
+KERNEL_PATCHES = ["kernels.swiglu", "kernels.cross_entropy"]
 
 
 def test_kernel_patches_are_registered_for_gpus_only_with_an_off_switch():
@@ -30,7 +30,7 @@ def _config(normalization):
     return TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, normalization=normalization)
 
 
-def test_rmsnorm_patch_builds_triton_rmsnorm_in_local_specs(monkeypatch):
+def test_benchmark_gpt_entry_builds_triton_rmsnorm_in_local_specs(monkeypatch):
     from megatron.core.models import backends
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -38,7 +38,9 @@ def test_rmsnorm_patch_builds_triton_rmsnorm_in_local_specs(monkeypatch):
 
     for module, name in [(backends, "WrappedTorchNorm"), (backends, "LNImpl"), (gpt_layer_specs, "LNImpl")]:
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
-    REGISTRY["kernels.rmsnorm"].fn()
+    from benchmarks.gpt_entry import use_triton_rmsnorm
+
+    use_triton_rmsnorm()
 
     submodules = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm").submodules
     norm = submodules.input_layernorm(config=_config("RMSNorm"), hidden_size=64, eps=1e-5)
