@@ -12,8 +12,10 @@ Megatron default) is changed here, through a *patch*: a function registered with
 * a docstring saying what it replaces, why, and how to turn it off.
 
 Selection: ``--zaya-patches all|none|<id or group>[,...]`` on the CLI, or the ``ZAYA_PATCHES`` environment
-variable elsewhere (default ``all``: every patch whose platform and version conditions hold). Applying is
-idempotent, and rank 0 logs one line per patch (applied or skipped, with the reason).
+variable elsewhere (default ``all``: every patch whose platform and version conditions hold). The selected
+patches apply in registration order (module by module, as ``_load_patch_modules`` lists them), so patches of one
+target nest the same way whatever the selection's order. Applying is idempotent, and rank 0 logs one line per
+patch (applied or skipped, with the reason).
 ``zaya-patches list`` prints the table.
 """
 
@@ -136,6 +138,10 @@ def resolve(selection: str | None) -> tuple[list[Patch], set[str]]:
             known = ", ".join(sorted({p.group for p in REGISTRY.values()} | set(REGISTRY)))
             raise PatchError(f"unknown patch or group {token!r} in --zaya-patches; known: all, none, {known}")
         chosen += [p for p in matches if p not in chosen]
+    # Registration order, whatever the selection's: patches wrapping one target (``optim.zaya_muon`` and
+    # ``reliability.step_guard`` both wrap ``get_megatron_optimizer``) then always nest the same way.
+    order = list(REGISTRY.values())
+    chosen.sort(key=order.index)
     explicit = {p.id for p in chosen} if "all" not in selection.split(",") else set()
     return chosen, explicit
 

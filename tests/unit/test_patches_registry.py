@@ -51,6 +51,12 @@ def test_selection_by_id_group_all_and_none(throwaway_patches):
     assert ids(resolve(" zztest.kernel , zztest.counted ")[0]) == {"zztest.counted", "zztest.kernel"}
 
 
+def test_patches_of_one_target_nest_the_same_way_whatever_the_selection_order():
+    """``reliability.step_guard`` must wrap what ``optim.zaya_muon`` installs, or the guard is skipped."""
+    for selection in ("optim.zaya_muon,reliability.step_guard", "reliability.step_guard,optim.zaya_muon"):
+        assert [p.id for p in resolve(selection)[0]] == ["optim.zaya_muon", "reliability.step_guard"], selection
+
+
 def test_environment_variable_selects_when_no_selection_is_given(throwaway_patches, monkeypatch):
     monkeypatch.setenv("ZAYA_PATCHES", "zztest.counted")
     assert ids(resolve(None)[0]) == {"zztest.counted"}
