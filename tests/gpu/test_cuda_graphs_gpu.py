@@ -5,7 +5,7 @@ In process: two micro-batches accumulated into the gradients, the routers' token
 weight update and another step (the graphs read the parameters where they live), against the same model run
 eagerly. Through the CLI under ``--deterministic-mode``: the losses and gradient norms of 6 iterations (two
 micro-batches each, distributed optimizer, balancing-bias updates) equal the eager run's bit for bit, on one
-GPU and at DP2 with overlapped gradient reduction.
+GPU (also with selective recomputation) and at DP2 with overlapped gradient reduction.
 
     .venv/bin/python -m pytest -q tests/gpu/test_cuda_graphs_gpu.py
 """
@@ -76,14 +76,15 @@ def test_graphed_layers_equal_eager_layers():
         torch.testing.assert_close(graphed(ids, labels=ids), eager(ids, labels=ids), rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("gpus", [1, 2], ids=["dp1", "dp2"])
-def test_cli_with_graphs_repeats_the_eager_run(gpus, tmp_path):
+@pytest.mark.parametrize("gpus, recompute", [(1, []), (2, []), (1, ["--recompute-granularity", "selective"])],
+                         ids=["dp1", "dp2", "dp1-selective-recompute"])
+def test_cli_with_graphs_repeats_the_eager_run(gpus, recompute, tmp_path):
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
     # DP2: Megatron's gradient hooks (overlapped reduce-scatter into the distributed optimizer's shards) fire
-    # from the graphed layers' backward.
+    # from the graphed layers' backward. Selective recomputation runs inside the captured backward.
     common = QUICK + ["--train-iters", "6", "--use-distributed-optimizer", "--bf16", "--lr", "3e-3",
-                      "--deterministic-mode", "--save", ""]
+                      "--deterministic-mode", "--save", "", *recompute]
     common += ["--overlap-grad-reduce"] if gpus > 1 else []
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(gpus)))}
     runs = {}
