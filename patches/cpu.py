@@ -448,7 +448,8 @@ class _ReportCudaTensorTypes(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs and result.startswith("torch."):
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and result.startswith("torch.") \
+                and not result.startswith("torch.cuda."):
             return result.replace("torch.", "torch.cuda.", 1)
         return result
 
