@@ -501,6 +501,26 @@ def patch_distrib_optimizer() -> None:
     _see_cpu_torch("megatron.core.optimizer.distrib_optimizer")
 
 
+@_cpu_patch("cpu.float16_optimizer", "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__")
+def patch_float16_optimizer() -> None:
+    """Let ``--bf16`` build Megatron's fp32 master weights of CPU parameters (``--optimizer zaya_muon``'s Muon half).
+
+    ``Float16OptimizerWithFloat16Params.__init__`` sorts parameters by ``param.type()`` and raises ``TypeError`` for
+    anything but a ``torch.cuda.*Tensor`` (optimizer.py:1033). The constructor runs unchanged inside the same
+    ``Tensor.type()``-only TorchFunctionMode as ``cpu.distrib_optimizer``.
+    """
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    original = Float16OptimizerWithFloat16Params.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        with _ReportCudaTensorTypes():
+            original(self, *args, **kwargs)
+
+    replace_attr(Float16OptimizerWithFloat16Params, "__init__", __init__)
+
+
 def _gather_unequal_first_dim(input_, group, output_split_sizes):
     """All-gather rows of unequal counts with an equal-size all-gather: pad to the largest, then drop the pads."""
     longest = max(output_split_sizes)

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo import run_ranks
-from test_muon_megatron import ADAM_EPS, BETAS, CLIP, LR, MIN_LR, MUON, WD, _ReportCudaTensorTypes
+from test_muon_megatron import ADAM_EPS, BETAS, CLIP, LR, MIN_LR, MUON, WD
 from test_muon_megatron import checkpoint_metadata as replicated_checkpoint_metadata
 
 STEPS = 3
@@ -55,9 +55,8 @@ def build(zero1: bool, bf16: bool, grad_fp32: bool = True, momentum_dtype=torch.
     (ddp,) = training.wrap_model_chunks_with_ddp([model], cfg, ddp_config, use_layer_wise_distributed_optimizer=zero1)
     config = OptimizerConfig(optimizer="zaya_muon", lr=LR, min_lr=MIN_LR, weight_decay=WD, clip_grad=CLIP,
                              bf16=bf16, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=ADAM_EPS)  # fmt: skip
-    with _ReportCudaTensorTypes():
-        optimizer = training.get_megatron_optimizer(
-            config, [ddp], muon_config=dataclasses.replace(MUON, momentum_dtype=momentum_dtype))
+    optimizer = training.get_megatron_optimizer(config, [ddp],
+                                                muon_config=dataclasses.replace(MUON, momentum_dtype=momentum_dtype))
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.005, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=2, lr_decay_steps=10,
         lr_decay_style="cosine", start_wd=WD, end_wd=WD, wd_incr_steps=10, wd_incr_style="constant",
