@@ -33,6 +33,7 @@ from .roles import MUON, classify_named_parameters
 #: Attribute set on every trainable parameter by ``tag_muon_params``: its MatrixLayout, or None (AdamW).
 LAYOUT_ATTR = "zaya_muon_layout"
 _PADDING_FLOOR = 0.9  # as Megatron's layer-wise layout: a bucket holds >= 0.9 · dp · its largest matrix
+_MAX_PADDING, _MAX_GROWTH = 0.01, 4  # a bucket grows past its size until padded by at most 1%, up to 4x
 
 
 def tag_muon_params(model_chunks: Iterable[torch.nn.Module], split_gate_up: bool = False) -> None:
@@ -90,16 +91,23 @@ def owner_aligned_layout(params: list[torch.nn.Parameter], bucket_size: Optional
 
     divisor = LayerWiseDistributedOptimizer._shard_divisor(dp_size, ddp_config)
     layout = PerBufferParamLayout(param_indices=list(param_indices or []), num_optimizer_shards=dp_size)
-    load = [0.0] * dp_size
+    load = [0.0] * dp_size  # Newton–Schulz FLOPs per rank so far
 
-    def emit(chunk: list[torch.nn.Parameter]) -> None:
-        owners = lpt_owners(newton_schulz_flops(chunk), load)
-        cursors = [0] * dp_size
+    def pack(chunk: list[torch.nn.Parameter]) -> tuple[list[float], list[list[torch.nn.Parameter]], int]:
+        """(loads after, params per shard, padded shard size) of ``chunk`` as one bucket."""
+        after = list(load)
         placed: list[list[torch.nn.Parameter]] = [[] for _ in range(dp_size)]
-        for param, owner in zip(chunk, owners):
+        for param, owner in zip(chunk, lpt_owners(newton_schulz_flops(chunk), after)):
             placed[owner].append(param)
-            cursors[owner] = pad_param_start(cursors[owner]) + param.numel()
-        shard = pad_to_divisor(max(cursors), divisor)
+        cursors = [0] * dp_size
+        for rank, shard_params in enumerate(placed):
+            for param in shard_params:
+                cursors[rank] = pad_param_start(cursors[rank]) + param.numel()
+        return after, placed, pad_to_divisor(max(cursors), divisor)
+
+    def emit(chunk: list[torch.nn.Parameter], packed) -> None:
+        after, placed, shard = packed
+        load[:] = after
         start, bucket = layout.bucket_indices[-1][1] if layout.bucket_indices else 0, len(layout.bucket_indices)
         for rank, shard_params in enumerate(placed):
             cursor = start + rank * shard
@@ -110,15 +118,21 @@ def owner_aligned_layout(params: list[torch.nn.Parameter], bucket_size: Optional
         layout.bucket_indices.append((start, start + dp_size * shard))
         layout.per_bucket_numel_unpadded.append(sum(p.numel() for p in chunk))
 
+    # Buckets in backward order (each bucket's reduce-scatter starts as soon as its gradients are done). A bucket
+    # closes at ``bucket_size`` elements (and at least 0.9 · dp · its largest matrix) once its shards are even to
+    # within ``_MAX_PADDING``, or at ``_MAX_GROWTH`` times that size whatever its padding.
     chunk, numel, largest = [], 0, 0
-    for param in reversed(params):  # backward order, so that each bucket's reduce-scatter can start early
+    for param in reversed(params):
         chunk.append(param)
         numel, largest = numel + param.numel(), max(largest, param.numel())
-        if bucket_size is not None and numel >= max(bucket_size, int(dp_size * largest * _PADDING_FLOOR)):
-            emit(chunk)
-            chunk, numel, largest = [], 0, 0
+        target = max(bucket_size, int(dp_size * largest * _PADDING_FLOOR)) if bucket_size is not None else None
+        if target is not None and numel >= target:
+            packed = pack(chunk)
+            if dp_size * packed[2] <= numel * (1 + _MAX_PADDING) or numel >= _MAX_GROWTH * target:
+                emit(chunk, packed)
+                chunk, numel, largest = [], 0, 0
     if chunk:
-        emit(chunk)
+        emit(chunk, pack(chunk))
     return layout
 
 
