@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -36,14 +37,18 @@ def main() -> None:
     from megatron_zaya.patches import apply_patches
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
+    with socket.socket() as sock:  # any free port: the process group has one rank
+        sock.bind(("127.0.0.1", 0))
+        os.environ.setdefault("MASTER_PORT", str(sock.getsockname()[1]))
     dist.init_process_group("gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     apply_patches("cpu")
     model_parallel_cuda_manual_seed(0)
     with torch.device("meta"):
         model = build_zaya_model(zaya_config(args.preset, params_dtype=torch.bfloat16, bf16=True,
+                                             use_cpu_initialization=True, perform_initialization=False,
                                              moe_token_dispatcher_type="allgather"))  # fmt: skip
+    assert all(p.is_meta for p in model.parameters()), "the model must not allocate its weights"
     zero.tag_muon_params([model])
     params = [p for p in model.parameters() if p.requires_grad]
     matrices = [p for p in params if p.is_managed_by_layer_wise_optimizer]
