@@ -6,7 +6,8 @@ so Megatron's LR / WD schedule, gradient clipping (one global norm), bf16 master
 work unchanged:
 
 * ZayaMuon runs inside Megatron's ``Float16OptimizerWithFloat16Params`` (bf16) or ``FP32Optimizer``, which
-  keep fp32 master weights; subclasses only add the owner-only momentum to ``torch_dist`` checkpoints.
+  keep fp32 master weights; subclasses add the owner-only momentum to ``torch_dist`` checkpoints and hand
+  ZayaMuon the gradient buffer itself (``_MuonWrapper``).
 * AdamW goes through Megatron's own factory (``_get_megatron_optimizer_based_on_param_groups``).
 * Without ``--use-distributed-optimizer``, Newton–Schulz and momentum are sharded over the data-parallel group
   (dense: DP×CP; experts: expert-DP), which needs full gradients on every rank, i.e. DDP's gradient all-reduce.
@@ -26,20 +27,20 @@ from collections import defaultdict
 from itertools import chain
 
 import torch
+from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
 import megatron.core.optimizer as megatron_optimizer
 from megatron.core.optimizer import _get_param_groups, get_standard_config_overrides
-from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.optimizer.optimizer import ChainedOptimizer, Float16OptimizerWithFloat16Params, FP32Optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.utils import get_pg_rank, log_single_rank
 
+from . import zero
 from .args import OPTIMIZER_NAME, muon_config_from_args
 from .muon import MuonConfig, ZayaMuon
-from . import zero
 from .plan import WorkItem
 from .roles import MUON, classify_named_parameters, grouping_table
 

@@ -16,7 +16,8 @@ off``, and small batches of matrices replay a CUDA graph of their Newton–Schul
 them. With a data-parallel group, each matrix's Newton–Schulz runs on exactly one rank (see ``plan``);
 the owners all-gather their ``O`` (in the Newton–Schulz dtype, in windows of bounded size) and every rank
 applies all updates, so parameters stay identical across ranks. This assumes the usual DDP gradient
-all-reduce: every rank holds full gradients (see ``megatron.get_zaya_muon_optimizer``).
+all-reduce: every rank holds full gradients. Under ZeRO-1 (``zero``) each rank's ZayaMuon gets only the matrices
+it owns and no data-parallel group: DDP moves the gradients and weights (see ``megatron.get_zaya_muon_optimizer``).
 """
 
 from __future__ import annotations
