@@ -5,10 +5,13 @@ patched by ``optim.zaya_muon_zero1``) and the optimizer comes from the patched `
 data-parallel rank trains on its own rows of one global batch. Checked against:
 
 * DP1 without the distributed optimizer (ZayaMuon + AdamW replicated; checked against plain Muon and torch
-  AdamW in ``test_muon_megatron``): DP1, DP2 and DP4 with ZeRO-1 give its losses and weights (bf16 weights,
-  fp32 master weights; also with bf16 gradient buffers and bf16 momentum against DP1 with the same flags);
-* the tensors each rank holds: optimizer state (master weights, momentum, Adam moments) scales as 1/N and
-  adds up to DP1's; bf16 weights and the gradient buffer stay whole on every rank;
+  AdamW in ``test_muon_megatron``): DP2 and DP4 with ZeRO-1 give its losses and weights (fp32); so does
+  EP2 × expert-DP2, rank by rank; with bf16 gradient buffers and bf16 momentum, ZeRO-1 at DP2 gives the
+  replicated optimizer's DP2 run;
+* the model: the optimizer state each rank holds (fp32 master weights and momentum of its matrices, Adam's
+  master weights and moments of its shard) adds up to 8 bytes per matrix element and 12 per other element and
+  is about 1/N of it on each rank at DP 2 and 4 (and all of it at DP1); bf16 weights and the gradient buffer
+  stay whole on every rank;
 * an uninterrupted run, after a ``torch_dist`` save at DP2 and loads at DP1 and DP4.
 """
 
@@ -29,7 +32,7 @@ BATCH = torch.randint(0, 512, (4, 9), generator=torch.Generator().manual_seed(1)
 BUCKET = 4000  # elements: several buckets in the test model
 
 
-def build(zero1: bool, bf16: bool, grad_fp32: bool = True, momentum_dtype=torch.float32):
+def build(zero1: bool, bf16: bool, grad_fp32: bool = True, momentum_dtype=torch.float32, ep: int = 1):
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
@@ -45,11 +48,11 @@ def build(zero1: bool, bf16: bool, grad_fp32: bool = True, momentum_dtype=torch.
     apply_patches("cpu,optim,megatron_fixes")  # megatron_fixes: the distributed optimizer's resume
     global_vars.set_args(argparse.Namespace(optimizer="zaya_muon", use_layer_wise_distributed_optimizer=zero1,
                                             zaya_muon_split_gate_up=False))  # fmt: skip
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(0)
     torch.manual_seed(0)
     cfg = zaya_config("test", use_cpu_initialization=True, params_dtype=torch.bfloat16 if bf16 else torch.float32, bf16=bf16,
-                      moe_token_dispatcher_type="allgather")  # fmt: skip
+                      moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep)  # fmt: skip
     model = build_zaya_model(cfg)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_fp32, bucket_size=BUCKET)
     (ddp,) = training.wrap_model_chunks_with_ddp([model], cfg, ddp_config, use_layer_wise_distributed_optimizer=zero1)
@@ -112,12 +115,12 @@ def state_bytes(optimizer) -> dict[str, int]:
 
 
 def train_worker(rank: int, world: int, zero1: bool, bf16: bool, steps: int, save_dir=None, load_dir=None,
-                 grad_fp32=True, momentum_dtype=torch.float32) -> dict:
+                 grad_fp32=True, momentum_dtype=torch.float32, ep: int = 1) -> dict:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
 
     get_write_results_queue("fork")
-    ddp, optimizer, scheduler = build(zero1, bf16, grad_fp32, momentum_dtype)
+    ddp, optimizer, scheduler = build(zero1, bf16, grad_fp32, momentum_dtype, ep)
     if load_dir is not None:
         metadata = checkpoint_metadata()
         model_sd = ddp.module.sharded_state_dict(metadata=metadata)
@@ -130,7 +133,9 @@ def train_worker(rank: int, world: int, zero1: bool, bf16: bool, steps: int, sav
     memory = {**state_bytes(optimizer),
               "buffers": sum(sum(t.numel() * t.element_size() for t in (b.param_data, b.grad_data) if t is not None)
                              for b in ddp.buffers + ddp.expert_parallel_buffers),
-              "params": sum(p.numel() for p in ddp.module.parameters())}  # fmt: skip
+              "params": sum(p.numel() for p in ddp.module.parameters()),
+              "matrices": sum(p.numel() for p in ddp.module.parameters()
+                              if getattr(p, "is_managed_by_layer_wise_optimizer", False))}  # fmt: skip
     losses = [train_step(ddp, optimizer, scheduler, rank, world) for _ in range(steps)]
     if save_dir is not None:
         metadata = checkpoint_metadata()
@@ -156,21 +161,30 @@ def test_zero1_equals_one_rank(tmp_path):
         assert_same(run_ranks(train_worker, n, tmp_path / f"dp{n}", True, False, STEPS), plain, 1e-5, 1e-6)
 
 
+def test_zero1_with_expert_parallel_equals_replicated(tmp_path):
+    """EP2 × expert-DP2 (world 4): experts are owned within their expert-DP group; the replicated optimizer agrees."""
+    args = (False, STEPS, None, None, True, torch.float32, 2)
+    plain = run_ranks(train_worker, 4, tmp_path / "plain", False, *args)
+    for result, reference in zip(run_ranks(train_worker, 4, tmp_path / "zero1", True, *args), plain):
+        assert_same([result], reference, 1e-5, 1e-6)  # rank by rank: each EP rank holds its own experts
+
+
 def test_zero1_shards_the_optimizer_state(tmp_path):
-    """bf16 at DP 1, 2, 4: optimizer state per rank scales as 1/N; weights and gradient buffers stay whole
+    """bf16 at DP 2 and 4: each rank's optimizer state is its 1/N of 8 bytes per matrix element (fp32 master and
+    momentum) and 12 per other element (Adam's master and moments); weights and gradient buffers stay whole
     (padded: matrices are whole in their owner's shard, and the test model has few and small ones per bucket)."""
-    by_size = {n: run_ranks(train_worker, n, tmp_path / f"dp{n}", True, True, STEPS) for n in (1, 2, 4)}
-    total = by_size[1][0]["state"]
-    assert total["muon"] > 0 and total["adam"] > 0
-    assert total["muon"] > 0.5 * 8 * by_size[1][0]["memory"]["params"]  # the matrices are most of the model
-    for n, results in by_size.items():
-        assert_same(results, by_size[1][0], None, 1e-3)  # bf16 forward on N row splits: rounding differs
+    for n in (2, 4):
+        results = run_ranks(train_worker, n, tmp_path / f"dp{n}", True, True, STEPS)
+        memory = results[0]["memory"]
+        total = {"muon": 8 * memory["matrices"], "adam": 12 * (memory["params"] - memory["matrices"])}
+        assert memory["matrices"] > 0.5 * memory["params"]  # the matrices are most of the model
         for kind in ("muon", "adam"):
             per_rank = [r["state"][kind] for r in results]
             assert sum(per_rank) == total[kind]  # every element held once, by one rank
             assert max(per_rank) <= 1.35 * total[kind] / n, (n, kind, per_rank)
         for r in results:  # bf16 weight + fp32 gradient buffers of the whole model on every rank (plus padding)
             assert 6 * r["memory"]["params"] <= r["memory"]["buffers"] <= 1.3 * 6 * r["memory"]["params"]
+        assert_same(results, results[0], None, 0)  # every rank saw the same global losses
 
 
 def test_zero1_with_bf16_gradients_and_momentum(tmp_path):
@@ -188,6 +202,9 @@ def test_zero1_checkpoint_at_dp2_resumes_at_dp1_and_dp4(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (full,) = run_ranks(train_worker, 1, tmp_path / "full", True, False, STEPS)
+    memory = full["memory"]  # DP1 in fp32: the momentum (no master copies) and all of Adam's moments
+    assert full["state"] == {"muon": 4 * memory["matrices"], "momentum": 4 * memory["matrices"],
+                             "adam": 8 * (memory["params"] - memory["matrices"])}  # fmt: skip
     run_ranks(train_worker, 2, tmp_path / "save", True, False, STEPS - 1, str(ckpt))
     for n in (1, 4):
         resumed = run_ranks(train_worker, n, tmp_path / f"load{n}", True, False, 1, None, str(ckpt))
