@@ -140,6 +140,9 @@ def _check_supported(config, model_chunks) -> bool:
             "the optim patches (or wrap the model with megatron_zaya.optim.zero.tag_muon_params and "
             "compute_full_param_layout)"
         )
+    if config.overlap_param_gather_with_optimizer_step:
+        raise ValueError("--optimizer zaya_muon does not support --overlap-param-gather-with-optimizer-step; use "
+                         "--overlap-param-gather")
     if ddp_config.num_distributed_optimizer_instances != 1:
         raise ValueError("--optimizer zaya_muon --use-distributed-optimizer supports one distributed-optimizer "
                          "instance; drop --num-distributed-optimizer-instances")
