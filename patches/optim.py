@@ -92,8 +92,9 @@ def zaya_muon_zero1() -> None:
     class LayerWiseDistributedOptimizer(original_layout_class):
         @staticmethod
         def compute_full_param_layout(params, *args, **kwargs):
-            layout = zero.compute_full_param_layout if zero.is_tagged(params) else original_layout_class.compute_full_param_layout
-            return layout(params, *args, **kwargs)
+            if zero.is_tagged(params):
+                return zero.compute_full_param_layout(params, *args, **kwargs)
+            return original_layout_class.compute_full_param_layout(params, *args, **kwargs)
 
     replace_attr(training, "tag_params_for_buffer_routing", tag_params_for_buffer_routing)
     replace_attr(training, "LayerWiseDistributedOptimizer", LayerWiseDistributedOptimizer)

@@ -200,7 +200,8 @@ def _zero1_summary(owner: dict, layouts: dict, dp_group, kind: str) -> str:
         numel[owner[param]] += param.numel()
     return (f"ZayaMuon {kind} (ZeRO-1): {len(mine)} matrices over {size} data-parallel rank(s): Newton–Schulz "
             f"max {max(per_rank, default=0) / 1e9:.2f} GFLOP/rank (ideal {sum(per_rank) / size / 1e9:.2f}), "
-            f"master+momentum max {max(numel, default=0) / 1e6:.1f}M elements/rank (ideal {sum(numel) / size / 1e6:.1f}M)")
+            f"master+momentum max {max(numel, default=0) / 1e6:.1f}M elements/rank "
+            f"(ideal {sum(numel) / size / 1e6:.1f}M)")
 
 
 def _work_summary(muon: ZayaMuon, kind: str) -> str:
@@ -387,7 +388,8 @@ class ZayaMuonChainedOptimizer(ChainedOptimizer):
         for chunk in self.zero_chunks:
             if success and not chunk.ddp_config.overlap_param_gather:
                 for bucket_group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
-                    if bucket_group.buckets and bucket_group.buckets[0].params_list[0].is_managed_by_layer_wise_optimizer:
+                    first = bucket_group.buckets[0].params_list[0] if bucket_group.buckets else None
+                    if first is not None and first.is_managed_by_layer_wise_optimizer:  # AdamW syncs its own
                         chunk._start_bucket_group_param_sync(bucket_group, force_sync=False)
         return success
 

@@ -8,12 +8,12 @@ the layout of those buckets (``FullParamLayout``) and routes matrices tagged
 
 * ``tag_muon_params``: the Muon matrices of ``roles`` go to those buffers (``zaya_muon_layout`` records their
   matrix layout for the FLOP count);
-* ``compute_full_param_layout``: the Muon buffers are cut into buckets in backward order as Megatron cuts
-  them; within each bucket, every matrix goes whole into the shard of the rank that runs its Newton–Schulz,
-  chosen by LPT over Newton–Schulz FLOPs with loads carried from bucket to bucket (``plan.lpt_owners``), and
-  shards are padded to the longest. The reduce-scatter then leaves each matrix's summed gradient on its owner
-  and the all-gather sends the owner's updated bf16 weight to every rank. Other parameters (AdamW's) get
-  Megatron's ``DistributedOptimizer`` layout and optimizer;
+* ``compute_full_param_layout``: the Muon buffers are cut into buckets in backward order, as Megatron cuts
+  them but grown (up to 4×) until the shards are even; within each bucket, every matrix goes whole into the
+  shard of the rank that runs its Newton–Schulz, chosen by LPT over Newton–Schulz FLOPs with loads carried
+  from bucket to bucket (``plan.lpt_owners``), and shards are padded to the longest. The reduce-scatter then
+  leaves each matrix's summed gradient on its owner and the all-gather sends the owner's updated bf16 weight
+  to every rank. Other parameters (AdamW's) get Megatron's ``DistributedOptimizer`` layout and optimizer;
 * ``owners``: each Muon parameter's owner, read back from the DDP-wrapped model chunks.
 
 Between steps each rank then holds the bf16 weights and the gradient buffer of the whole model, and fp32
@@ -39,7 +39,8 @@ _MAX_PADDING, _MAX_GROWTH = 0.01, 4  # a bucket grows past its size until padded
 def tag_muon_params(model_chunks: Iterable[torch.nn.Module], split_gate_up: bool = False) -> None:
     """Route ZayaMuon's matrices to Megatron's layer-wise (owner-aligned) buffers, the rest to the byte-level ones."""
     for chunk in model_chunks:
-        for param, (_, role) in classify_named_parameters(chunk.named_parameters(), split_gate_up=split_gate_up).items():
+        roles = classify_named_parameters(chunk.named_parameters(), split_gate_up=split_gate_up)
+        for param, (_, role) in roles.items():
             param.is_managed_by_layer_wise_optimizer = role.optimizer == MUON
             setattr(param, LAYOUT_ATTR, role.layout)
 
@@ -48,8 +49,9 @@ def is_tagged(params: Iterable[torch.Tensor]) -> bool:
     return any(hasattr(p, LAYOUT_ATTR) for p in params)
 
 
-def compute_full_param_layout(params: list[torch.nn.Parameter], bucket_size: Optional[int], data_parallel_world_size: int,
-                              ddp_config, expert_data_parallel_world_size: Optional[int] = None):
+def compute_full_param_layout(params: list[torch.nn.Parameter], bucket_size: Optional[int],
+                              data_parallel_world_size: int, ddp_config,
+                              expert_data_parallel_world_size: Optional[int] = None):
     """``LayerWiseDistributedOptimizer.compute_full_param_layout`` with owner-aligned Muon buffers (see module)."""
     from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer

@@ -51,7 +51,8 @@ def build(zero1: bool, bf16: bool, grad_fp32: bool = True, momentum_dtype=torch.
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(0)
     torch.manual_seed(0)
-    cfg = zaya_config("test", use_cpu_initialization=True, params_dtype=torch.bfloat16 if bf16 else torch.float32, bf16=bf16,
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    cfg = zaya_config("test", use_cpu_initialization=True, params_dtype=dtype, bf16=bf16,
                       moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep)  # fmt: skip
     model = build_zaya_model(cfg)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_fp32, bucket_size=BUCKET)
@@ -106,7 +107,8 @@ def state_bytes(optimizer) -> dict[str, int]:
             found["muon"] += sum(t.numel() * t.element_size() for t in masters + momenta)
             found["momentum"] += sum(t.numel() * t.element_size() for t in momenta)
         else:
-            groups = getattr(opt, "shard_fp32_from_float16_groups", None) or getattr(opt, "fp32_from_float16_groups", [])
+            groups = (getattr(opt, "shard_fp32_from_float16_groups", None)  # distributed
+                      or getattr(opt, "fp32_from_float16_groups", []))  # replicated bf16 (fp32: none)
             masters = [p for group in groups for p in group]
             moments = [t for state in opt.optimizer.state.values() for t in state.values() if torch.is_tensor(t)
                        and t.dim() > 0]  # fmt: skip
