@@ -40,7 +40,7 @@ from megatron.core.utils import get_pg_rank, log_single_rank
 
 from . import zero
 from .args import OPTIMIZER_NAME, muon_config_from_args
-from .muon import MuonConfig, ZayaMuon
+from .muon import MuonConfig, ZayaMuon, gradient_of
 from .plan import WorkItem
 from .roles import MUON, classify_named_parameters, grouping_table
 
@@ -243,12 +243,10 @@ class _MuonWrapper:
         if grad_norm_group is not None:  # ZayaMuon's matrices count in the main norm only
             return []
         tp = dict(tp_group=self.tp_group, expert_tp_group=self.expert_tp_group)
-        return [
-            torch.linalg.vector_norm(param.main_grad, dtype=torch.float32).view(1)  # no fp32 copy of a bf16 grad
-            for param in self._model_params()
-            if getattr(param, "main_grad", None) is not None and param_is_not_shared(param)
-            and param_is_not_tensor_parallel_duplicate(param, **tp)
-        ]  # fmt: skip
+        params = [p for p in self.get_parameters() if param_is_not_shared(p)
+                  and param_is_not_tensor_parallel_duplicate(p, **tp)]  # fmt: skip
+        grads = [grad for grad in map(gradient_of, params) if grad is not None]
+        return [torch.linalg.vector_norm(grad, dtype=torch.float32).view(1) for grad in grads]  # fp32 sums
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
         muon: ZayaMuon = self.optimizer

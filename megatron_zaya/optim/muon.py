@@ -186,7 +186,7 @@ class ZayaMuon(torch.optim.Optimizer):
         start = 0
         for item in batch:
             param = self._param(item)
-            grad = _grad(param)
+            grad = gradient_of(param)
             if grad is None:
                 raise RuntimeError(
                     f"ZayaMuon: a parameter of shape {tuple(param.shape)} has no gradient; every Muon parameter "
@@ -288,7 +288,7 @@ def _batches(items: list[WorkItem], max_matrices: int) -> Iterator[list[WorkItem
         yield batch
 
 
-def _grad(param: torch.Tensor) -> torch.Tensor | None:
+def gradient_of(param: torch.Tensor) -> torch.Tensor | None:
     """The gradient ZayaMuon reads: ``main_grad`` where Megatron keeps one (a view into DDP's buffer, fp32 or bf16;
     read matrix by matrix, never copied whole), else ``grad``."""
     main_grad = getattr(param, "main_grad", None)
