@@ -74,20 +74,16 @@ def zaya_muon_zero1() -> None:
 
     original_tag, original_layout_class = training.tag_params_for_buffer_routing, training.LayerWiseDistributedOptimizer
 
-    def active() -> bool:
+    @functools.wraps(original_tag)
+    def tag_params_for_buffer_routing(model_chunks):
         from megatron.training.global_vars import get_args
 
         from megatron_zaya.optim.args import uses_zero1
 
-        return uses_zero1(get_args())
-
-    @functools.wraps(original_tag)
-    def tag_params_for_buffer_routing(model_chunks):
-        if not active():
+        args = get_args()
+        if not uses_zero1(args):
             return original_tag(model_chunks)
-        from megatron.training.global_vars import get_args
-
-        return zero.tag_muon_params(model_chunks, split_gate_up=get_args().zaya_muon_split_gate_up)
+        return zero.tag_muon_params(model_chunks, split_gate_up=args.zaya_muon_split_gate_up)
 
     class LayerWiseDistributedOptimizer(original_layout_class):
         @staticmethod
