@@ -448,7 +448,8 @@ class _ReportCudaTensorTypes(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs and result.startswith("torch."):
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and result.startswith("torch.") \
+                and not result.startswith("torch.cuda."):
             return result.replace("torch.", "torch.cuda.", 1)
         return result
 
@@ -498,6 +499,26 @@ def patch_distrib_optimizer() -> None:
 
     replace_attr(DistributedOptimizer, "__init__", __init__)
     _see_cpu_torch("megatron.core.optimizer.distrib_optimizer")
+
+
+@_cpu_patch("cpu.float16_optimizer", "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__")
+def patch_float16_optimizer() -> None:
+    """Let ``--bf16`` build Megatron's fp32 master weights of CPU parameters (``--optimizer zaya_muon``'s Muon half).
+
+    ``Float16OptimizerWithFloat16Params.__init__`` sorts parameters by ``param.type()`` and raises ``TypeError`` for
+    anything but a ``torch.cuda.*Tensor`` (optimizer.py:1033). The constructor runs unchanged inside the same
+    ``Tensor.type()``-only TorchFunctionMode as ``cpu.distrib_optimizer``.
+    """
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    original = Float16OptimizerWithFloat16Params.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        with _ReportCudaTensorTypes():
+            original(self, *args, **kwargs)
+
+    replace_attr(Float16OptimizerWithFloat16Params, "__init__", __init__)
 
 
 def _gather_unequal_first_dim(input_, group, output_split_sizes):

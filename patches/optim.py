@@ -52,36 +52,48 @@ def zaya_muon_choice() -> None:
     replace_attr(arguments, "_add_training_args", _add_training_args)
 
 
-@register("optim.zaya_muon_sharding", target="megatron.training.arguments.validate_args")
-def zaya_muon_sharding() -> None:
-    """``--use-distributed-optimizer --optimizer zaya_muon``: ZayaMuon's own data-parallel sharding.
+@register("optim.zaya_muon_zero1", target="megatron.training.training.tag_params_for_buffer_routing")
+def zaya_muon_zero1() -> None:
+    """``--use-distributed-optimizer --optimizer zaya_muon``: ZeRO-1 on DDP buffers laid out by matrix owner.
 
-    For any optimizer but Adam/SGD, Megatron's ``validate_args`` turns ``--use-distributed-optimizer``
-    into its layer-wise distributed optimizer, whose DDP layout reduce-scatters each matrix's gradient to
-    an owner Megatron picks. ZayaMuon picks owners by Newton–Schulz FLOPs and needs every gradient on
-    every rank (DDP's all-reduce), so after the original runs the wrapper switches the layer-wise
-    optimizer off again (``optim.args.use_own_data_parallel_sharding``). ZayaMuon then shards Newton–Schulz
-    and its momentum; fp32 master weights and AdamW's state stay replicated. Without this patch
-    ``--optimizer zaya_muon`` is refused together with ``--use-distributed-optimizer``.
+    For any optimizer but Adam/SGD, Megatron's ``validate_args`` turns ``--use-distributed-optimizer`` into its
+    layer-wise distributed optimizer, and ``get_model`` (``wrap_model_chunks_with_ddp``) then tags the matrices
+    with ``tag_params_for_buffer_routing`` and lays out DDP's buffers with
+    ``LayerWiseDistributedOptimizer.compute_full_param_layout``. Both names, as ``megatron.training.training``
+    imported them, are replaced for ``--optimizer zaya_muon`` by ``optim.zero``'s: ZayaMuon's matrices (its
+    ``roles``, not every 2-D tensor) go whole into the shard of the rank that owns them by Newton–Schulz FLOPs.
+    Other optimizers get the originals. ``get_zaya_muon_optimizer`` then builds ZayaMuon over each rank's
+    matrices and Megatron's ``DistributedOptimizer`` for AdamW. Without this patch, ``--optimizer zaya_muon
+    --use-distributed-optimizer`` stops with a one-line error at optimizer set-up.
 
     Off: ``--zaya-patches``/``ZAYA_PATCHES`` without ``optim``.
     """
-    import megatron.training.arguments as arguments
+    import megatron.training.training as training
 
-    from megatron_zaya.optim.args import use_own_data_parallel_sharding
+    from megatron_zaya.optim import zero
 
-    original = arguments.validate_args
+    original_tag, original_layout_class = training.tag_params_for_buffer_routing, training.LayerWiseDistributedOptimizer
 
-    @functools.wraps(original)
-    def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature
-        result = original(args, defaults)
-        if use_own_data_parallel_sharding(args) and args.rank == 0:
-            print("ZayaMuon: --use-distributed-optimizer shards Newton-Schulz and Muon momentum over data-parallel "
-                  "ranks (DDP keeps its gradient all-reduce; master weights and AdamW state are replicated)",
-                  flush=True)  # fmt: skip
-        return result
+    @functools.wraps(original_tag)
+    def tag_params_for_buffer_routing(model_chunks):
+        from megatron.training.global_vars import get_args
 
-    replace_attr(arguments, "validate_args", validate_args)
+        from megatron_zaya.optim.args import uses_zero1
+
+        args = get_args()
+        if not uses_zero1(args):
+            return original_tag(model_chunks)
+        return zero.tag_muon_params(model_chunks, split_gate_up=args.zaya_muon_split_gate_up)
+
+    class LayerWiseDistributedOptimizer(original_layout_class):
+        @staticmethod
+        def compute_full_param_layout(params, *args, **kwargs):
+            if zero.is_tagged(params):
+                return zero.compute_full_param_layout(params, *args, **kwargs)
+            return original_layout_class.compute_full_param_layout(params, *args, **kwargs)
+
+    replace_attr(training, "tag_params_for_buffer_routing", tag_params_for_buffer_routing)
+    replace_attr(training, "LayerWiseDistributedOptimizer", LayerWiseDistributedOptimizer)
 
 
 @register("optim.fused_torch_adam", target="megatron.core.optimizer._get_megatron_optimizer_based_on_param_groups",

@@ -37,7 +37,9 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--zaya-muon-ns-eps", type=float, default=1e-7,
                        help="Added to the Frobenius norm before normalising (default 1e-7).")
     group.add_argument("--zaya-muon-ns-dtype", choices=sorted(_DTYPES), default="bf16",
-                       help="Newton–Schulz compute and communication dtype (default bf16; momentum stays fp32).")
+                       help="Newton–Schulz compute and communication dtype (default bf16).")
+    group.add_argument("--zaya-muon-momentum-dtype", choices=sorted(_DTYPES), default="fp32",
+                       help="Muon momentum dtype (default fp32; bf16 halves its memory, see docs/benchmarks.md).")
     group.add_argument("--zaya-muon-update-rms", type=float, default=0.2,
                        help="Update RMS to match AdamW: updates are scaled by this·√max(rows, cols) (default 0.2).")
     group.add_argument("--zaya-muon-kernel", choices=["auto", "torch", "triton"], default="auto",
@@ -99,19 +101,12 @@ def muon_config_from_args(args: argparse.Namespace) -> MuonConfig:
         ns_graphs=args.zaya_muon_ns_graphs,
         split_gate_up=args.zaya_muon_split_gate_up,
         gather_numel=args.zaya_muon_gather_numel,
+        momentum_dtype=_DTYPES[args.zaya_muon_momentum_dtype],
     )
 
 
-def use_own_data_parallel_sharding(args: argparse.Namespace) -> bool:
-    """After Megatron's ``validate_args``: ``--use-distributed-optimizer`` with ``--optimizer zaya_muon``
-    means ZayaMuon's own sharding. Turns Megatron's layer-wise optimizer off (its DDP layout would
-    reduce-scatter gradients to owners of its choosing) and returns whether it was on.
-
-    ``--overlap-param-gather`` goes off with it: every rank keeps whole parameters and ZayaMuon sends the
-    updates itself, so there is no parameter all-gather to overlap (left on, Megatron's DDP hook looks for
-    the layer-wise buffers and fails in the first forward)."""
-    if args.optimizer != OPTIMIZER_NAME or not getattr(args, "use_layer_wise_distributed_optimizer", False):
-        return False
-    args.use_layer_wise_distributed_optimizer = False
-    args.overlap_param_gather = False
-    return True
+def uses_zero1(args: argparse.Namespace) -> bool:
+    """After Megatron's ``validate_args``: whether ``--use-distributed-optimizer`` with ``--optimizer zaya_muon``
+    asks for ZeRO-1 (``optim.zero``). Megatron turns the flag into its layer-wise distributed optimizer for any
+    optimizer but Adam/SGD; that wiring (``get_model``'s owner-aligned DDP buffers) is what ZeRO-1 builds on."""
+    return args.optimizer == OPTIMIZER_NAME and getattr(args, "use_layer_wise_distributed_optimizer", False)

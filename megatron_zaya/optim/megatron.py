@@ -6,10 +6,16 @@ so Megatron's LR / WD schedule, gradient clipping (one global norm), bf16 master
 work unchanged:
 
 * ZayaMuon runs inside Megatron's ``Float16OptimizerWithFloat16Params`` (bf16) or ``FP32Optimizer``, which
-  keep fp32 master weights; subclasses only add the owner-only momentum to ``torch_dist`` checkpoints.
+  keep fp32 master weights; subclasses add the owner-only momentum to ``torch_dist`` checkpoints and hand
+  ZayaMuon the gradient buffer itself (``_MuonWrapper``).
 * AdamW goes through Megatron's own factory (``_get_megatron_optimizer_based_on_param_groups``).
-* Newton–Schulz and momentum are sharded over the data-parallel group (dense: DP×CP; experts: expert-DP),
-  which needs full gradients on every rank, i.e. DDP's gradient all-reduce (no ``--use-distributed-optimizer``).
+* Without ``--use-distributed-optimizer``, Newton–Schulz and momentum are sharded over the data-parallel group
+  (dense: DP×CP; experts: expert-DP), which needs full gradients on every rank, i.e. DDP's gradient all-reduce.
+* With it (ZeRO-1, see ``zero``), DDP's buckets are laid out by owner: each rank's ZayaMuon holds, and keeps fp32
+  master weights and momentum for, the matrices it owns only; AdamW is Megatron's ``DistributedOptimizer``.
+
+ZayaMuon reads DDP's gradient buffer (fp32 or bf16) matrix by matrix, and gradient clipping reaches it as a
+factor (``ZayaMuonChainedOptimizer``), so the Muon half of the step never holds fp32 copies of the gradients.
 """
 
 from __future__ import annotations
@@ -21,16 +27,20 @@ from collections import defaultdict
 from itertools import chain
 
 import torch
+from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
 import megatron.core.optimizer as megatron_optimizer
 from megatron.core.optimizer import _get_param_groups, get_standard_config_overrides
 from megatron.core.optimizer.optimizer import ChainedOptimizer, Float16OptimizerWithFloat16Params, FP32Optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.utils import log_single_rank
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
+from megatron.core.utils import get_pg_rank, log_single_rank
 
+from . import zero
 from .args import OPTIMIZER_NAME, muon_config_from_args
-from .muon import MuonConfig, ZayaMuon
+from .muon import MuonConfig, ZayaMuon, gradient_of
 from .plan import WorkItem
 from .roles import MUON, classify_named_parameters, grouping_table
 
@@ -54,7 +64,7 @@ def get_zaya_muon_optimizer(
     ``use_gloo_process_groups`` and ``dump_param_to_param_group_map`` are accepted for signature
     compatibility and unused.
     """
-    _check_supported(config, model_chunks)
+    zero1 = _check_supported(config, model_chunks)
     if muon_config is None:
         from megatron.training.global_vars import get_args
 
@@ -74,40 +84,72 @@ def get_zaya_muon_optimizer(
     if config_overrides is None:
         config_overrides = get_standard_config_overrides(config)
     groups = _get_param_groups(model_chunks, config, config_overrides)
-    optimizers = []
+    owner = zero.owners(model_chunks) if zero1 else {}
+    optimizers, sharded_adamw_groups = [], []
     for expert in (False, True):
         part = [group for group in groups if group["is_expert_parallel"] == expert]
         if not part:
             continue
         stats_group = pg.tp_ep_pp if expert else pg.mp
+        dp_group = pg.expt_dp if expert else pg.dp_cp
+        if zero1:  # this rank's matrices only; the reduce-scatter and all-gather are DDP's
+            dp_rank = get_pg_rank(dp_group)
+            mine = lambda p: p in layouts and owner[p] == dp_rank  # noqa: E731
+        else:
+            mine = lambda p: p in layouts  # noqa: E731
         muon = ZayaMuon(
-            [{**group, "params": [p for p in group["params"] if p in layouts]} for group in part],
+            [{**group, "params": [p for p in group["params"] if mine(p)]} for group in part],
             lr=config.lr, weight_decay=config.weight_decay, config=muon_config, layouts=layouts,
-            dp_group=pg.expt_dp if expert else pg.dp_cp, tp_group=pg.tp, expert_tp_group=pg.expt_tp,
+            dp_group=None if zero1 else dp_group, tp_group=pg.tp, expert_tp_group=pg.expt_tp,
         )  # fmt: skip
-        optimizers.append(_wrap_muon(muon, config, stats_group, pg))
+        optimizers.append(_wrap_muon(muon, config, stats_group, pg, zero1))
         adamw_groups = [{**group, "params": [p for p in group["params"] if p not in layouts]} for group in part]
-        optimizers.append(_adamw(config, model_chunks, adamw_groups, stats_group, pg))
-        log_single_rank(logger, logging.INFO, _work_summary(muon, "expert" if expert else "dense"))
-    return ChainedOptimizer(optimizers)
+        if zero1:
+            if expert and any(group["params"] for group in adamw_groups):
+                raise ValueError("--optimizer zaya_muon --use-distributed-optimizer does not shard AdamW parameters of "
+                                 "experts (biases or norms inside experts); drop --use-distributed-optimizer")
+            sharded_adamw_groups += [group for group in adamw_groups if group["params"]]
+        else:
+            optimizers.append(_adamw(config, model_chunks, adamw_groups, stats_group, pg))
+        kind = "expert" if expert else "dense"
+        log_single_rank(logger, logging.INFO, _zero1_summary(owner, layouts, dp_group, kind) if zero1
+                        else _work_summary(muon, kind))  # fmt: skip
+    if zero1:
+        adamw = _distributed_adamw(config, model_chunks, sharded_adamw_groups, pg)
+        for wrapped in optimizers:  # one global norm over every rank's shards, as the distributed optimizer's
+            wrapped.grad_stats_parallel_group = adamw.get_grad_stats_parallel_group()
+        optimizers.append(adamw)
+    return ZayaMuonChainedOptimizer(optimizers, model_chunks if zero1 else [])
 
 
-def _check_supported(config, model_chunks) -> None:
+def _check_supported(config, model_chunks) -> bool:
+    """Refuse what ZayaMuon cannot run; return whether the model was wrapped for ZeRO-1 (``zero``)."""
     ddp_config = getattr(model_chunks[0], "ddp_config", None)
     if config.fp16:
         raise ValueError("--optimizer zaya_muon supports bf16 or fp32 training, not --fp16")
     if config.optimizer_cpu_offload or config.use_precision_aware_optimizer or config.optimizer_cuda_graph:
         raise ValueError("--optimizer zaya_muon does not support --optimizer-cpu-offload, "
                          "--use-precision-aware-optimizer or --optimizer-cuda-graph; drop them")
-    if ddp_config is not None and (ddp_config.use_distributed_optimizer or ddp_config.use_megatron_fsdp):
+    if ddp_config is None or not (ddp_config.use_distributed_optimizer or ddp_config.use_megatron_fsdp):
+        return False
+    if ddp_config.use_megatron_fsdp:
+        raise ValueError("--optimizer zaya_muon does not support --use-megatron-fsdp; use --use-distributed-optimizer")
+    if not zero.is_tagged(p for chunk in model_chunks for p in chunk.parameters()):
         raise ValueError(
-            "--optimizer zaya_muon needs DDP's gradient all-reduce, but the model was wrapped for a sharded "
-            "optimizer; drop --use-megatron-fsdp, and apply the optim patches (they make --use-distributed-optimizer "
-            "mean ZayaMuon's own data-parallel sharding)"
+            "--optimizer zaya_muon with --use-distributed-optimizer needs DDP buffers laid out by matrix owner; apply "
+            "the optim patches (or wrap the model with megatron_zaya.optim.zero.tag_muon_params and "
+            "compute_full_param_layout)"
         )
+    if config.overlap_param_gather_with_optimizer_step:
+        raise ValueError("--optimizer zaya_muon does not support --overlap-param-gather-with-optimizer-step; use "
+                         "--overlap-param-gather")
+    if ddp_config.num_distributed_optimizer_instances != 1:
+        raise ValueError("--optimizer zaya_muon --use-distributed-optimizer supports one distributed-optimizer "
+                         "instance; drop --num-distributed-optimizer-instances")
+    return True
 
 
-def _wrap_muon(muon: ZayaMuon, config, stats_group, pg):
+def _wrap_muon(muon: ZayaMuon, config, stats_group, pg, zero1: bool):
     init_state_fn = lambda optimizer, config=None: optimizer.init_state()  # noqa: E731
     if config.bf16:
         wrapped = ZayaMuonFloat16Optimizer(muon, config, None, init_state_fn)
@@ -115,6 +157,7 @@ def _wrap_muon(muon: ZayaMuon, config, stats_group, pg):
         wrapped = ZayaMuonFP32Optimizer(muon, config, init_state_fn)
     wrapped.grad_stats_parallel_group = stats_group
     wrapped.tp_group, wrapped.expert_tp_group = pg.tp, pg.expt_tp
+    wrapped.zero1 = zero1
     return wrapped
 
 
@@ -127,6 +170,38 @@ def _adamw(config, model_chunks, groups, stats_group, pg):
     )  # fmt: skip
     optimizer.config = config  # ChainedOptimizer requires one config across its members
     return optimizer
+
+
+def _distributed_adamw(config, model_chunks, groups, pg):
+    """Megatron's ``DistributedOptimizer`` (AdamW) over the byte-level buffers, as Megatron builds it beside its
+    own layer-wise optimizer."""
+    adam_config = copy.copy(config)
+    adam_config.optimizer, adam_config.use_distributed_optimizer = "adam", True
+    pgs = ProcessGroupCollection.setup_process_groups_for_optimizer(pg, model_chunks, use_gloo_process_groups=False)
+    buffers = {i: [b for b in chunk.buffers if b.params and not b.params[0].is_managed_by_layer_wise_optimizer]
+               for i, chunk in enumerate(model_chunks)}
+    optimizer = megatron_optimizer._get_megatron_optimizer_based_on_param_groups(
+        config=adam_config, model_chunks=model_chunks, param_groups=groups,
+        per_model_buffers={i: b for i, b in buffers.items() if b}, model_parallel_group=pgs["mp_group"],
+        data_parallel_group=pgs["intra_dp_cp_group"], data_parallel_group_gloo=pgs["intra_dp_cp_group_gloo"],
+        data_parallel_group_idx=get_pg_rank(pgs["mp_group"]), intra_dist_opt_group=pgs["intra_dist_opt_group"],
+        distributed_optimizer_instance_id=0, pg_collection=pg,
+    )  # fmt: skip
+    optimizer.config = config
+    return optimizer
+
+
+def _zero1_summary(owner: dict, layouts: dict, dp_group, kind: str) -> str:
+    size = torch.distributed.get_world_size(dp_group) if dp_group is not None else 1
+    mine = [p for p in owner if p in layouts and layouts[p].expert == (kind == "expert")]
+    per_rank, numel = [0.0] * size, [0] * size
+    for param, flops in zip(mine, zero.newton_schulz_flops(mine)):
+        per_rank[owner[param]] += flops
+        numel[owner[param]] += param.numel()
+    return (f"ZayaMuon {kind} (ZeRO-1): {len(mine)} matrices over {size} data-parallel rank(s): Newton–Schulz "
+            f"max {max(per_rank, default=0) / 1e9:.2f} GFLOP/rank (ideal {sum(per_rank) / size / 1e9:.2f}), "
+            f"master+momentum max {max(numel, default=0) / 1e6:.1f}M elements/rank "
+            f"(ideal {sum(numel) / size / 1e6:.1f}M)")
 
 
 def _work_summary(muon: ZayaMuon, kind: str) -> str:
@@ -142,20 +217,36 @@ def _work_summary(muon: ZayaMuon, kind: str) -> str:
     )
 
 
-class _MomentumCheckpointing:
-    """Mixin for Megatron's optimizer wrappers: ZayaMuon's momentum in ``torch_dist`` checkpoints.
+class _MuonWrapper:
+    """Mixin for Megatron's optimizer wrappers of ZayaMuon.
 
-    Each owned item's momentum is a ShardedTensor keyed by its model parameter and written by its owner
-    (the data-parallel part of the replica id is 0 there; other ranks do not hold it). A whole parameter
-    reuses the parameter's sharding (TP / expert axes, SwiGLU factory); one slice of a 3-D parameter is
-    an extra leading-axis fragment. The layout does not depend on the parallel sizes, so checkpoints reshard.
+    Gradients: ZayaMuon reads each matrix's ``main_grad`` (DDP's buffer, fp32 or bf16) itself, so no ``.grad``
+    is set on what it steps (Megatron's clipping, which wants fp32 ``.grad``, skips it; the factor reaches
+    ZayaMuon through ``ZayaMuonChainedOptimizer``) and the norm comes from fp32 per-matrix norms.
+
+    Checkpoints (``torch_dist``): each owned item's momentum is a ShardedTensor keyed by its model parameter and
+    written by its owner (the data-parallel part of the replica id is 0 there; other ranks do not hold it). A
+    whole parameter reuses the parameter's sharding (TP / expert axes, SwiGLU factory); one slice of a 3-D
+    parameter is an extra leading-axis fragment. Under ZeRO-1 the owner writes the master weights too. The
+    layout does not depend on the parallel sizes, so checkpoints reshard.
     """
+
+    zero1 = False
 
     def _model_params(self) -> list[torch.Tensor]:
         raise NotImplementedError
 
     def _torch_state_section(self, sharded: dict) -> dict:
         raise NotImplementedError
+
+    def get_grads_for_grad_norm(self, grad_norm_group=None) -> list[torch.Tensor]:
+        if grad_norm_group is not None:  # ZayaMuon's matrices count in the main norm only
+            return []
+        tp = dict(tp_group=self.tp_group, expert_tp_group=self.expert_tp_group)
+        params = [p for p in self.get_parameters() if param_is_not_shared(p)
+                  and param_is_not_tensor_parallel_duplicate(p, **tp)]  # fmt: skip
+        grads = [grad for grad in map(gradient_of, params) if grad is not None]
+        return [torch.linalg.vector_norm(grad, dtype=torch.float32).view(1) for grad in grads]  # fp32 sums
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
         muon: ZayaMuon = self.optimizer
@@ -167,11 +258,15 @@ class _MomentumCheckpointing:
             sharded = super().sharded_state_dict(model_sharded_state_dict, is_loading=False, metadata=metadata)
         finally:
             muon.state = state
+        if self.zero1:  # master weights live on their owner only: it writes them
+            for tensor in nested_values(sharded):
+                if hasattr(tensor, "replica_id"):
+                    tensor.replica_id = _owner_replica_id(tensor.replica_id)
         self._torch_state_section(sharded)["state"] = momentum
         return sharded
 
 
-class ZayaMuonFloat16Optimizer(_MomentumCheckpointing, Float16OptimizerWithFloat16Params):
+class ZayaMuonFloat16Optimizer(_MuonWrapper, Float16OptimizerWithFloat16Params):
     """bf16 training: fp32 master weights (Megatron's) + ZayaMuon.
 
     Its master weights are saved as ``{group index: [tensors]}`` rather than a list of lists: a group
@@ -181,6 +276,14 @@ class ZayaMuonFloat16Optimizer(_MomentumCheckpointing, Float16OptimizerWithFloat
 
     def _model_params(self):
         return list(chain.from_iterable(self.float16_groups))
+
+    def _copy_model_grads_to_main_grads(self):
+        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                main_param.main_grad = getattr(model_param, "main_grad", None)
+                if main_param.main_grad is None and model_param.grad is not None:  # no DDP: a plain autograd grad
+                    main_param.main_grad = model_param.grad
+                model_param.grad = None
 
     def _torch_state_section(self, sharded):
         return sharded["optimizer"]
@@ -198,11 +301,14 @@ class ZayaMuonFloat16Optimizer(_MomentumCheckpointing, Float16OptimizerWithFloat
         super().load_state_dict(state_dict)
 
 
-class ZayaMuonFP32Optimizer(_MomentumCheckpointing, FP32Optimizer):
+class ZayaMuonFP32Optimizer(_MuonWrapper, FP32Optimizer):
     """fp32 training: ZayaMuon on the model's own parameters."""
 
     def _model_params(self):
         return self.get_parameters()
+
+    def prepare_grads(self) -> bool:
+        return False  # ZayaMuon reads ``main_grad``; Megatron would alias it as ``.grad`` here
 
     def _torch_state_section(self, sharded):
         return sharded
@@ -226,8 +332,7 @@ def momentum_sharded_state(muon: ZayaMuon, id_to_sharded: dict) -> dict:
 
 def _momentum_shard(model_sh, data: torch.Tensor, item: WorkItem, is_slice: bool):
     key = f"{MOMENTUM_KEY_PREFIX}.{model_sh.key}"
-    rid = model_sh.replica_id
-    replica_id = 0 if isinstance(rid, int) else (*rid[:-1], 0)  # the owner writes; DP is the last component
+    replica_id = _owner_replica_id(model_sh.replica_id)
     if not is_slice:
         extra = {} if isinstance(model_sh, ShardedTensorFactory) else {"dtype": data.dtype}
         return dataclasses.replace(model_sh, key=key, data=data, replica_id=replica_id, **extra)
@@ -243,6 +348,48 @@ def _momentum_shard(model_sh, data: torch.Tensor, item: WorkItem, is_slice: bool
         global_offset=tuple(offset), axis_fragmentations=tuple(fragments), replica_id=replica_id,
         prepend_axis_num=axis + 1,
     )  # fmt: skip
+
+
+def _owner_replica_id(replica_id):
+    """The replica id of a tensor that only its owner holds: DP (the last component) 0, so the owner writes it."""
+    return 0 if isinstance(replica_id, int) else (*replica_id[:-1], 0)
+
+
+class ZayaMuonChainedOptimizer(ChainedOptimizer):
+    """The ZayaMuon wrappers and AdamW as one Megatron optimizer.
+
+    Megatron's ``ChainedOptimizer.step`` clips the gradients it finds in ``.grad``; ZayaMuon's are read from the
+    gradient buffer instead (see ``_MuonWrapper``), so the clipping factor of the step's norm is handed to it
+    here. Under ZeRO-1 (``zero_chunks``: the DDP chunks), the owners' updated matrices are then all-gathered
+    through DDP's owner-aligned buckets (or, with ``--overlap-param-gather``, by DDP's forward hooks).
+    """
+
+    def __init__(self, chained_optimizers, zero_chunks=()):
+        super().__init__(chained_optimizers)
+        self.zero_chunks = list(zero_chunks)
+        self._grad_norm = None
+
+    def get_grad_norm(self):
+        self._grad_norm = super().get_grad_norm()
+        return self._grad_norm
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        scale, clip = 1.0, self.config.clip_grad
+        if clip > 0.0 and self._grad_norm is not None:
+            scale = min(1.0, clip / (self._grad_norm + 1.0e-6))  # as megatron's clip_grad_by_total_norm_fp32
+        self._grad_norm = None
+        for optimizer in self.chained_optimizers:
+            if isinstance(optimizer, _MuonWrapper):
+                optimizer.optimizer.grad_scale = scale
+        success = super().step_with_ready_grads()
+        for chunk in self.zero_chunks:
+            if success and not chunk.ddp_config.overlap_param_gather:
+                for bucket_group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+                    first = bucket_group.buckets[0].params_list[0] if bucket_group.buckets else None
+                    if first is not None and first.is_managed_by_layer_wise_optimizer:  # AdamW syncs its own
+                        chunk._start_bucket_group_param_sync(bucket_group, force_sync=False)
+        return success
 
 
 def fuse_torch_adam(optimizer) -> bool:

@@ -2,7 +2,7 @@
 
 For every matrix ``W`` [rows, cols] with gradient ``G`` (Liu et al., *Muon is scalable*, 2025):
 
-    M ← μ·M + G                                   # fp32 momentum, only on the matrix's owner
+    M ← μ·M + G                                   # fp32 (or bf16) momentum, only on the matrix's owner
     U ← G + μ·M   (Nesterov)   or   U ← M
     O ← NewtonSchulz(U)                           # quintic, on the full (TP-gathered) matrix
     W ← W·(1 − lr·wd) − lr · 0.2·√max(rows, cols) · O
@@ -16,7 +16,8 @@ off``, and small batches of matrices replay a CUDA graph of their Newton–Schul
 them. With a data-parallel group, each matrix's Newton–Schulz runs on exactly one rank (see ``plan``);
 the owners all-gather their ``O`` (in the Newton–Schulz dtype, in windows of bounded size) and every rank
 applies all updates, so parameters stay identical across ranks. This assumes the usual DDP gradient
-all-reduce: every rank holds full gradients (see ``megatron.get_zaya_muon_optimizer``).
+all-reduce: every rank holds full gradients. Under ZeRO-1 (``zero``) each rank's ZayaMuon gets only the matrices
+it owns and no data-parallel group: DDP moves the gradients and weights (see ``megatron.get_zaya_muon_optimizer``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class MuonConfig:
     ns_graphs: str = "auto"
     split_gate_up: bool = False
     gather_numel: int = 1 << 28
+    momentum_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
         object.__setattr__(self, "coefficients", tuple(tuple(float(x) for x in c) for c in self.coefficients))
@@ -68,6 +70,8 @@ class MuonConfig:
             raise ValueError(f"--zaya-muon-ns-gram must be auto or off, got {self.ns_gram!r}")
         if self.ns_graphs not in ("auto", "off"):
             raise ValueError(f"--zaya-muon-ns-graphs must be auto or off, got {self.ns_graphs!r}")
+        if self.momentum_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"--zaya-muon-momentum-dtype must be fp32 or bf16, got {self.momentum_dtype}")
 
 
 class ZayaMuon(torch.optim.Optimizer):
@@ -97,6 +101,7 @@ class ZayaMuon(torch.optim.Optimizer):
     ):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
         self.config = config
+        self.grad_scale = 1.0  # gradient clipping's factor for the next step (set by the Megatron wrapper)
         self.dp_group = dp_group
         self.dp_size, self.dp_rank = _size_and_rank(dp_group)
         self._tp = {False: tp_group, True: expert_tp_group if expert_tp_group is not None else tp_group}
@@ -124,7 +129,8 @@ class ZayaMuon(torch.optim.Optimizer):
         param = self._param(item)
         buffers = self.state[param].setdefault("momentum", {})
         if item.slice_index not in buffers:
-            buffers[item.slice_index] = torch.zeros(item.local_shape, dtype=torch.float32, device=param.device)
+            buffers[item.slice_index] = torch.zeros(item.local_shape, dtype=self.config.momentum_dtype,
+                                                    device=param.device)
         return buffers[item.slice_index]
 
     def init_state(self) -> None:
@@ -141,18 +147,19 @@ class ZayaMuon(torch.optim.Optimizer):
         for group in self.param_groups:  # decoupled weight decay first; the updates are added to it
             if group["params"] and group["weight_decay"]:
                 torch._foreach_mul_(group["params"], 1.0 - group["lr"] * group["weight_decay"])
-        if self.dp_size == 1:
-            updates = _Updates(self)
-            for item, update in self._orthogonalised_owned():
-                updates.add(item, update.view(-1), 0, item.numel)
-            updates.apply()
+        if self.dp_size == 1:  # applied batch by batch: no update outlives its Newton–Schulz batch
+            for batch in self._orthogonalised_owned():
+                updates = _Updates(self)
+                for item, update in batch:
+                    updates.add(item, update.view(-1), 0, item.numel)
+                updates.apply()
         else:
-            updates = dict(self._orthogonalised_owned())
+            updates = dict(pair for batch in self._orthogonalised_owned() for pair in batch)
             self._exchange_and_apply([updates[item] for item in self.owned])
         return loss
 
-    def _orthogonalised_owned(self) -> Iterator[tuple[WorkItem, torch.Tensor]]:
-        """``(item, O)`` for this rank's items, O its local update in the NS dtype.
+    def _orthogonalised_owned(self) -> Iterator[list[tuple[WorkItem, torch.Tensor]]]:
+        """``[(item, O), ...]`` per Newton–Schulz batch of this rank's items, O its local update in the NS dtype.
 
         Equally shaped matrices are orthogonalised together, in batches of at most ``NS_BATCH_NUMEL``
         elements, so the fp32 working set stays bounded whatever the number of owned matrices.
@@ -167,8 +174,8 @@ class ZayaMuon(torch.optim.Optimizer):
                 results = newton_schulz(blocks, cfg.coefficients, cfg.eps, cfg.ns_dtype, cfg.backend,
                                         iteration="standard" if cfg.ns_gram == "off" else "auto",
                                         graphed=cfg.ns_graphs == "auto")
-                for item, result in zip(batch, results.split([i.layout.row_blocks for i in batch])):
-                    yield item, self._local_update(item, result)
+                parts = results.split([i.layout.row_blocks for i in batch])
+                yield [(item, self._local_update(item, result)) for item, result in zip(batch, parts)]
 
     def _update_blocks(self, batch: list[WorkItem], rows: int, cols: int) -> torch.Tensor:
         """Momentum step of each item, and the batch's Nesterov updates (TP-gathered) as one [blocks, rows, cols]
@@ -179,12 +186,15 @@ class ZayaMuon(torch.optim.Optimizer):
         start = 0
         for item in batch:
             param = self._param(item)
-            if param.grad is None:
+            grad = gradient_of(param)
+            if grad is None:
                 raise RuntimeError(
                     f"ZayaMuon: a parameter of shape {tuple(param.shape)} has no gradient; every Muon parameter "
                     "needs one at each step (leave frozen parameters out of the optimizer)"
                 )
-            grad, momentum = self._slice(param.grad, item), self._momentum(item)
+            grad, momentum = self._slice(grad, item), self._momentum(item)
+            if self.grad_scale != 1.0:  # clipping, one matrix at a time (the gradient buffer stays as it is)
+                grad = grad.float() * self.grad_scale
             torch.add(grad, momentum, alpha=mu, out=momentum)
             target = out[start : start + item.layout.row_blocks]
             start += item.layout.row_blocks
@@ -276,6 +286,13 @@ def _batches(items: list[WorkItem], max_matrices: int) -> Iterator[list[WorkItem
         count += item.layout.row_blocks
     if batch:
         yield batch
+
+
+def gradient_of(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient ZayaMuon reads: ``main_grad`` where Megatron keeps one (a view into DDP's buffer, fp32 or bf16;
+    read matrix by matrix, never copied whole), else ``grad``."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
 
 
 def _size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:

@@ -116,10 +116,17 @@ def assign_owners(items: Sequence[WorkItem], dp_size: int, steps: int) -> list[W
 
     Deterministic: larger items first, equal costs in model order, ties to the lower rank.
     """
-    load = [0.0] * dp_size
-    owners = [0] * len(items)
-    for k in sorted(range(len(items)), key=lambda k: -items[k].flops(steps)):
-        rank = min(range(dp_size), key=lambda r: (load[r], r))
-        owners[k] = rank
-        load[rank] += items[k].flops(steps)
+    owners = lpt_owners([item.flops(steps) for item in items], [0.0] * dp_size)
     return [dataclasses.replace(item, owner=owner) for item, owner in zip(items, owners)]
+
+
+def lpt_owners(costs: Sequence[float], load: list[float]) -> list[int]:
+    """Owners of jobs of ``costs`` over ``len(load)`` ranks by greedy LPT, adding to ``load`` (each rank's
+    running total, so that successive calls keep balancing). Larger jobs first, equal costs in order, ties
+    to the lower rank."""
+    owners = [0] * len(costs)
+    for k in sorted(range(len(costs)), key=lambda k: -costs[k]):
+        rank = min(range(len(load)), key=lambda r: (load[r], r))
+        owners[k] = rank
+        load[rank] += costs[k]
+    return owners

@@ -31,17 +31,6 @@ STEPS = 3
 BATCH = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
 
 
-class _ReportCudaTensorTypes(torch.overrides.TorchFunctionMode):
-    """``Tensor.type()`` answers 'torch.cuda.*': Float16OptimizerWithFloat16Params.__init__ accepts only
-    CUDA tensors by type name, and the ``cpu`` patch group does not cover that check (yet)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            return result.replace("torch.", "torch.cuda.", 1)
-        return result
-
-
 def build(bf16: bool, ep: int = 1):
     """A DDP-wrapped ZAYA1 ``test`` model, its ChainedOptimizer (via the patched factory) and LR scheduler."""
     from megatron.core import parallel_state
@@ -66,8 +55,7 @@ def build(bf16: bool, ep: int = 1):
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     config = OptimizerConfig(optimizer="zaya_muon", lr=LR, min_lr=MIN_LR, weight_decay=WD, clip_grad=CLIP,
                              bf16=bf16, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=ADAM_EPS)  # fmt: skip
-    with _ReportCudaTensorTypes():
-        optimizer = training.get_megatron_optimizer(config, [ddp], muon_config=MUON)
+    optimizer = training.get_megatron_optimizer(config, [ddp], muon_config=MUON)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.005, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=2, lr_decay_steps=10,
         lr_decay_style="cosine", start_wd=WD, end_wd=WD, wd_incr_steps=10, wd_incr_style="constant",

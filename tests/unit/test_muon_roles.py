@@ -158,13 +158,11 @@ def test_megatron_accepts_optimizer_zaya_muon(monkeypatch):
     assert calls == [(config, ["chunk"])]
 
 
-def test_distributed_optimizer_flag_means_zaya_muon_sharding():
-    from megatron_zaya.optim.args import use_own_data_parallel_sharding
+def test_distributed_optimizer_flag_means_zaya_muon_zero1():
+    from megatron_zaya.optim.args import uses_zero1
 
-    args = argparse.Namespace(optimizer="zaya_muon", use_layer_wise_distributed_optimizer=True,
-                              overlap_param_gather=True)
-    assert use_own_data_parallel_sharding(args) and not args.use_layer_wise_distributed_optimizer
-    assert not args.overlap_param_gather
-    assert not use_own_data_parallel_sharding(args)  # already off: nothing to do
-    other = argparse.Namespace(optimizer="muon", use_layer_wise_distributed_optimizer=True)
-    assert not use_own_data_parallel_sharding(other) and other.use_layer_wise_distributed_optimizer
+    # Megatron's validate_args turns --use-distributed-optimizer into its layer-wise wiring for zaya_muon
+    assert uses_zero1(argparse.Namespace(optimizer="zaya_muon", use_layer_wise_distributed_optimizer=True))
+    assert not uses_zero1(argparse.Namespace(optimizer="zaya_muon", use_layer_wise_distributed_optimizer=False))
+    assert not uses_zero1(argparse.Namespace(optimizer="muon", use_layer_wise_distributed_optimizer=True))
+
