@@ -28,10 +28,9 @@ STATE_BYTES = {
     "weight": 2,  # bf16 (4 without --bf16)
     "grad": 4,  # fp32 main_grad buffer; 2 with --grad-reduce-in-bf16
     "muon_master": 4,  # fp32 master weight of a Muon matrix: / DP with --use-distributed-optimizer
-    "muon_momentum": 4,  # fp32 momentum: 2 with BF16_MOMENTUM_FLAG; / DP with --use-distributed-optimizer
+    "muon_momentum": 4,  # fp32 momentum: 2 with --zaya-muon-momentum-dtype bf16; / DP with --use-distributed-optimizer
     "adamw_state": 12,  # fp32 master + exp_avg + exp_avg_sq: / DP with --use-distributed-optimizer
 }
-BF16_MOMENTUM_FLAG = "zaya_muon_bf16_momentum"  # the args attribute of the bf16 Muon momentum flag
 # The optimizer step's temporaries, per parameter of the rank. Today's zaya_muon step converts whole-model
 # gradients: 137.0 vs 120.3 thousand MiB (peak vs between steps) for ZAYA1-8B on one H200 is 1.98 B/param.
 STEP_TRANSIENT_BYTES = {"zaya_muon": 2.0, "adam": 0.0, "sgd": 0.0}
@@ -295,7 +294,8 @@ def from_args(args) -> tuple[object, Parallel, Run]:
     run = Run(micro_batch=args.micro_batch_size, seq=args.seq_length, global_batch=args.global_batch_size,
               optimizer=args.optimizer, bf16=bool(args.bf16), distributed_optimizer=bool(args.use_distributed_optimizer),
               grad_bf16=not args.accumulate_allreduce_grads_in_fp32 if args.bf16 else False,
-              bf16_momentum=bool(getattr(args, BF16_MOMENTUM_FLAG, False)), recompute=args.recompute_granularity,
+              bf16_momentum=getattr(args, "zaya_muon_momentum_dtype", "fp32") == "bf16",
+              recompute=args.recompute_granularity,
               recompute_modules=tuple(cfg.zaya_recompute_modules), cuda_graphs=bool(args.zaya_cuda_graphs),
               sequence_parallel=bool(args.sequence_parallel),
               lm_head_grad_in_forward=cfg.lm_head_grad_in_forward)
