@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from megatron_zaya.kernels.newton_schulz import DEFAULT_STEPS, QUINTIC_COEFFICIENTS
 
+from ..settings import add_flags, values_from_args
 from .muon import MuonConfig
 
 OPTIMIZER_NAME = "zaya_muon"
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def allow_zaya_muon(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -26,39 +24,12 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--zaya-muon-*`` flags; if the parser has Megatron's ``--optimizer``, allow ``zaya_muon``."""
     allow_zaya_muon(parser)
     group = parser.add_argument_group("ZAYA1 Muon (--optimizer zaya_muon)")
-    group.add_argument("--zaya-muon-momentum", type=float, default=0.95, help="Muon momentum μ (default 0.95).")
-    group.add_argument("--zaya-muon-nesterov", action=argparse.BooleanOptionalAction, default=True,
-                       help="Nesterov momentum: orthogonalise G + μ·M instead of M (default on).")
     group.add_argument("--zaya-muon-ns-steps", type=int, default=DEFAULT_STEPS,
                        help="Newton–Schulz iterations (default 5).")
     group.add_argument("--zaya-muon-ns-coefficients", default=",".join(map(str, QUINTIC_COEFFICIENTS)),
                        help="Quintic coefficients 'a,b,c' for every step, or one 'a,b,c' per step separated by "
                             "';' (default Keller Jordan's 3.4445,-4.775,2.0315).")
-    group.add_argument("--zaya-muon-ns-eps", type=float, default=1e-7,
-                       help="Added to the Frobenius norm before normalising (default 1e-7).")
-    group.add_argument("--zaya-muon-ns-dtype", choices=sorted(_DTYPES), default="bf16",
-                       help="Newton–Schulz compute and communication dtype (default bf16).")
-    group.add_argument("--zaya-muon-momentum-dtype", choices=sorted(_DTYPES), default="fp32",
-                       help="Muon momentum dtype (default fp32; bf16 halves its memory, see docs/benchmarks.md).")
-    group.add_argument("--zaya-muon-update-rms", type=float, default=0.2,
-                       help="Update RMS to match AdamW: updates are scaled by this·√max(rows, cols) (default 0.2).")
-    group.add_argument("--zaya-muon-kernel", choices=["auto", "torch", "triton"], default="auto",
-                       help="Newton–Schulz kernels: Triton symmetric kernels, torch, or auto (Triton on GPU for "
-                            "matrices of at least 512 rows and columns).")
-    group.add_argument("--zaya-muon-ns-gram", choices=["auto", "off"], default="auto",
-                       help="Gram Newton–Schulz (iterate on the m×m Gram matrix, in fp16 with one restart): auto "
-                            "uses it on GPUs with a 16-bit --zaya-muon-ns-dtype for matrices where it saves at least "
-                            "10%% of the FLOPs (with the Triton kernels: long side >= 1.27x the short one); off keeps "
-                            "the standard iteration everywhere.")
-    group.add_argument("--zaya-muon-ns-graphs", choices=["auto", "off"], default="auto",
-                       help="auto: on GPUs, Newton–Schulz of small batches of matrices (at most 2^23 elements: "
-                            "attention and router matrices) replays a CUDA graph captured at the first step, "
-                            "instead of launching its ~50 kernels one by one; off: plain launches.")
-    group.add_argument("--zaya-muon-split-gate-up", action="store_true",
-                       help="Orthogonalise the gate and up halves of each expert's fc1 separately.")
-    group.add_argument("--zaya-muon-gather-numel", type=int, default=1 << 28,
-                       help="Elements received per all-gather window when sharing updates over data-parallel "
-                            "ranks (bounds the receive buffer; default 2^28).")
+    add_flags(group, MuonConfig, "zaya_muon_")
     return parser
 
 
@@ -89,20 +60,8 @@ def muon_config_from_args(args: argparse.Namespace) -> MuonConfig:
             "--optimizer zaya_muon needs the --zaya-muon-* flags: call megatron_zaya.optim.add_muon_args(parser) "
             "in the extra_args_provider"
         )
-    return MuonConfig(
-        momentum=args.zaya_muon_momentum,
-        nesterov=args.zaya_muon_nesterov,
-        coefficients=parse_coefficients(args.zaya_muon_ns_coefficients, args.zaya_muon_ns_steps),
-        eps=args.zaya_muon_ns_eps,
-        ns_dtype=_DTYPES[args.zaya_muon_ns_dtype],
-        update_rms=args.zaya_muon_update_rms,
-        backend=args.zaya_muon_kernel,
-        ns_gram=args.zaya_muon_ns_gram,
-        ns_graphs=args.zaya_muon_ns_graphs,
-        split_gate_up=args.zaya_muon_split_gate_up,
-        gather_numel=args.zaya_muon_gather_numel,
-        momentum_dtype=_DTYPES[args.zaya_muon_momentum_dtype],
-    )
+    return MuonConfig(coefficients=parse_coefficients(args.zaya_muon_ns_coefficients, args.zaya_muon_ns_steps),
+                      **values_from_args(MuonConfig, args, "zaya_muon_"))
 
 
 def uses_zero1(args: argparse.Namespace) -> bool:

@@ -32,6 +32,8 @@ import torch.distributed as dist
 
 from megatron_zaya.kernels.newton_schulz import DEFAULT_STEPS, QUINTIC_COEFFICIENTS, newton_schulz
 
+from ..settings import setting
+
 from .plan import WorkItem, assign_owners, build_items
 from .roles import MatrixLayout
 
@@ -39,22 +41,46 @@ from .roles import MatrixLayout
 NS_BATCH_NUMEL = 1 << 27
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # the dtype flags' words
+
+
 @dataclasses.dataclass(frozen=True)
 class MuonConfig:
     """Muon hyper-parameters (``--zaya-muon-*`` flags); ``coefficients`` holds one (a, b, c) per step."""
 
-    momentum: float = 0.95
-    nesterov: bool = True
+    momentum: float = setting(0.95, flag="--zaya-muon-momentum", help="Muon momentum μ (default 0.95).")
+    nesterov: bool = setting(True, flag="--zaya-muon-nesterov", negatable=True,
+                             help="Nesterov momentum: orthogonalise G + μ·M instead of M (default on).")
+    # one (a, b, c) per Newton–Schulz step: --zaya-muon-ns-steps and --zaya-muon-ns-coefficients (args.py)
     coefficients: tuple[tuple[float, float, float], ...] = (QUINTIC_COEFFICIENTS,) * DEFAULT_STEPS
-    eps: float = 1e-7
-    ns_dtype: torch.dtype = torch.bfloat16
-    update_rms: float = 0.2
-    backend: str = "auto"
-    ns_gram: str = "auto"
-    ns_graphs: str = "auto"
-    split_gate_up: bool = False
-    gather_numel: int = 1 << 28
-    momentum_dtype: torch.dtype = torch.float32
+    eps: float = setting(1e-7, flag="--zaya-muon-ns-eps",
+                         help="Added to the Frobenius norm before normalising (default 1e-7).")
+    ns_dtype: torch.dtype = setting(torch.bfloat16, flag="--zaya-muon-ns-dtype", choices=DTYPES,
+                                    help="Newton–Schulz compute and communication dtype (default bf16).")
+    momentum_dtype: torch.dtype = setting(
+        torch.float32, flag="--zaya-muon-momentum-dtype", choices=DTYPES,
+        help="Muon momentum dtype (default fp32; bf16 halves its memory, see docs/benchmarks.md).")
+    update_rms: float = setting(
+        0.2, flag="--zaya-muon-update-rms",
+        help="Update RMS to match AdamW: updates are scaled by this·√max(rows, cols) (default 0.2).")
+    backend: str = setting("auto", flag="--zaya-muon-kernel", choices={k: k for k in ("auto", "torch", "triton")},
+                           help="Newton–Schulz kernels: Triton symmetric kernels, torch, or auto (Triton on GPU for "
+                                "matrices of at least 512 rows and columns).")
+    ns_gram: bool = setting(
+        True, flag="--zaya-muon-ns-gram", choices={"auto": True, "off": False},
+        help="Gram Newton–Schulz (iterate on the m×m Gram matrix, in fp16 with one restart): auto uses it on GPUs "
+             "with a 16-bit --zaya-muon-ns-dtype for matrices where it saves at least 10%% of the FLOPs (with the "
+             "Triton kernels: long side >= 1.27x the short one); off keeps the standard iteration everywhere.")
+    ns_graphs: bool = setting(
+        True, flag="--zaya-muon-ns-graphs", choices={"auto": True, "off": False},
+        help="auto: on GPUs, Newton–Schulz of small batches of matrices (at most 2^23 elements: attention and "
+             "router matrices) replays a CUDA graph captured at the first step, instead of launching its ~50 "
+             "kernels one by one; off: plain launches.")
+    split_gate_up: bool = setting(False, flag="--zaya-muon-split-gate-up",
+                                  help="Orthogonalise the gate and up halves of each expert's fc1 separately.")
+    gather_numel: int = setting(1 << 28, flag="--zaya-muon-gather-numel",
+                                help="Elements received per all-gather window when sharing updates over data-parallel "
+                                     "ranks (bounds the receive buffer; default 2^28).")
 
     def __post_init__(self):
         object.__setattr__(self, "coefficients", tuple(tuple(float(x) for x in c) for c in self.coefficients))
@@ -66,10 +92,10 @@ class MuonConfig:
             raise ValueError(f"--zaya-muon-gather-numel must be positive, got {self.gather_numel}")
         if self.backend not in ("auto", "torch", "triton"):
             raise ValueError(f"--zaya-muon-kernel must be auto, torch or triton, got {self.backend!r}")
-        if self.ns_gram not in ("auto", "off"):
-            raise ValueError(f"--zaya-muon-ns-gram must be auto or off, got {self.ns_gram!r}")
-        if self.ns_graphs not in ("auto", "off"):
-            raise ValueError(f"--zaya-muon-ns-graphs must be auto or off, got {self.ns_graphs!r}")
+        for name in ("ns_gram", "ns_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} is a boolean (--zaya-muon-{name.replace('_', '-')} auto|off), "
+                                 f"got {getattr(self, name)!r}")
         if self.momentum_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"--zaya-muon-momentum-dtype must be fp32 or bf16, got {self.momentum_dtype}")
 
@@ -172,8 +198,8 @@ class ZayaMuon(torch.optim.Optimizer):
             for batch in _batches(items, max(1, NS_BATCH_NUMEL // (rows * cols))):
                 blocks = self._update_blocks(batch, rows, cols)
                 results = newton_schulz(blocks, cfg.coefficients, cfg.eps, cfg.ns_dtype, cfg.backend,
-                                        iteration="standard" if cfg.ns_gram == "off" else "auto",
-                                        graphed=cfg.ns_graphs == "auto")
+                                        iteration="auto" if cfg.ns_gram else "standard",
+                                        graphed=cfg.ns_graphs)
                 parts = results.split([i.layout.row_blocks for i in batch])
                 yield [(item, self._local_update(item, result)) for item, result in zip(batch, parts)]
 

@@ -110,7 +110,7 @@ def test_zaya_muon_step_with_triton_is_as_accurate_as_torch():
     shapes = [(1024, 2048), (256, 2048), (2048, 1024), (4, 4096, 2048)]
     updates = {}
     for name, config in [("oracle", MuonConfig(ns_dtype=torch.float32, backend="torch")),
-                         ("torch", MuonConfig(backend="torch", ns_gram="off")),
+                         ("torch", MuonConfig(backend="torch", ns_gram=False)),
                          ("triton", MuonConfig(backend="triton"))]:  # fmt: skip
         params = [torch.nn.Parameter(_randn(*s, dtype=torch.float32, seed=i)) for i, s in enumerate(shapes)]
         start = [p.detach().clone() for p in params]

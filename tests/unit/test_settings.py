@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import torch
+
 from megatron_zaya.config import ZayaConfig
 from megatron_zaya.settings import add_flags, flagged_fields, values_from_args
 from megatron_zaya.training.arguments import add_zaya_args, preset_flags
@@ -49,3 +51,16 @@ def test_preset_flags_use_the_declared_flags():
     assert flags[flags.index("--zaya-router-hidden-size") + 1] == "256"
     assert flags[flags.index("--zaya-skip-mode") + 1] == "identity"
     assert flags[flags.index("--num-experts") + 1] == "16"
+
+
+def test_muon_flags_give_back_muon_config_defaults_and_user_values():
+    from megatron_zaya.optim.args import add_muon_args, muon_config_from_args
+    from megatron_zaya.optim.muon import MuonConfig
+
+    parser = add_muon_args(argparse.ArgumentParser())
+    assert muon_config_from_args(parser.parse_args([])) == MuonConfig()
+    chosen = muon_config_from_args(parser.parse_args(
+        ["--no-zaya-muon-nesterov", "--zaya-muon-ns-graphs", "off", "--zaya-muon-momentum-dtype", "bf16",
+         "--zaya-muon-kernel", "torch", "--zaya-muon-ns-steps", "2"]))
+    assert (chosen.nesterov, chosen.ns_graphs, chosen.momentum_dtype, chosen.backend, len(chosen.coefficients)) == (
+        False, False, torch.bfloat16, "torch", 2)
