@@ -63,25 +63,19 @@ fp16 GEMM; for fp32 and fp64 the self-correcting standard iteration is the accur
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Sequence
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
+import triton
+import triton.language as tl
 
-    HAVE_TRITON = True
-except ImportError:  # a CPU-only install without Triton: the torch path still works
-    HAVE_TRITON = False
+from .utils import triton_runs
 
 #: Keller Jordan's quintic coefficients (a, b, c): 5 steps map singular values in [~1e-3, 1] into ~[0.7, 1.2].
 QUINTIC_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 DEFAULT_STEPS = 5
-#: Triton kernels run on CPU tensors only when interpreted (this is read once, as Triton does).
-TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 Coefficients = Sequence[tuple[float, float, float]]
 
@@ -204,73 +198,71 @@ def gram_newton_schulz_reference(
     return X.mT if transposed else X
 
 
-if HAVE_TRITON:
+@triton.jit
+def _gram_kernel(
+    Y, Z, OUT, AUX, M, K,
+    stride_yb, stride_ym, stride_yk,
+    stride_zb, stride_zm, stride_zk,
+    stride_ob, stride_om, stride_on,
+    stride_ab, stride_am, stride_an,
+    alpha, beta, diag,
+    HAS_AUX: tl.constexpr, HAS_DIAG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """OUT[b] = alpha·Y[b]·Z[b]ᵀ (+ beta·AUX[b]) (+ diag·I) for Y, Z [B, M, K], a product known to be
+    symmetric (Z = Y, or commuting symmetric Y and Z); one program per lower-triangle tile.
 
-    @triton.jit
-    def _gram_kernel(
-        Y, Z, OUT, AUX, M, K,
-        stride_yb, stride_ym, stride_yk,
-        stride_zb, stride_zm, stride_zk,
-        stride_ob, stride_om, stride_on,
-        stride_ab, stride_am, stride_an,
-        alpha, beta, diag,
-        HAS_AUX: tl.constexpr, HAS_DIAG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        """OUT[b] = alpha·Y[b]·Z[b]ᵀ (+ beta·AUX[b]) (+ diag·I) for Y, Z [B, M, K], a product known to be
-        symmetric (Z = Y, or commuting symmetric Y and Z); one program per lower-triangle tile.
+    Grid: (T·(T+1)/2, B) with T = cdiv(M, BLOCK_M). Program ``pid`` owns tile (i, j), j <= i, where
+    pid = i·(i+1)/2 + j; it writes the tile and, off the diagonal, its transpose at (j, i).
+    """
+    pid = tl.program_id(0)
+    batch = tl.program_id(1)
+    i = ((tl.sqrt(8.0 * pid + 1.0) - 1.0) * 0.5).to(tl.int32)
+    i = tl.where((i + 1) * (i + 2) // 2 <= pid, i + 1, i)  # undo float rounding of the sqrt
+    i = tl.where(i * (i + 1) // 2 > pid, i - 1, i)
+    j = pid - i * (i + 1) // 2
 
-        Grid: (T·(T+1)/2, B) with T = cdiv(M, BLOCK_M). Program ``pid`` owns tile (i, j), j <= i, where
-        pid = i·(i+1)/2 + j; it writes the tile and, off the diagonal, its transpose at (j, i).
-        """
-        pid = tl.program_id(0)
-        batch = tl.program_id(1)
-        i = ((tl.sqrt(8.0 * pid + 1.0) - 1.0) * 0.5).to(tl.int32)
-        i = tl.where((i + 1) * (i + 2) // 2 <= pid, i + 1, i)  # undo float rounding of the sqrt
-        i = tl.where(i * (i + 1) // 2 > pid, i - 1, i)
-        j = pid - i * (i + 1) // 2
-
-        rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = j * BLOCK_M + tl.arange(0, BLOCK_M)
-        ks = tl.arange(0, BLOCK_K)
-        y = Y + batch * stride_yb
-        z = Z + batch * stride_zb
-        acc = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
-            left = tl.load(
-                y + rows[:, None] * stride_ym + kk[None, :] * stride_yk,
-                mask=(rows[:, None] < M) & (kk[None, :] < K),
-                other=0.0,
-            )
-            right_t = tl.load(  # Z[cols, kk]ᵀ, loaded as [BLOCK_K, BLOCK_M]
-                z + cols[None, :] * stride_zm + kk[:, None] * stride_zk,
-                mask=(cols[None, :] < M) & (kk[:, None] < K),
-                other=0.0,
-            )
-            acc = tl.dot(left, right_t, acc, input_precision="ieee")
-        acc = acc * alpha
-        if HAS_AUX:
-            aux = tl.load(
-                AUX + batch * stride_ab + rows[:, None] * stride_am + cols[None, :] * stride_an,
-                mask=(rows[:, None] < M) & (cols[None, :] < M),
-                other=0.0,
-            )
-            acc += beta * aux.to(tl.float32)
-        if HAS_DIAG:  # only diagonal tiles have rows == cols
-            acc += tl.where(rows[:, None] == cols[None, :], diag, 0.0)
-        tile = acc.to(OUT.dtype.element_ty)
-        out = OUT + batch * stride_ob
-        tl.store(
-            out + rows[:, None] * stride_om + cols[None, :] * stride_on,
-            tile,
-            mask=(rows[:, None] < M) & (cols[None, :] < M),
+    rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = j * BLOCK_M + tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    y = Y + batch * stride_yb
+    z = Z + batch * stride_zb
+    acc = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        left = tl.load(
+            y + rows[:, None] * stride_ym + kk[None, :] * stride_yk,
+            mask=(rows[:, None] < M) & (kk[None, :] < K),
+            other=0.0,
         )
-        if i != j:
-            tl.store(
-                out + cols[:, None] * stride_om + rows[None, :] * stride_on,
-                tl.trans(tile),
-                mask=(cols[:, None] < M) & (rows[None, :] < M),
-            )
+        right_t = tl.load(  # Z[cols, kk]ᵀ, loaded as [BLOCK_K, BLOCK_M]
+            z + cols[None, :] * stride_zm + kk[:, None] * stride_zk,
+            mask=(cols[None, :] < M) & (kk[:, None] < K),
+            other=0.0,
+        )
+        acc = tl.dot(left, right_t, acc, input_precision="ieee")
+    acc = acc * alpha
+    if HAS_AUX:
+        aux = tl.load(
+            AUX + batch * stride_ab + rows[:, None] * stride_am + cols[None, :] * stride_an,
+            mask=(rows[:, None] < M) & (cols[None, :] < M),
+            other=0.0,
+        )
+        acc += beta * aux.to(tl.float32)
+    if HAS_DIAG:  # only diagonal tiles have rows == cols
+        acc += tl.where(rows[:, None] == cols[None, :], diag, 0.0)
+    tile = acc.to(OUT.dtype.element_ty)
+    out = OUT + batch * stride_ob
+    tl.store(
+        out + rows[:, None] * stride_om + cols[None, :] * stride_on,
+        tile,
+        mask=(rows[:, None] < M) & (cols[None, :] < M),
+    )
+    if i != j:
+        tl.store(
+            out + cols[:, None] * stride_om + rows[None, :] * stride_on,
+            tl.trans(tile),
+            mask=(cols[:, None] < M) & (rows[None, :] < M),
+        )
 
 
 #: Below this many 128×128 lower-triangle tiles (over the whole batch) 64×64 tiles are used, so that a
@@ -308,8 +300,6 @@ def gram(
     Only the lower triangle of tiles is computed; the upper one is its mirror image. ``out`` must not alias an
     input.
     """
-    if not HAVE_TRITON:
-        raise RuntimeError("newton_schulz.gram needs Triton; install triton or use backend='torch'")
     if Y.dim() != 3:
         raise ValueError(f"gram expects Y of shape [batch, M, K], got {tuple(Y.shape)}")
     Z = Y if other is None else other
@@ -390,8 +380,8 @@ def gram_newton_schulz_triton(
 
 
 def triton_usable(G: torch.Tensor) -> bool:
-    """Whether the Triton path can run on ``G``: Triton installed and a GPU tensor (or interpreter mode)."""
-    return HAVE_TRITON and (G.is_cuda or TRITON_INTERPRETED)
+    """Whether the Triton path can run on ``G``: a GPU tensor (or the kernels interpreted)."""
+    return triton_runs(_gram_kernel, G)
 
 
 def newton_schulz_path(
@@ -404,7 +394,7 @@ def newton_schulz_path(
 ) -> tuple[bool, bool]:
     """``(triton, gram)``: whether ``newton_schulz`` runs the Triton kernels and the Gram form on ``G``."""
     use_triton = backend == "triton" or (
-        backend == "auto" and HAVE_TRITON and G.is_cuda and min(G.shape[-2:]) >= min_triton_dim and G.dim() <= 3
+        backend == "auto" and G.is_cuda and min(G.shape[-2:]) >= min_triton_dim and G.dim() <= 3
     )
     use_gram = iteration == "gram" or (
         iteration == "auto"
