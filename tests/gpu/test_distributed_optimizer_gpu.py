@@ -1,5 +1,5 @@
-"""On GPUs without Transformer Engine or apex: ``zaya-pretrain --use-distributed-optimizer`` (bf16) saved at
-step 5 and resumed to step 10 reproduces the uninterrupted run (issue #4, item 1).
+"""On GPUs without Transformer Engine or apex: ``zaya-pretrain --use-distributed-optimizer`` (bf16, Adam, and
+Muon's ZeRO-1) saved at step 5 and resumed to step 10 reproduces the uninterrupted run.
 
 Without the ``megatron_fixes.distopt_*`` patches every parameter shares one Adam step counter after the
 resume, reset to the fresh optimizer's value: step 6 still matches and steps 7-10 drift by about 1e-2
@@ -30,19 +30,21 @@ def _loss_csv(path: Path) -> dict[int, float]:
     return {int(i): float(v) for i, v in (row.split(",") for row in rows)}
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "zaya_muon"], ids=["adam", "zaya_muon-zero1"])
 @pytest.mark.parametrize("gpus", [1, 2], ids=["dp1", "dp2"])
-def test_distributed_optimizer_resume_matches_uninterrupted_run(gpus, tmp_path):
+def test_distributed_optimizer_resume_matches_uninterrupted_run(gpus, optimizer, tmp_path):
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(gpus)))}
+    common = COMMON + ["--optimizer", optimizer]  # zaya_muon with the distributed optimizer is ZeRO-1
     full = tmp_path / "full"
-    run = pretrain(COMMON + ["--save", str(full), "--load", str(full), "--save-interval", "5"], cwd=tmp_path,
+    run = pretrain(common + ["--save", str(full), "--load", str(full), "--save-interval", "5"], cwd=tmp_path,
                    extra_env=env)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
 
     plot = tmp_path / "resumed" / "loss.png"
     no_checkpoint = ["--save", ""]
-    resumed = pretrain(COMMON + ["--load", str(full), "--ckpt-step", "5", "--zaya-loss-plot", str(plot),
+    resumed = pretrain(common + ["--load", str(full), "--ckpt-step", "5", "--zaya-loss-plot", str(plot),
                                  *no_checkpoint], cwd=tmp_path, extra_env=env)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
