@@ -17,9 +17,6 @@ import os
 import sys
 from pathlib import Path
 
-from .training.arguments import UsageError
-from .training.reliability import FAULT_EXIT_CODE, TrainingFault
-
 EMBEDDED_RUN_DIR = "runs/zaya-tiny"
 
 # Training flags of the embedded main job (prepended: any explicit flag wins).
@@ -50,7 +47,7 @@ def _has(argv: list[str], *flags: str) -> bool:
 def build_argv(argv: list[str], cuda: bool) -> list[str]:
     """ZAYA1's flags, the preset's, platform and main-job defaults, then the user's (last wins)."""
     from .config import PRESETS, preset
-    from .training.arguments import ZAYA_FLAGS, preset_flags
+    from .training.arguments import ZAYA_FLAGS, UsageError, preset_flags
 
     name = _flag_value(argv, "--zaya-preset")
     if name is None and not _has(argv, "--num-layers"):
@@ -63,10 +60,15 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
     flags += ["--no-check-for-nan-in-loss-and-grad"]
     flags += [] if cuda else ["--distributed-backend", "gloo", "--use-cpu-initialization"]
 
-    if not _has(argv, "--data-path", "--mock-data", "--train-data-path", "--data-args-path"):
+    if _has(argv, "-h", "--help"):
+        pass  # only the flags are printed: no embedded corpus to build
+    elif not _has(argv, "--data-path", "--mock-data", "--train-data-path", "--data-args-path"):
         from .data import embedded_dataset_prefix, embedded_tokenizer_dir
 
         flags += MAIN_JOB_FLAGS + (["--bf16"] if cuda else [])
+        iterations = _flag_value(argv, "--train-iters")
+        if iterations and iterations.isdigit():  # a shorter job: a warmup that fits in it (a tenth, at most 20)
+            flags += ["--lr-warmup-iters", str(min(20, int(iterations) // 10))]
         # A run resumes from where it saves: `--save X` alone must not pick up the default run's checkpoint.
         save = _flag_value(argv, "--save") or EMBEDDED_RUN_DIR
         flags += ["--save", save, "--load", _flag_value(argv, "--load") or save]
@@ -77,9 +79,19 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
         if vocab is None:
             raise UsageError("--mock-data needs a vocabulary: give --zaya-preset, --zaya-vocab-size or a tokenizer")
         flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(int(vocab) - 1)]  # + the EOD token
-    if _has(argv, "--zaya-sigterm-deadline"):
-        flags += ["--exit-signal-handler"]  # the deadline bounds Megatron's save-on-SIGTERM
+    if _saves_on_sigterm(argv, flags):
+        flags += ["--exit-signal-handler"]  # Megatron's save-on-SIGTERM; the deadline bounds it
     return flags + argv
+
+
+def _saves_on_sigterm(argv: list[str], flags: list[str]) -> bool:
+    """With a --save directory, SIGTERM (pre-emption, scancel) saves unless --zaya-sigterm-deadline is 0."""
+    deadline = _flag_value(argv, "--zaya-sigterm-deadline")
+    try:
+        off = deadline is not None and float(deadline) <= 0
+    except ValueError:
+        return False  # argparse names the bad value
+    return not off and (_has(argv, "--save") or _has(flags, "--save"))
 
 
 def _relaunch_on_all_gpus(argv: list[str]) -> None:
@@ -97,7 +109,7 @@ def _parse(argv: list[str]):
     from megatron.training.arguments import parse_and_validate_args, parse_args
     from megatron.training.global_vars import get_tokenizer
 
-    from .training.arguments import add_zaya_args, check_args
+    from .training.arguments import UsageError, add_zaya_args, check_args
 
     sys.argv = ["zaya-pretrain", *argv]
     check_args(parse_args(add_zaya_args), int(os.environ.get("WORLD_SIZE", "1")))
@@ -124,10 +136,16 @@ def _failed_check(error: AssertionError) -> str:
 def _check_checkpoint_matches(args) -> None:
     """Refuse, in one line, to resume (or fine-tune) from a checkpoint of another architecture."""
     from . import checkpoint
-    from .training.arguments import zaya_config_from_args
+    from .training.arguments import UsageError, zaya_config_from_args
 
-    if not args.load or not (Path(args.load) / checkpoint.TRACKER).is_file():
+    marker = checkpoint.read_tracker(args.load) if args.load else None
+    if marker is None:
         return
+    path = Path(args.load) / checkpoint.step_name(marker)
+    recorded = checkpoint.recorded_files(path) or {}
+    if not (path / "metadata.json").is_file() or checkpoint.damage(
+            path, [name for name in recorded if not name.endswith(".distcp")], recorded):
+        return  # damaged: the load names it and falls back to the newest intact checkpoint
     differences = checkpoint.architecture_differences(args.load, zaya_config_from_args(args))
     if differences:
         raise UsageError(f"--load {args.load} holds a different model ({'; '.join(differences)}); give the flags "
@@ -138,12 +156,17 @@ def run(argv: list[str]) -> None:
     import torch
 
     from .patches import apply_patches
+    from .runtime import START_LOG, end_helpers_with_this_process, write_start_log
 
+    end_helpers_with_this_process()  # no helper outlives a killed trainer
     cuda = torch.cuda.is_available()
     argv = build_argv(argv, cuda)
-    apply_patches(_flag_value(argv, "--zaya-patches"))
+    patches = apply_patches(_flag_value(argv, "--zaya-patches"), log=START_LOG.append)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 20000))
+    if "MASTER_PORT" not in os.environ:  # a single process without a launcher
+        from .runtime import free_master_port
+
+        os.environ["MASTER_PORT"] = str(free_master_port(os.environ["MASTER_ADDR"]))
     # Megatron requires it with TP or CP (one hardware queue keeps communication kernels in launch order), as its
     # example scripts export; set before the first CUDA context.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
@@ -160,7 +183,8 @@ def run(argv: list[str]) -> None:
     _check_checkpoint_matches(args)
     if args.save:
         reliability.check_save_dir(args.save)
-    if args.zaya_sigterm_deadline is not None:
+    write_start_log(args.save, sum(state == "applied" for state in patches.values()), len(patches))
+    if args.exit_signal_handler and args.save and args.zaya_sigterm_deadline > 0:
         reliability.arm_sigterm_deadline(args.zaya_sigterm_deadline, args.save)
     plot = args.zaya_loss_plot or (str(Path(args.save) / "loss.png") if args.save else None)
     LOSS_CURVE.enabled = plot is not None
@@ -193,7 +217,15 @@ def _finish(args, plot: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .runtime import one_line_for_missing_packages
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    with one_line_for_missing_packages():  # what run() imports: Megatron's training stack
+        import megatron.training.training  # noqa: F401
+
+        from .training.arguments import UsageError
+        from .training.reliability import FAULT_EXIT_CODE, TrainingFault
+        from .training.steps import forward_step  # noqa: F401
     _relaunch_on_all_gpus(argv)
     try:
         run(argv)
