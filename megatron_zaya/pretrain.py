@@ -117,6 +117,12 @@ def _parse(argv: list[str]):
         args = parse_and_validate_args(add_zaya_args)
     except AssertionError as error:
         raise UsageError(f"invalid arguments: {str(error) or _failed_check(error)}") from error
+    except ValueError as error:  # Megatron's tokenizer builder wraps what transformers raised
+        if not str(error).startswith("Unable to instantiate HuggingFace AutoTokenizer"):
+            raise
+        reason = str(error).split("Exception: ", 1)[-1].strip().splitlines()[0]
+        raise UsageError(f"--tokenizer-model {_flag_value(argv, '--tokenizer-model')} does not load ({reason}); give "
+                         "the tokenizer's directory, or a Hugging Face name that is downloaded or reachable") from error
     tokenizer_vocab = get_tokenizer().vocab_size
     model_vocab = args.zaya_vocab_size or args.padded_vocab_size
     if tokenizer_vocab > model_vocab:

@@ -67,6 +67,9 @@ def results(tmp_path_factory):
         "a tokenizer path that does not exist": ["--data-path", small, "--split", "90,10,0", "--tokenizer-type",
                                                  "HuggingFaceTokenizer", "--tokenizer-model", "./my-tokenizer"],
         "mock data and a data path": ["--mock-data", "--data-path", small, *tokenizer],
+        "a tokenizer that does not load": ["--data-path", small, "--split", "90,10,0", "--save-interval", "5",
+                                           "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                           str(directory)],
     }
     mock = ["--mock-data", "--zaya-preset", "test"]
     cases.update({
@@ -92,6 +95,7 @@ EXPECTED = {  # case -> words the one error line must hold
     "a damaged pointer in the middle of the .idx": ["damaged.idx", "sequence 10 of 20", "zaya-preprocess"],
     "data without a tokenizer": ["--data-path needs the tokenizer", "--tokenizer-model"],
     "a tokenizer path that does not exist": ["--tokenizer-model ./my-tokenizer: no such directory"],
+    "a tokenizer that does not load": ["does not load", "give the tokenizer's directory"],
     "negative learning rate": ["--lr -0.001 is negative"],
     "micro-batch size 0": ["--micro-batch-size 0: must be at least 1"],
     "bf16 and fp16": ["--bf16 and --fp16", "choose one"],
