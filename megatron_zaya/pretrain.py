@@ -194,13 +194,19 @@ def run(argv: list[str]) -> None:
         reliability.arm_sigterm_deadline(args.zaya_sigterm_deadline, args.save)
     plot = args.zaya_loss_plot or (str(Path(args.save) / "loss.png") if args.save else None)
     LOSS_CURVE.enabled = plot is not None
-    pretrain(pretrain_cfg_container_from_args(args, None), train_valid_test_datasets_provider,
-             ModelType.encoder_or_decoder, reliability.GUARD.watch(forward_step), model_provider=model_provider)
+    try:
+        pretrain(pretrain_cfg_container_from_args(args, None), train_valid_test_datasets_provider,
+                 ModelType.encoder_or_decoder, reliability.GUARD.watch(forward_step), model_provider=model_provider)
+    except SystemExit as stop:  # --exit-interval, --exit-duration-in-mins, SIGTERM: the curve so far is kept too
+        if stop.code in (None, 0):
+            _finish(args, plot, stopped_early=True)
+        raise
     _finish(args, plot)
 
 
-def _finish(args, plot: str | None) -> None:
-    """On the rank that computed losses (last stage, first DP, CP and TP rank): the plot and what to run next."""
+def _finish(args, plot: str | None, stopped_early: bool = False) -> None:
+    """On the rank that computed losses (last stage, first DP, CP and TP rank): the plot and what to run next
+    (after an early stop, the plot only: the same command resumes)."""
     from megatron.core import parallel_state as mpu
 
     from .training.loss_curve import LOSS_CURVE
@@ -213,6 +219,9 @@ def _finish(args, plot: str | None) -> None:
     lines = []
     if plot and LOSS_CURVE.points():
         lines.append(f"loss curve: {LOSS_CURVE.write(plot)}")
+    if stopped_early:
+        print(f"[zaya] stopped early; {'; '.join(lines) or 'no loss curve'}; the same command resumes", flush=True)
+        return
     if args.save:
         lines += [f"checkpoint: {args.save}",
                   f"continue training: zaya-pretrain --load {args.save} --save {args.save} "
