@@ -5,14 +5,21 @@ and one sub-directory per saved step (``iter_0000100`` or ``release``) written b
 ``megatron.core.dist_checkpointing``. Its common state has ``args`` (the training arguments, with
 ``args.zaya_architecture``: the :data:`~megatron_zaya.config.ARCHITECTURE_FIELDS` of the model), the
 iteration and the checkpoint version; its sharded state has ``model`` (and, from training, the optimizer).
+
+Every step directory saved by megatron-zaya (training or conversion) also holds ``zaya_checksums.json``: the
+size and CRC-32 of each of its files, written after all of them and before the tracker names the step
+(:func:`write_checksums`). :func:`damage` compares the files with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import json
 import os
 import shutil
 import tempfile
+import zlib
 from pathlib import Path
 
 import torch
@@ -20,10 +27,27 @@ import torch
 from .config import ARCHITECTURE_FIELDS, ZayaConfig, ZayaConfigError, architecture, zaya_config
 
 TRACKER = "latest_checkpointed_iteration.txt"
+CHECKSUMS = "zaya_checksums.json"
+_CHUNK = 16 << 20
+_THREADS = 16  # zlib.crc32 releases the GIL: threads hash files in parallel, bounded by the disk
 
 
 class CheckpointError(ValueError):
     """Not a usable ZAYA1 Megatron checkpoint; the message names the problem and the fix."""
+
+
+def read_tracker(ckpt_dir: str | os.PathLike) -> str | None:
+    """The tracker's marker (``"release"`` or an iteration number), or None if missing, empty or garbage."""
+    try:
+        marker = (Path(ckpt_dir) / TRACKER).read_text(errors="replace").strip()
+    except OSError:
+        return None
+    return marker if marker == "release" or marker.isdigit() else None
+
+
+def step_name(marker: str | int) -> str:
+    """``release`` or ``iter_0000100``: the directory name of a tracker marker."""
+    return "release" if marker == "release" else f"iter_{int(marker):07d}"
 
 
 def step_dir(ckpt_dir: str | os.PathLike) -> Path:
@@ -32,12 +56,87 @@ def step_dir(ckpt_dir: str | os.PathLike) -> Path:
     tracker = root / TRACKER
     if not tracker.is_file():
         raise CheckpointError(f"{root} has no {TRACKER}: not a Megatron checkpoint directory")
-    marker = tracker.read_text().strip()
-    name = "release" if marker == "release" else f"iter_{int(marker):07d}"
-    path = root / name
+    marker = read_tracker(root)
+    if marker is None:
+        raise CheckpointError(f"{tracker} holds no iteration (empty or damaged); write the iteration to load into it")
+    path = root / step_name(marker)
     if not (path / "metadata.json").is_file():
         raise CheckpointError(f"{path} is missing or incomplete (no metadata.json); the tracker points to a broken save")
     return path
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as stream:
+        while chunk := stream.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _hash_all(paths: list[Path]) -> list[int]:
+    if len(paths) <= 1:
+        return [_crc32(p) for p in paths]
+    with concurrent.futures.ThreadPoolExecutor(min(_THREADS, len(paths))) as pool:
+        return list(pool.map(_crc32, paths))
+
+
+def write_checksums(path: str | os.PathLike) -> None:
+    """Record the size and CRC-32 of every file of the step directory ``path`` in :data:`CHECKSUMS`, written
+    last and atomically (staged, fsynced, renamed), so that its presence means every file was complete."""
+    path = Path(path)
+    files = sorted(f for f in path.rglob("*") if f.is_file() and f.name != CHECKSUMS and not f.name.startswith(
+        f".{CHECKSUMS}"))
+    sizes = [f.stat().st_size for f in files]
+    crcs = _hash_all(files)
+    table = {str(f.relative_to(path)): [size, crc] for f, size, crc in zip(files, sizes, crcs, strict=True)}
+    staging = path / f".{CHECKSUMS}.tmp-{os.getpid()}"
+    with staging.open("w") as stream:
+        json.dump({"algorithm": "crc32", "files": table}, stream)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(staging, path / CHECKSUMS)
+
+
+def recorded_files(path: str | os.PathLike) -> dict[str, list[int]] | None:
+    """``{file: [size, crc32]}`` recorded at save, None without a readable record (older or foreign saves)."""
+    try:
+        record = json.loads((Path(path) / CHECKSUMS).read_text())
+        return {str(name): [int(size), int(crc)] for name, (size, crc) in record["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def damage(path: str | os.PathLike, names: list[str], recorded: dict[str, list[int]]) -> list[str]:
+    """What is wrong with the files ``names`` of the step directory ``path`` compared with ``recorded``
+    (missing, another size, another checksum); empty when they are intact. Sizes first (no reads), then the
+    checksums of the rest in parallel threads."""
+    path = Path(path)
+    problems, to_hash = [], []
+    for name in names:
+        size = recorded[name][0]
+        try:
+            actual = (path / name).stat().st_size
+        except OSError:
+            problems.append(f"{name} is missing")
+            continue
+        if actual != size:
+            problems.append(f"{name} has {actual} bytes, {size} when saved")
+        else:
+            to_hash.append(name)
+    for name, crc in zip(to_hash, _hash_all([path / n for n in to_hash]), strict=True):
+        if crc != recorded[name][1]:
+            problems.append(f"{name} differs from its checksum at save")
+    return problems
+
+
+def publish_permissions(path: str | os.PathLike) -> None:
+    """Give ``path`` and the directories below it the permissions ``mkdir`` would (``mkdtemp`` makes them
+    private to the user), before they are renamed into place."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path = Path(path)
+    for directory in [path, *(p for p in path.rglob("*") if p.is_dir())]:
+        directory.chmod(0o777 & ~umask)
 
 
 def read_config(ckpt_dir: str | os.PathLike, **runtime) -> ZayaConfig:
@@ -100,6 +199,8 @@ def save(model, cfg: ZayaConfig, ckpt_dir: str | os.PathLike, *, iteration: int 
         "model": model.sharded_state_dict(),
     }
     dist_checkpointing.save(state, str(staging))
+    write_checksums(staging)
+    publish_permissions(staging)
     final = root / name
     if final.exists():
         shutil.rmtree(final)

@@ -17,9 +17,6 @@ import os
 import sys
 from pathlib import Path
 
-from .training.arguments import UsageError
-from .training.reliability import FAULT_EXIT_CODE, TrainingFault
-
 APPLIED = ("applied", "already applied")  # apply_patches() reports of a patch in effect
 
 EMBEDDED_RUN_DIR = "runs/zaya-tiny"
@@ -52,7 +49,7 @@ def _has(argv: list[str], *flags: str) -> bool:
 def build_argv(argv: list[str], cuda: bool) -> list[str]:
     """ZAYA1's flags, the preset's, platform and main-job defaults, then the user's (last wins)."""
     from .config import PRESETS, preset
-    from .training.arguments import ZAYA_FLAGS, preset_flags
+    from .training.arguments import ZAYA_FLAGS, UsageError, preset_flags
 
     name = _flag_value(argv, "--zaya-preset")
     if name is None and not _has(argv, "--num-layers"):
@@ -65,10 +62,15 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
     flags += ["--no-check-for-nan-in-loss-and-grad"]
     flags += [] if cuda else ["--distributed-backend", "gloo", "--use-cpu-initialization"]
 
-    if not _has(argv, "--data-path", "--mock-data", "--train-data-path", "--data-args-path"):
+    if _has(argv, "-h", "--help"):
+        pass  # only the flags are printed: no embedded corpus to build
+    elif not _has(argv, "--data-path", "--mock-data", "--train-data-path", "--data-args-path"):
         from .data import embedded_dataset_prefix, embedded_tokenizer_dir
 
         flags += MAIN_JOB_FLAGS + (["--bf16"] if cuda else [])
+        iterations = _flag_value(argv, "--train-iters")
+        if iterations and iterations.isdigit():  # a shorter job: a warmup that fits in it (a tenth, at most 20)
+            flags += ["--lr-warmup-iters", str(min(20, int(iterations) // 10))]
         # A run resumes from where it saves: `--save X` alone must not pick up the default run's checkpoint.
         save = _flag_value(argv, "--save") or EMBEDDED_RUN_DIR
         flags += ["--save", save, "--load", _flag_value(argv, "--load") or save]
@@ -79,8 +81,8 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
         if vocab is None:
             raise UsageError("--mock-data needs a vocabulary: give --zaya-preset, --zaya-vocab-size or a tokenizer")
         flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(int(vocab) - 1)]  # + the EOD token
-    if _has(argv, "--zaya-sigterm-deadline"):
-        flags += ["--exit-signal-handler"]  # the deadline bounds Megatron's save-on-SIGTERM
+    if _saves_on_sigterm(argv, flags):
+        flags += ["--exit-signal-handler"]  # Megatron's save-on-SIGTERM; the deadline bounds it
     return flags + argv
 
 
@@ -94,6 +96,16 @@ def _memory_plan_world_size(argv: list[str]) -> int | None:
     if not value.isdigit() or int(value) < 1:
         raise UsageError(f"--zaya-memory-plan {value}: give a number of GPUs >= 1, or nothing")
     return int(value)
+
+
+def _saves_on_sigterm(argv: list[str], flags: list[str]) -> bool:
+    """With a --save directory, SIGTERM (pre-emption, scancel) saves unless --zaya-sigterm-deadline is 0."""
+    deadline = _flag_value(argv, "--zaya-sigterm-deadline")
+    try:
+        off = deadline is not None and float(deadline) <= 0
+    except ValueError:
+        return False  # argparse names the bad value
+    return not off and (_has(argv, "--save") or _has(flags, "--save"))
 
 
 def _relaunch_on_all_gpus(argv: list[str]) -> None:
@@ -111,7 +123,7 @@ def _parse(argv: list[str]):
     from megatron.training.arguments import parse_and_validate_args, parse_args
     from megatron.training.global_vars import get_tokenizer
 
-    from .training.arguments import add_zaya_args, check_args
+    from .training.arguments import UsageError, add_zaya_args, check_args
 
     sys.argv = ["zaya-pretrain", *argv]
     check_args(parse_args(add_zaya_args), int(os.environ.get("WORLD_SIZE", "1")))
@@ -119,6 +131,12 @@ def _parse(argv: list[str]):
         args = parse_and_validate_args(add_zaya_args)
     except AssertionError as error:
         raise UsageError(f"invalid arguments: {str(error) or _failed_check(error)}") from error
+    except ValueError as error:  # Megatron's tokenizer builder wraps what transformers raised
+        if not str(error).startswith("Unable to instantiate HuggingFace AutoTokenizer"):
+            raise
+        reason = str(error).split("Exception: ", 1)[-1].strip().splitlines()[0]
+        raise UsageError(f"--tokenizer-model {_flag_value(argv, '--tokenizer-model')} does not load ({reason}); give "
+                         "the tokenizer's directory, or a Hugging Face name that is downloaded or reachable") from error
     tokenizer_vocab = get_tokenizer().vocab_size
     model_vocab = args.zaya_vocab_size or args.padded_vocab_size
     if tokenizer_vocab > model_vocab:
@@ -138,10 +156,16 @@ def _failed_check(error: AssertionError) -> str:
 def _check_checkpoint_matches(args) -> None:
     """Refuse, in one line, to resume (or fine-tune) from a checkpoint of another architecture."""
     from . import checkpoint
-    from .training.arguments import zaya_config_from_args
+    from .training.arguments import UsageError, zaya_config_from_args
 
-    if not args.load or not (Path(args.load) / checkpoint.TRACKER).is_file():
+    marker = checkpoint.read_tracker(args.load) if args.load else None
+    if marker is None:
         return
+    path = Path(args.load) / checkpoint.step_name(marker)
+    recorded = checkpoint.recorded_files(path) or {}
+    if not (path / "metadata.json").is_file() or checkpoint.damage(
+            path, [name for name in recorded if not name.endswith(".distcp")], recorded):
+        return  # damaged: the load names it and falls back to the newest intact checkpoint
     differences = checkpoint.architecture_differences(args.load, zaya_config_from_args(args))
     if differences:
         raise UsageError(f"--load {args.load} holds a different model ({'; '.join(differences)}); give the flags "
@@ -152,16 +176,21 @@ def run(argv: list[str]) -> None:
     import torch
 
     from .patches import apply_patches
+    from .runtime import START_LOG, end_helpers_with_this_process, write_start_log
 
+    end_helpers_with_this_process()  # no helper outlives a killed trainer
     cuda = torch.cuda.is_available()
     plan_size = _memory_plan_world_size(argv)
     if plan_size is not None:  # the plan is for GPUs and for the world size asked, whatever this machine is
         cuda = True
         os.environ["WORLD_SIZE"] = str(plan_size)
     argv = build_argv(argv, cuda)
-    patches = apply_patches(_flag_value(argv, "--zaya-patches"))
+    patches = apply_patches(_flag_value(argv, "--zaya-patches"), log=START_LOG.append)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 20000))
+    if "MASTER_PORT" not in os.environ:  # a single process without a launcher
+        from .runtime import free_master_port
+
+        os.environ["MASTER_PORT"] = str(free_master_port(os.environ["MASTER_ADDR"]))
     # Megatron requires it with TP or CP (one hardware queue keeps communication kernels in launch order), as its
     # example scripts export; set before the first CUDA context.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
@@ -171,6 +200,7 @@ def run(argv: list[str]) -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
     from .training import reliability
+    from .training.arguments import UsageError
     from .training.loss_curve import LOSS_CURVE
     from .training.steps import forward_step, model_provider, train_valid_test_datasets_provider
 
@@ -186,17 +216,24 @@ def run(argv: list[str]) -> None:
     _check_checkpoint_matches(args)
     if args.save:
         reliability.check_save_dir(args.save)
-    if args.zaya_sigterm_deadline is not None:
+    write_start_log(args.save, sum(state == "applied" for state in patches.values()), len(patches))
+    if args.exit_signal_handler and args.save and args.zaya_sigterm_deadline > 0:
         reliability.arm_sigterm_deadline(args.zaya_sigterm_deadline, args.save)
     plot = args.zaya_loss_plot or (str(Path(args.save) / "loss.png") if args.save else None)
     LOSS_CURVE.enabled = plot is not None
-    pretrain(pretrain_cfg_container_from_args(args, None), train_valid_test_datasets_provider,
-             ModelType.encoder_or_decoder, reliability.GUARD.watch(forward_step), model_provider=model_provider)
+    try:
+        pretrain(pretrain_cfg_container_from_args(args, None), train_valid_test_datasets_provider,
+                 ModelType.encoder_or_decoder, reliability.GUARD.watch(forward_step), model_provider=model_provider)
+    except SystemExit as stop:  # --exit-interval, --exit-duration-in-mins, SIGTERM: the curve so far is kept too
+        if stop.code in (None, 0):
+            _finish(args, plot, stopped_early=True)
+        raise
     _finish(args, plot)
 
 
-def _finish(args, plot: str | None) -> None:
-    """On the rank that computed losses (last stage, first DP, CP and TP rank): the plot and what to run next."""
+def _finish(args, plot: str | None, stopped_early: bool = False) -> None:
+    """On the rank that computed losses (last stage, first DP, CP and TP rank): the plot and what to run next
+    (after an early stop, the plot only: the same command resumes)."""
     from megatron.core import parallel_state as mpu
 
     from .training.loss_curve import LOSS_CURVE
@@ -209,6 +246,9 @@ def _finish(args, plot: str | None) -> None:
     lines = []
     if plot and LOSS_CURVE.points():
         lines.append(f"loss curve: {LOSS_CURVE.write(plot)}")
+    if stopped_early:
+        print(f"[zaya] stopped early; {'; '.join(lines) or 'no loss curve'}; the same command resumes", flush=True)
+        return
     if args.save:
         lines += [f"checkpoint: {args.save}",
                   f"continue training: zaya-pretrain --load {args.save} --save {args.save} "
@@ -219,7 +259,15 @@ def _finish(args, plot: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .runtime import one_line_for_missing_packages
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    with one_line_for_missing_packages():  # what run() imports: Megatron's training stack
+        import megatron.training.training  # noqa: F401
+
+        from .training.arguments import UsageError
+        from .training.reliability import FAULT_EXIT_CODE, TrainingFault
+        from .training.steps import forward_step  # noqa: F401
     if not _has(argv, "--zaya-memory-plan"):
         _relaunch_on_all_gpus(argv)
     try:

@@ -1,6 +1,20 @@
-"""Process set-up for using ZAYA1 models outside a training launcher (conversion, inference, tests)."""
+"""Process set-up: a single process outside a training launcher (conversion, inference, tests), the master port
+of a single-node run, and a quiet start (warnings about optional packages in one line, the start-up record
+kept for the run directory)."""
 
 from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,3 +38,108 @@ def ensure_single_process_parallel_state() -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel hands out for outgoing connections (Linux's default if it does not say)."""
+    try:
+        low, high = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_master_port(host: str = "127.0.0.1", start: int | None = None) -> int:
+    """A port for a single-node rendezvous: below the ephemeral range (where any outgoing connection may take
+    a port between this check and the bind), free when tried, from ``start`` (default: by process id) on."""
+    low = max(ephemeral_port_range()[0], 20001)
+    candidates = range(20000, low)
+    first = (start if start is not None else 20000 + os.getpid() % len(candidates)) - 20000
+    for offset in range(len(candidates)):
+        port = candidates[(first + offset) % len(candidates)]
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free TCP port in {candidates.start}-{candidates.stop - 1} on {host}; set MASTER_PORT")
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def end_helpers_with_this_process() -> None:
+    """Let every process this one forks from its main thread (data-loader workers, checkpoint writers, the
+    multiprocessing fork server) die with it, also when it is SIGKILLed: the child asks the kernel for a
+    SIGKILL when its parent ends (``PR_SET_PDEATHSIG``, Linux; kept across ``exec``). Children forked from
+    other threads are left alone: the kernel sends that signal when the forking *thread* ends."""
+    if not sys.platform.startswith("linux"):
+        return
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = {}
+
+    def before_fork():
+        parent["main thread"] = threading.current_thread() is threading.main_thread()
+        parent["pid"] = os.getpid()
+
+    def in_child():
+        if parent.get("main thread"):
+            prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != parent["pid"]:  # the parent ended before the request
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    os.register_at_fork(before=before_fork, after_in_child=in_child)
+
+
+# Megatron's argument dump and the patch lines of this process, for the run directory's START_LOG_NAME.
+START_LOG: list[str] = []
+START_LOG_NAME = "zaya-start.log"
+_OPTIONAL = {"Transformer Engine": "transformer engine", "Apex": "apex", "absl-py": "absl"}
+
+
+def _is_rank_0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+@contextlib.contextmanager
+def one_line_for_missing_packages():
+    """Importing Megatron without Transformer Engine, Apex or absl-py raises a dozen warnings (and torch logs
+    that there is no CUDA runtime): within this block they become one ``[zaya]`` line on rank 0; every other
+    warning is shown as usual, at the end of the block."""
+    cpp_extension = logging.getLogger("torch.utils.cpp_extension")
+    level = cpp_extension.level
+    cpp_extension.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            yield
+    finally:
+        cpp_extension.setLevel(level)
+    missing = []
+    for warning in caught:
+        text = str(warning.message).lower().replace("-", " ").replace("_", " ")
+        names = [name for name, key in _OPTIONAL.items() if key in text]
+        if names and ("not installed" in text or "version" in text):
+            missing += [name for name in names if name not in missing]
+        else:
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+    if missing and _is_rank_0():
+        print(f"[zaya] not installed: {', '.join(missing)}; Megatron uses its torch fallbacks (the same results; "
+              "on GPU its fused norms and optimizer steps are slower)", flush=True)
+
+
+def write_start_log(run_dir: str | None, applied: int, patches: int) -> None:
+    """On rank 0, append :data:`START_LOG` to ``run_dir``'s :data:`START_LOG_NAME` (one section per launch)
+    and print the one console line that names it."""
+    if not _is_rank_0():
+        return
+    summary = f"{applied} of {patches} patches applied"
+    if run_dir is None:
+        print(f"[zaya] {summary}; the argument dump and patch lines are not kept (no --save directory)", flush=True)
+        return
+    path = Path(run_dir) / START_LOG_NAME
+    with path.open("a") as stream:
+        stream.write(f"==================== launch at {time.strftime('%Y-%m-%d %H:%M:%S')}, pid {os.getpid()}\n")
+        stream.write("\n".join(START_LOG) + "\n")
+    print(f"[zaya] {summary}; the argument dump and patch lines: {path}", flush=True)

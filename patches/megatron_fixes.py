@@ -193,3 +193,72 @@ def optimizer_split_changed() -> None:
         return original(self, state_dict)
 
     replace_attr(ChainedOptimizer, "load_state_dict", load_state_dict)
+
+
+@register("megatron_fixes.first_log_resets", megatron=">=0.19,<0.20",
+          target="megatron.training.training.training_log")
+def first_log_resets() -> None:
+    """Reset the logged loss sums after a launch's first iteration when it falls on a log interval.
+
+    ``training_log`` always prints a launch's first iteration (``is_first_iteration``, training.py:2594) and
+    then keeps its sums so that an interval it cut short still averages every iteration of it. When the
+    first iteration is itself on the interval (every launch with ``--log-interval 1``, and a resume on the
+    interval), nothing is cut short, yet the sums are kept: the next logged ``lm loss`` is the mean of two
+    iterations, a step that did not happen. The wrapper passes ``is_first_iteration=False`` there, which
+    also lets that iteration's timers reach TensorBoard like any other logged iteration's.
+
+    Off: leave ``megatron_fixes.first_log_resets`` out of ``--zaya-patches`` / ``ZAYA_PATCHES``.
+    """
+    import megatron.training.training as training
+
+    original = training.training_log
+
+    @functools.wraps(original)
+    def training_log(*args, is_first_iteration=False, **kwargs):
+        iteration = args[3] if len(args) > 3 else kwargs["iteration"]
+        if is_first_iteration and iteration % training.get_args().log_interval == 0:
+            is_first_iteration = False
+        return original(*args, is_first_iteration=is_first_iteration, **kwargs)
+
+    replace_attr(training, "training_log", training_log)
+
+
+_SCHEDULE_FLAGS = {  # OptimizerParamScheduler's name of a value -> the flag behind it
+    "learning rate": "--lr", "minimum learning rate": "--min-lr", "warmup iterations": "--lr-warmup-iters",
+    "total number of iterations": "--lr-decay-iters (default: --train-iters)",
+    "learning rate decay style": "--lr-decay-style", "start weight decay": "--start-weight-decay",
+    "end weight decay": "--end-weight-decay",
+    "total number of weight decay iterations": "--weight-decay-incr-style length (--train-iters)",
+}
+
+
+@register("megatron_fixes.schedule_mismatch", megatron=">=0.19,<0.20",
+          target="megatron.core.optimizer_param_scheduler.OptimizerParamScheduler._check_and_set")
+def schedule_mismatch() -> None:
+    """Refuse, in one line, a resume whose LR or weight-decay schedule differs from the checkpoint's.
+
+    ``OptimizerParamScheduler.load_state_dict`` compares each schedule value with the checkpoint's and fails
+    with a bare ``AssertionError`` ("class input value 24 and checkpointvalue 32 for total number of
+    iterations do not match", in samples) when they differ, e.g. after raising ``--train-iters`` to continue
+    a finished run. The replacement raises ``UsageError`` (``zaya-pretrain`` prints one line, exit 2) naming
+    the flag and both ways out.
+
+    Off: leave ``megatron_fixes.schedule_mismatch`` out of ``--zaya-patches`` / ``ZAYA_PATCHES``.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_zaya.training.arguments import UsageError
+
+    original = OptimizerParamScheduler._check_and_set
+
+    @functools.wraps(original)
+    def _check_and_set(self, cls_value, sd_value, name):
+        if not (self.override_opt_param_scheduler or self.use_checkpoint_opt_param_scheduler) and cls_value != sd_value:
+            raise UsageError(
+                f"the checkpoint's schedule has {name} {sd_value}, this run's flags give {cls_value} (flag: "
+                f"{_SCHEDULE_FLAGS.get(name, name)}; iteration counts are in samples); add "
+                "--override-opt_param-scheduler to use this run's schedule, or --use-checkpoint-opt_param-scheduler "
+                "to keep the checkpoint's")
+        return original(self, cls_value, sd_value, name)
+
+    replace_attr(OptimizerParamScheduler, "_check_and_set", _check_and_set)

@@ -1,4 +1,5 @@
-"""Patch group ``reliability``: crash-safe ``latest`` markers, the per-step fault guard, clear save failures.
+"""Patch group ``reliability``: crash-safe, checksummed ``latest`` markers, resuming from the newest intact
+checkpoint, the per-step fault guard, clear save failures.
 
 What each fault does and how it is tested: ``docs/reliability.md``.
 """
@@ -54,7 +55,12 @@ class _AtomicTextFile:
         if exc_type is not None:
             os.unlink(self.staging)
             return False
+        from megatron_zaya.checkpoint import step_name, write_checksums
+
         marker = Path(self.staging).read_text().strip()
+        step = Path(self.path).parent / step_name(marker) if marker.isdigit() or marker == "release" else None
+        if step is not None and step.is_dir():
+            write_checksums(step)
         if marker.isdigit():
             kill_if_asked("kill_in_save", int(marker))  # testing hook: die with the data written, marker old
         os.replace(self.staging, self.path)
@@ -68,7 +74,8 @@ class _AtomicTextFile:
 
 @register("reliability.atomic_tracker", target="megatron.training.checkpointing.maybe_msc")
 def atomic_tracker() -> None:
-    """Write ``latest_checkpointed_iteration.txt`` atomically (temporary file, fsync, rename).
+    """Write ``latest_checkpointed_iteration.txt`` atomically (temporary file, fsync, rename), after the
+    checksums of the checkpoint it names.
 
     Megatron rewrites the tracker in place (``open(tracker, 'w')`` then ``write``, checkpointing.py:1011):
     a SIGKILL or node failure between the truncation and the write leaves it empty, and the next launch's
@@ -76,13 +83,56 @@ def atomic_tracker() -> None:
     the previous checkpoint. The replacement wraps the module's ``maybe_msc`` storage front so that only
     a write-mode ``open`` of the tracker on a local filesystem goes through a staged file renamed over
     the old one; everything else (and multi-storage-client paths) is untouched. The tracker is written
-    after every rank finished its checkpoint files, so it always names a complete checkpoint.
+    after every rank finished its checkpoint files, so it always names a complete checkpoint. Just before
+    it, the size and CRC-32 of each file of that checkpoint go into ``zaya_checksums.json`` (hashed in
+    parallel threads, written atomically), which ``reliability.verified_load`` checks on the next load.
     Off: leave ``reliability`` out of ``--zaya-patches`` / ``ZAYA_PATCHES``.
     """
     from megatron.training import checkpointing
 
     if not isinstance(checkpointing.maybe_msc, _AtomicTrackerStorage):
         replace_attr(checkpointing, "maybe_msc", _AtomicTrackerStorage(checkpointing.maybe_msc))
+
+
+@register("reliability.verified_load", target="megatron.training.checkpointing.read_metadata")
+def verified_load() -> None:
+    """Load the newest intact checkpoint: the tracker's if its files match their checksums, else an older one.
+
+    Megatron's ``read_metadata`` (checkpointing.py:353) turns the tracker file into the iteration to load and
+    trusts the files of that checkpoint: flipped bytes in a shard load silently (training continues on
+    damaged weights and saves over them), a truncated shard or a garbage ``.metadata``/``metadata.json``
+    fails with a traceback, and an empty or garbage tracker ``sys.exit()``s with status 0. The replacement
+    returns the iteration chosen by :func:`~megatron_zaya.training.reliability.newest_intact_checkpoint`:
+    every rank checks its share of the files (sizes, then CRC-32 in parallel threads) against
+    ``zaya_checksums.json``, the ranks gather their findings, and a damaged checkpoint is named in one line
+    and skipped for the newest older intact one; with none intact the run stops, exit 2. Megatron calls
+    ``read_metadata`` on every rank at the same points (the original all-reduces the iteration), so the
+    check is collective there too; its result is kept per directory and tracker content. Checkpoints
+    without checksums (older saves) load as before when the tracker names them. Multi-storage-client paths
+    keep the original. Megatron's own ``--verify-integrity`` hashes every file with SHA-256 on rank 0 alone
+    and stops on a mismatch; this one is parallel and falls back.
+    Off: leave ``reliability`` out of ``--zaya-patches`` / ``ZAYA_PATCHES``.
+    """
+    from megatron.core.msc_utils import MultiStorageClientFeature
+    from megatron.training import checkpointing
+
+    from megatron_zaya.checkpoint import read_tracker
+    from megatron_zaya.training.reliability import newest_intact_checkpoint
+
+    original = checkpointing.read_metadata
+    chosen: dict[tuple[str, str | None], str] = {}
+
+    @functools.wraps(original)
+    def read_metadata(tracker_filename):
+        if MultiStorageClientFeature.is_enabled():
+            return original(tracker_filename)
+        load_dir = os.path.dirname(tracker_filename)
+        key = (os.path.abspath(load_dir), read_tracker(load_dir))
+        if key not in chosen:
+            chosen[key] = newest_intact_checkpoint(load_dir)
+        return (0, True) if chosen[key] == "release" else (int(chosen[key]), False)
+
+    replace_attr(checkpointing, "read_metadata", read_metadata)
 
 
 @register("reliability.step_guard", target="megatron.training.training.get_megatron_optimizer")

@@ -52,3 +52,31 @@ def patch_compile_helpers() -> None:
     from megatron.core.datasets import utils
 
     replace_attr(utils, "compile_helpers", check_prebuilt_helpers)
+
+
+@register("startup.arguments_to_file", target="megatron.training.arguments._print_args")
+def arguments_to_file() -> None:
+    """Keep Megatron's argument dump off the console, for the run directory's ``zaya-start.log``.
+
+    ``validate_args`` prints every argument on rank 0 (``_print_args``, arguments.py:1909), some 840 lines
+    before the first iteration. For zaya-pretrain runs (arguments with the ``--zaya-*`` flags) the
+    replacement appends the same lines to ``megatron_zaya.runtime.START_LOG``; zaya-pretrain writes them,
+    with the patch lines, into ``<--save>/zaya-start.log`` once its checks passed, and prints one line
+    naming the file. Other callers keep the original.
+    Off: leave ``startup.arguments_to_file`` out of ``--zaya-patches`` / ``ZAYA_PATCHES``.
+    """
+    from megatron.training import arguments
+
+    from megatron_zaya.runtime import START_LOG
+
+    original = arguments._print_args
+
+    def _print_args(title, args):
+        if not hasattr(args, "zaya_preset"):
+            return original(title, args)
+        START_LOG.append(f"------------------------ {title} ------------------------")
+        START_LOG.extend(sorted((f"  {name} {'.' * (48 - len(name))} {value}" for name, value in vars(args).items()),
+                                key=str.lower))
+        return None
+
+    replace_attr(arguments, "_print_args", _print_args)

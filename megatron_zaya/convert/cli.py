@@ -5,7 +5,9 @@
     zaya-convert export-hf CKPT_DIR OUT_HF_DIR   # -> transformers.AutoModelForCausalLM.from_pretrained(OUT_HF_DIR)
 
 Bad input stops with a one-line error and exit code 2 before anything is written; the output is built in a
-temporary directory beside its destination and renamed into place only when complete.
+temporary directory beside its destination and renamed into place only when complete, with the permissions
+of any new directory (the umask's). An export takes the tokenizer's own files only (as the tokenizer saves
+itself), and says so when it has none.
 """
 
 from __future__ import annotations
@@ -31,9 +33,22 @@ def _check_output(out: Path) -> None:
 
 
 def _publish(staging: Path, out: Path) -> None:
+    from megatron_zaya.checkpoint import publish_permissions
+
+    publish_permissions(staging)
     if out.exists():
         out.rmdir()  # empty, checked before
     staging.rename(out)
+
+
+def _load_tokenizer(tokenizer: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(tokenizer))
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--tokenizer {tokenizer} holds no tokenizer transformers can load "
+                         f"({str(error).splitlines()[0]}); give the tokenizer's directory") from error
 
 
 def import_hf(hf_dir: Path, out: Path, dtype) -> None:
@@ -61,6 +76,7 @@ def export_hf(ckpt_dir: Path, out: Path, dtype, tokenizer: Path | None) -> None:
     _check_output(out)
     if tokenizer is not None and not tokenizer.is_dir():
         raise UsageError(f"--tokenizer {tokenizer} is not a directory")
+    loaded_tokenizer = _load_tokenizer(tokenizer) if tokenizer is not None else None
     model, cfg = load_megatron(ckpt_dir, dtype)
     hf_config = hf_config_from_zaya(cfg)
     hf_config["dtype"] = str(cfg.params_dtype).removeprefix("torch.")
@@ -70,15 +86,16 @@ def export_hf(ckpt_dir: Path, out: Path, dtype, tokenizer: Path | None) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         write_hf_checkpoint(staging, hf_config, weights)
-        if tokenizer is not None:
-            for item in tokenizer.iterdir():
-                if item.is_file():
-                    shutil.copy2(item, staging / item.name)
+        if loaded_tokenizer is not None:
+            loaded_tokenizer.save_pretrained(str(staging))  # its own files, not the rest of its directory
         _publish(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     print(f"wrote Hugging Face checkpoint {out}; load it with "
           f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    if tokenizer is None:
+        print(f"zaya-convert: warning: {out} has no tokenizer; export again with --tokenizer DIR (the tokenizer the "
+              "model was trained with) or save that tokenizer into it", file=sys.stderr)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -97,10 +114,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_zaya.checkpoint import CheckpointError
-    from megatron_zaya.convert.hf import ConversionError
+    from megatron_zaya.runtime import one_line_for_missing_packages
 
     args = parser().parse_args(argv)
+    with one_line_for_missing_packages():
+        from megatron_zaya.checkpoint import CheckpointError
+        from megatron_zaya.convert.hf import ConversionError
+        from megatron_zaya.pretrained import load_hf  # noqa: F401  (Megatron's model stack)
+
     try:
         if args.command == "import-hf":
             import_hf(args.hf_dir, args.out_dir, DTYPES[args.dtype])

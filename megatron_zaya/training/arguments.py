@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from ..config import ATTENTION_TYPES, PRESETS, ZayaConfig, ZayaConfigError, kernel_selection, preset
 from ..settings import add_flags, flagged_fields, values_from_args
 from ..optim import add_muon_args
-from .data_checks import indexed_dataset_problem
+from .data_checks import DEFAULT_SPLIT, indexed_dataset_problem, split_problem
 
 
 class UsageError(ValueError):
@@ -56,7 +57,15 @@ def preset_flags(name: str) -> list[str]:
 
 
 def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron ``extra_args_provider``: the ``--zaya-*`` flags."""
+    """Megatron ``extra_args_provider``: the ``--zaya-*`` flags, and a parser whose errors are two lines.
+
+    argparse prints its usage line before an error; generated from Megatron's ~700 flags it is hundreds of
+    lines, so it is replaced by a short one. A bare ``%`` in a Megatron help string (e.g. "90% of data")
+    breaks argparse's ``%``-formatting of ``--help``; it is escaped."""
+    parser.usage = "%(prog)s [--zaya-preset NAME] [Megatron and --zaya-* flags]  (--help lists them)"
+    for action in parser._actions:
+        if action.help:
+            action.help = re.sub(r"%%|%\(|%", lambda m: "%%" if m.group() == "%" else m.group(), action.help)
     g = parser.add_argument_group("ZAYA1")
     g.add_argument("--zaya-preset", choices=sorted(PRESETS), default=None,
                    help="fill the model flags with a named shape; explicit flags win")
@@ -77,9 +86,9 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--zaya-loss-spike-window", type=int, default=100, help="steps in the loss-spike window")
     g.add_argument("--zaya-replica-check-interval", type=int, default=100,
                    help="compare the weights of data-parallel replicas every this many steps; 0: off")
-    g.add_argument("--zaya-sigterm-deadline", type=float, default=None,
-                   help="after SIGTERM, save and exit within this many seconds, else exit without the save "
-                        "(implies --exit-signal-handler)")
+    g.add_argument("--zaya-sigterm-deadline", type=float, default=60.0,
+                   help="with --save, SIGTERM (pre-emption, scancel) saves at the end of the current step and exits "
+                        "0 within this many seconds, else exits 3 without the save; 0: no save on SIGTERM")
     return add_muon_args(parser)  # --zaya-muon-* and the --optimizer zaya_muon choice
 
 
@@ -130,8 +139,35 @@ def _data_prefixes(values: list[str] | None) -> list[str]:
     return [v for v in values if not is_number(v)]
 
 
+def _check_flag_combinations(args) -> None:
+    """Values and combinations Megatron asserts on without a message, or accepts silently."""
+    if args.mock_data and (args.data_path or args.train_data_path):
+        raise UsageError("--mock-data and --data-path both given; drop --mock-data to train on the data")
+    if args.data_path and args.tokenizer_type is None:
+        raise UsageError("--data-path needs the tokenizer the data was built with: add --tokenizer-type "
+                         "HuggingFaceTokenizer --tokenizer-model <the directory or name given to zaya-preprocess>")
+    model = args.tokenizer_model
+    looks_like_a_path = model and (model.startswith((".", "~", os.sep)) or model.count("/") > 1)  # not org/name
+    if looks_like_a_path and not Path(model).expanduser().exists():
+        raise UsageError(f"--tokenizer-model {model}: no such directory (relative paths start at {os.getcwd()}); "
+                         "give the tokenizer's directory or a Hugging Face name")
+    if args.bf16 and args.fp16:
+        raise UsageError("--bf16 and --fp16 both given; choose one")
+    for flag, value in (("--micro-batch-size", args.micro_batch_size), ("--global-batch-size", args.global_batch_size),
+                        ("--train-iters", args.train_iters), ("--seq-length", args.seq_length)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} {value}: must be at least 1")
+    for flag, value in (("--lr", args.lr), ("--min-lr", args.min_lr), ("--weight-decay", args.weight_decay)):
+        if value is not None and value < 0:
+            raise UsageError(f"{flag} {value} is negative; give a positive value")
+    if args.zaya_balance_skip_class and not args.zaya_skip_class:
+        raise UsageError("--zaya-balance-skip-class with --zaya-no-skip-class: there is no skip class to balance; "
+                         "drop one of them")
+
+
 def check_args(args, world_size: int) -> None:
     """Fail early, in one line, on input Megatron would reject with a traceback (or not at all)."""
+    _check_flag_combinations(args)
     try:
         kernel_selection(args.zaya_kernels)
     except ZayaConfigError as error:
@@ -143,6 +179,10 @@ def check_args(args, world_size: int) -> None:
                 raise UsageError(f"data path {prefix!r}: {path} is missing or unreadable; build it with "
                                  "zaya-preprocess or fix --data-path")
         problem = indexed_dataset_problem(prefix, args.seq_length)
+        if problem:
+            raise UsageError(problem)
+    for prefix in _data_prefixes(args.data_path):
+        problem = split_problem(prefix, args.split or DEFAULT_SPLIT, args.seq_length)
         if problem:
             raise UsageError(problem)
     if args.max_position_embeddings is not None and args.seq_length is not None \
@@ -198,3 +238,5 @@ def check_args(args, world_size: int) -> None:
     if getattr(args, "cuda_graph_impl", "none") != "none":
         raise UsageError(f"--cuda-graph-impl {args.cuda_graph_impl}: Megatron's graphs do not capture ZAYA1 layers; "
                          "use --zaya-cuda-graphs")
+    if args.zaya_cuda_graphs and not torch.cuda.is_available():
+        raise UsageError("--zaya-cuda-graphs needs a GPU (none is visible here); drop it on CPU")

@@ -1,5 +1,6 @@
 """The training-loss curve: recorded by the loss function, pooled over data- and context-parallel ranks once at
-the end, written as CSV and PNG."""
+the end, written as CSV and PNG. A resumed run adds to the curve of the runs before it: their points up to
+the iteration it resumed from are kept, later ones (steps it repeats) replaced."""
 
 from __future__ import annotations
 
@@ -53,7 +54,12 @@ class LossCurve:
         png = Path(png_path)
         png.parent.mkdir(parents=True, exist_ok=True)
         points = self.points()
-        png.with_suffix(".csv").write_text("iteration,loss\n" + "".join(f"{i},{v!r}\n" for i, v in points))
+        csv = png.with_suffix(".csv")
+        first = points[0][0] if points else 0
+        points = [p for p in _read_csv(csv) if p[0] < first] + points
+        staging = csv.with_name(f".{csv.name}.tmp")
+        staging.write_text("iteration,loss\n" + "".join(f"{i},{v!r}\n" for i, v in points))
+        staging.replace(csv)
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
         ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2)
         ax.set_xlabel("iteration")
@@ -64,6 +70,22 @@ class LossCurve:
         fig.savefig(png)
         plt.close(fig)
         return png
+
+
+def _read_csv(path: Path) -> list[tuple[int, float]]:
+    """The points of an earlier run's curve (none if there is none or it is unreadable)."""
+    points = []
+    try:
+        lines = path.read_text().splitlines()[1:]
+    except OSError:
+        return points
+    for line in lines:
+        try:
+            iteration, loss = line.split(",")
+            points.append((int(iteration), float(loss)))
+        except ValueError:
+            continue  # a line cut short by a kill while it was written by an older version
+    return points
 
 
 LOSS_CURVE = LossCurve()

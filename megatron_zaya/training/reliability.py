@@ -10,6 +10,9 @@ What happens on each fault, how the tests inject it, and the flags, are in ``doc
   the step's balancing-bias update. ``--zaya-max-nonfinite-steps`` skipped steps in a row stop the run.
   Every ``--zaya-replica-check-interval`` steps it compares per-tensor checksums of the weights across
   data-parallel replicas.
+* :func:`newest_intact_checkpoint` picks the checkpoint a run resumes from: the tracker's, if its files match
+  the checksums recorded at save, else the newest older one that does (installed by the
+  ``reliability.verified_load`` patch).
 * :func:`arm_sigterm_deadline` bounds the time between SIGTERM and the exit.
 * :func:`check_save_dir` refuses an unwritable or too-full ``--save`` before training starts.
 """
@@ -28,10 +31,10 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint import TRACKER, damage, read_tracker, recorded_files, step_name
 from .arguments import UsageError
 from .fault_injection import fault
 
-TRACKER = "latest_checkpointed_iteration.txt"
 FAULT_EXIT_CODE = 3
 
 
@@ -43,12 +46,10 @@ def describe_latest_checkpoint(save_dir: str | None) -> str:
     """'ckpt/iter_0000009 (iteration 9)', or why there is none."""
     if not save_dir:
         return "none (no --save directory)"
-    tracker = Path(save_dir) / TRACKER
-    if not tracker.is_file():
+    marker = read_tracker(save_dir)
+    if marker is None:
         return f"none yet in {save_dir}"
-    marker = tracker.read_text().strip()
-    name = "release" if marker == "release" else f"iter_{int(marker):07d}"
-    return f"{Path(save_dir) / name} (iteration {marker})"
+    return f"{Path(save_dir) / step_name(marker)} (iteration {marker})"
 
 
 def _iteration() -> int:
@@ -61,9 +62,9 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _print_rank_0(message: str) -> None:
+def _print_rank_0(message: str, file=None) -> None:
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(message, flush=True)
+        print(message, file=file or sys.stdout, flush=True)
 
 
 class StepGuard:
@@ -257,6 +258,79 @@ def check_replicas(model_chunks, iteration: int, save_dir: str | None) -> None:
     _print_rank_0(f" [zaya] iteration {iteration:8d} | data-parallel replicas identical |")
 
 
+# ------------------------------------------------------------------------------------------ resuming
+def _rank_and_size() -> tuple[int, int]:
+    dist = torch.distributed
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _writer(name: str) -> int | None:
+    """The rank that wrote a ``torch_dist`` data file (``__<rank>_<n>.distcp``), None for other files."""
+    parts = name.split("_")
+    return int(parts[2]) if name.startswith("__") and len(parts) > 3 and parts[2].isdigit() else None
+
+
+def _share(recorded: dict[str, list[int]], rank: int, world: int) -> list[str]:
+    """This rank's files to verify: those it wrote, and of the rest (metadata, files of ranks beyond this
+    world size) a share balanced by size, assigned alike on every rank."""
+    own = [n for n in recorded if _writer(n) == rank]
+    rest = sorted((n for n in recorded if _writer(n) is None or _writer(n) >= world),
+                  key=lambda n: (-recorded[n][0], n))
+    load = [0] * world
+    for name in rest:
+        target = load.index(min(load))
+        load[target] += recorded[name][0] + 1
+        if target == rank:
+            own.append(name)
+    return own
+
+
+def _damage_on_all_ranks(path: Path, tracker_named: bool) -> list[str]:
+    """What is wrong with the step directory ``path``; each rank reads only its share of the files."""
+    if not path.is_dir():
+        return ["missing"]
+    recorded = recorded_files(path)
+    if recorded is None:  # saved without checksums (an older or a foreign save): trusted only if the tracker names it
+        return [] if tracker_named else ["no checksum record: incomplete, or not saved by megatron-zaya"]
+    rank, world = _rank_and_size()
+    problems = damage(path, _share(recorded, rank, world), recorded)
+    if world > 1:
+        gathered = [None] * world
+        torch.distributed.all_gather_object(gathered, problems)
+        problems = sorted(p for part in gathered for p in part)
+    return problems
+
+
+def newest_intact_checkpoint(load_dir: str) -> str:
+    """The tracker marker of the checkpoint to load from ``load_dir`` (collective: every rank calls it).
+
+    The tracker's checkpoint if its files match the checksums recorded at save; else, named in one line,
+    the newest older ``iter_*`` that does (every one when the tracker itself is damaged). None intact:
+    :class:`UsageError` (exit 2), so that a run never trains on damaged weights.
+    """
+    root = Path(load_dir)
+    marker = read_tracker(root)
+    saved = sorted((int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit() and p.is_dir()),
+                   reverse=True)
+    if marker == "release":
+        candidates = ["release"]
+    else:
+        candidates = ([marker] if marker else []) + [str(i) for i in saved if marker is None or i < int(marker)]
+    damaged = [] if marker else [f"{root / TRACKER} (empty or not an iteration)"]
+    for candidate in candidates:
+        path = root / step_name(candidate)
+        problems = _damage_on_all_ranks(path, candidate == marker)
+        if not problems:
+            if damaged:
+                _print_rank_0(f"zaya-pretrain: warning: {'; '.join(damaged)}: damaged; loading the newest intact "
+                              f"checkpoint, {path} (iteration {candidate})", file=sys.stderr)
+            return candidate
+        more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+        damaged.append(f"{path} ({problems[0]}{more})")
+    raise UsageError(f"no intact checkpoint in --load {load_dir}: {'; '.join(damaged) or 'none saved'}; restore "
+                     "it from a copy, or start afresh with another --save and --load")
+
+
 # ---------------------------------------------------------------------------------------------- SIGTERM
 def arm_sigterm_deadline(seconds: float, save_dir: str | None, exit=os._exit) -> None:
     """After SIGTERM (Megatron's ``--exit-signal-handler`` saves at the end of the current step and exits 0),
@@ -294,10 +368,9 @@ def check_save_dir(save_dir: str) -> None:
     except OSError as error:
         raise UsageError(f"--save {save_dir} is not writable ({error.strerror}: {error.filename}); "
                             "choose a writable directory or fix its permissions") from error
-    tracker = root / TRACKER
-    if tracker.is_file():
-        marker = tracker.read_text().strip()
-        latest = root / ("release" if marker == "release" else f"iter_{int(marker):07d}")
+    marker = read_tracker(root)
+    if marker is not None:
+        latest = root / step_name(marker)
         needed = sum(f.stat().st_size for f in latest.rglob("*") if f.is_file()) if latest.is_dir() else 0
         free = shutil.disk_usage(root).free
         if free < needed:

@@ -1,4 +1,5 @@
-"""Pre-emption: SIGTERM (what Slurm sends) makes zaya-pretrain save and exit 0; the next launch resumes."""
+"""Pre-emption: SIGTERM (what Slurm and scancel send) makes zaya-pretrain save and exit 0 by default when it has a
+--save directory; the next launch resumes; no process of the run outlives it."""
 
 from __future__ import annotations
 
@@ -8,26 +9,65 @@ import subprocess
 import sys
 import time
 
+import psutil
+import pytest
 from zaya_cli import QUICK, losses, pretrain
 
+from megatron_zaya.training.reliability import newest_intact_checkpoint
 
-def test_sigterm_saves_and_the_next_launch_resumes(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    flags = QUICK + ["--train-iters", "400", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1000",
-                     "--exit-signal-handler"]
-    log = (tmp_path / "first.log").open("w")
+
+def _start(flags, tmp_path, name):
+    log = (tmp_path / f"{name}.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "megatron_zaya.pretrain", *flags], cwd=tmp_path, stdout=log,
-                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            start_new_session=True)
     deadline = time.time() + 300
-    while time.time() < deadline and not losses((tmp_path / "first.log").read_text()).get(3):
+    while time.time() < deadline and not losses((tmp_path / f"{name}.log").read_text()).get(3):
+        assert proc.poll() is None, (tmp_path / f"{name}.log").read_text()[-3000:]
         time.sleep(0.5)
+    return proc
+
+
+def _left_in_session(session: int) -> list[str]:
+    """Processes still running in the run's session (the trainer and every helper it started)."""
+    time.sleep(1)  # the kernel's signal to the helpers takes a moment
+    left = []
+    for process in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if os.getsid(process.pid) == session and process.info["status"] != psutil.STATUS_ZOMBIE:
+                left.append(" ".join(process.info["cmdline"] or [])[:200])
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return left
+
+
+def test_sigterm_saves_by_default_and_the_next_launch_resumes(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    flags = QUICK + ["--train-iters", "400", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1000"]
+    proc = _start(flags, tmp_path, "first")
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=300) == 0
+    assert proc.wait(timeout=120) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    assert _left_in_session(proc.pid) == []
     trained = max(losses((tmp_path / "first.log").read_text()))
     assert 3 <= trained < 400
     saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert saved >= trained
+    assert newest_intact_checkpoint(str(ckpt)) == str(saved)  # the save on SIGTERM has its checksums
 
-    resumed = pretrain(flags[:-1] + ["--exit-interval", str(saved + 2)], cwd=tmp_path)
+    resumed = pretrain(flags + ["--exit-interval", str(saved + 2)], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert min(losses(resumed.stdout)) == saved + 1  # continues where the signal stopped it
+
+
+@pytest.mark.parametrize("kill", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_run_ended_without_a_save_leaves_no_process(kill, tmp_path):
+    """SIGTERM with --zaya-sigterm-deadline 0 (no save), or SIGKILL: the trainer ends at once, and so does every
+    helper it started (data-loader workers and the like), without waiting for a scheduler to end the job."""
+    ckpt = tmp_path / "ckpt"
+    flags = QUICK + ["--train-iters", "400", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1000",
+                     "--zaya-sigterm-deadline", "0"]
+    proc = _start(flags, tmp_path, "run")
+    proc.send_signal(kill)
+    assert proc.wait(timeout=60) == -kill
+    assert _left_in_session(proc.pid) == []
+    assert not (ckpt / "latest_checkpointed_iteration.txt").exists()

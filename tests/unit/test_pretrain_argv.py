@@ -18,3 +18,18 @@ def test_load_follows_an_explicit_save():
 def test_an_explicit_load_wins():
     argv = ["--save", "/tmp/new", "--load", "/tmp/old"]
     assert (_resolved(argv, "--save"), _resolved(argv, "--load")) == ("/tmp/new", "/tmp/old")
+
+
+def test_sigterm_saves_whenever_there_is_a_save_directory():
+    mock = ["--mock-data", "--zaya-preset", "test"]
+    assert "--exit-signal-handler" in build_argv([], cuda=False)  # the main job saves into its run directory
+    assert "--exit-signal-handler" in build_argv([*mock, "--save", "ck"], cuda=False)
+    assert "--exit-signal-handler" not in build_argv([*mock, "--save", "ck", "--zaya-sigterm-deadline", "0"],
+                                                     cuda=False)
+    assert "--exit-signal-handler" not in build_argv(mock, cuda=False)  # nothing to save into
+
+
+def test_a_shorter_main_job_gets_a_warmup_that_fits():
+    assert _resolved(["--train-iters", "20"], "--lr-warmup-iters") == "2"
+    assert _resolved(["--train-iters", "1000"], "--lr-warmup-iters") == "20"
+    assert _resolved(["--train-iters", "20", "--lr-warmup-iters", "5"], "--lr-warmup-iters") == "5"

@@ -1,0 +1,125 @@
+"""zaya-pretrain on bad input: exit 2 with one line naming the problem and the fix, before Megatron builds
+anything, no traceback, nothing written. All cases run in one process (one start-up) through ``main``, each
+in a directory of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from zaya_cli import QUICK
+
+from megatron_zaya.data import embedded_tokenizer_dir
+from megatron_zaya.data.preprocess import write_indexed_dataset
+
+RUNNER = """
+import contextlib, io, json, os, sys
+from megatron_zaya.pretrain import main
+results = {}
+for i, (name, argv) in enumerate(json.loads(sys.argv[1]).items()):
+    os.makedirs(f"case{i}")
+    os.chdir(f"case{i}")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exit:
+            code = exit.code
+    results[name] = [code, out.getvalue(), err.getvalue(), sorted(os.listdir("."))]
+    os.chdir("..")
+print(json.dumps(results))
+"""
+
+
+def _corpus(directory, name, documents):
+    source = directory / f"{name}.jsonl"
+    source.write_text("".join(json.dumps({"text": f"Document {i}. " + "A truth universally acknowledged. " * 30})
+                              + "\n" for i in range(documents)))
+    prefix = str(directory / name)
+    write_indexed_dataset([str(source)], prefix, embedded_tokenizer_dir(), progress=False)
+    return prefix
+
+
+def _damage_a_middle_pointer(prefix):
+    """Overwrite the byte offset of the middle sequence in the .idx (header, lengths, then the pointers)."""
+    idx = prefix + ".idx"
+    sequences = int(np.frombuffer(open(idx, "rb").read(34)[18:26], np.uint64)[0])
+    pointers = np.memmap(idx, np.int64, "r+", 34 + 4 * sequences, (sequences,))
+    pointers[sequences // 2] += 4096
+    pointers.flush()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("bad-input")
+    small = _corpus(directory, "small", 20)  # 20 documents: the default --split's 0.1% test share is empty
+    damaged = _corpus(directory, "damaged", 20)
+    _damage_a_middle_pointer(damaged)
+    tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", embedded_tokenizer_dir()]
+    cases = {
+        "small corpus with the default split": ["--data-path", small, *tokenizer],
+        "a damaged pointer in the middle of the .idx": ["--data-path", damaged, "--split", "90,10,0", *tokenizer],
+        "data without a tokenizer": ["--data-path", small, "--split", "90,10,0"],
+        "a tokenizer path that does not exist": ["--data-path", small, "--split", "90,10,0", "--tokenizer-type",
+                                                 "HuggingFaceTokenizer", "--tokenizer-model", "./my-tokenizer"],
+        "mock data and a data path": ["--mock-data", "--data-path", small, *tokenizer],
+        "a tokenizer that does not load": ["--data-path", small, "--split", "90,10,0", "--save-interval", "5",
+                                           "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                           str(directory)],
+    }
+    mock = ["--mock-data", "--zaya-preset", "test"]
+    cases.update({
+        "negative learning rate": [*mock, "--lr", "-0.001"],
+        "micro-batch size 0": [*mock, "--micro-batch-size", "0"],
+        "bf16 and fp16": [*mock, "--bf16", "--fp16"],
+        "CUDA graphs on CPU": [*mock, "--zaya-cuda-graphs"],
+        "balancing a skip class that is off": [*mock, "--zaya-no-skip-class", "--zaya-balance-skip-class"],
+        "a misspelt flag": [*mock, "--lrr", "3"],
+    })
+    argvs = {name: QUICK + ["--train-iters", "5", "--save", "ckpt", "--load", "ckpt", *flags]
+             for name, flags in cases.items()}
+    argvs["--help"] = ["--help"]
+    run = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(argvs)], cwd=directory, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+EXPECTED = {  # case -> words the one error line must hold
+    "small corpus with the default split": ["the test split", "(20 sequences) with 0 sequences",
+                                            "--split 96.9,3,0"],
+    "a damaged pointer in the middle of the .idx": ["damaged.idx", "sequence 10 of 20", "zaya-preprocess"],
+    "data without a tokenizer": ["--data-path needs the tokenizer", "--tokenizer-model"],
+    "a tokenizer path that does not exist": ["--tokenizer-model ./my-tokenizer: no such directory"],
+    "a tokenizer that does not load": ["does not load", "give the tokenizer's directory"],
+    "negative learning rate": ["--lr -0.001 is negative"],
+    "micro-batch size 0": ["--micro-batch-size 0: must be at least 1"],
+    "bf16 and fp16": ["--bf16 and --fp16", "choose one"],
+    "mock data and a data path": ["--mock-data and --data-path", "drop --mock-data"],
+    "CUDA graphs on CPU": ["--zaya-cuda-graphs needs a GPU"],
+    "balancing a skip class that is off": ["--zaya-balance-skip-class with --zaya-no-skip-class"],
+    "a misspelt flag": ["unrecognized arguments: --lrr 3"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_bad_input_is_one_line_and_exit_2(case, results):
+    code, _, stderr, written = results[case]
+    assert code == 2, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("zaya-pretrain: error:") and all(w in last for w in EXPECTED[case]), last
+    if case == "a misspelt flag":  # argparse's usage line and its error, not the list of every flag
+        assert len(stderr.strip().splitlines()) == 2, stderr
+    assert written == []
+
+
+def test_help_lists_every_flag_and_writes_nothing(results):
+    code, stdout, stderr, written = results["--help"]
+    assert code == 0, stderr[-3000:]
+    assert "--zaya-sigterm-deadline" in stdout and "90% of data" in stdout and "default 100%" in stdout
+    assert written == []

@@ -1,0 +1,153 @@
+"""Damaged checkpoints on disk: flipped bytes, truncated shards, garbage metadata and trackers. A run resumes
+from the newest intact checkpoint (named in one line) or stops with exit 2; no file of any checkpoint changes."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+
+import pytest
+from zaya_cli import QUICK, losses, pretrain
+
+from megatron_zaya.checkpoint import CHECKSUMS, TRACKER, damage, recorded_files
+from megatron_zaya.training.arguments import UsageError
+from megatron_zaya.training.reliability import newest_intact_checkpoint
+
+SHARD = "__0_0.distcp"
+FLAGS = QUICK + ["--train-iters", "4", "--save-interval", "2"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Checkpoints 2 and 4 of a 4-step run, and its losses."""
+    directory = tmp_path_factory.mktemp("saved")
+    run = pretrain(FLAGS + ["--save", "ck", "--load", "ck"], cwd=directory)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return directory / "ck", losses(run.stdout)
+
+
+def _copy(saved, tmp_path):
+    ckpt = tmp_path / "ck"
+    shutil.copytree(saved[0], ckpt)
+    return ckpt
+
+
+def _hashes(ckpt):
+    """Every file of every checkpoint, and the tracker (not the run's logs beside them)."""
+    return {str(p.relative_to(ckpt)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(ckpt.rglob("*")) if p.is_file() and (p.name == TRACKER or p.parent != ckpt)}
+
+
+def _flip(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset:offset + 8] = bytes(b ^ 0xFF for b in data[offset:offset + 8])
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+DAMAGE = {  # what is done to the copy -> the checkpoint a resume must choose
+    "bytes flipped in the newest shard": (lambda ck: _flip(ck / "iter_0000004" / SHARD, 1 << 20), "2"),
+    "newest shard truncated": (lambda ck: _truncate(ck / "iter_0000004" / SHARD), "2"),
+    "garbage .metadata": (lambda ck: (ck / "iter_0000004" / ".metadata").write_bytes(b"\x80garbage" * 64), "2"),
+    "garbage metadata.json": (lambda ck: (ck / "iter_0000004" / "metadata.json").write_text("{not json"), "2"),
+    "newest step directory gone": (lambda ck: shutil.rmtree(ck / "iter_0000004"), "2"),
+    "empty tracker": (lambda ck: (ck / TRACKER).write_text(""), "4"),
+    "garbage tracker": (lambda ck: (ck / TRACKER).write_bytes(b"\x00\xff4x"), "4"),
+    "garbage tracker and flipped bytes": (lambda ck: ((ck / TRACKER).write_text("four"),
+                                                      _flip(ck / "iter_0000004" / SHARD, 4096)), "2"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_the_newest_intact_checkpoint_is_chosen(case, saved, tmp_path, capsys):
+    ckpt = _copy(saved, tmp_path)
+    spoil, expected = DAMAGE[case]
+    spoil(ckpt)
+    before = _hashes(ckpt)
+    assert newest_intact_checkpoint(str(ckpt)) == expected
+    warning = capsys.readouterr().err.strip().splitlines()
+    assert len(warning) == 1 and warning[0].startswith("zaya-pretrain: warning:"), warning
+    assert f"loading the newest intact checkpoint, {ckpt}/iter_000000{expected}" in warning[0], warning
+    assert _hashes(ckpt) == before
+
+
+def test_an_intact_checkpoint_loads_quietly(saved, capsys):
+    assert newest_intact_checkpoint(str(saved[0])) == "4"
+    assert capsys.readouterr().err == ""
+
+
+def test_every_file_of_a_save_is_recorded(saved):
+    step = saved[0] / "iter_0000004"
+    recorded = recorded_files(step)
+    assert sorted(recorded) == sorted(p.name for p in step.iterdir() if p.name != CHECKSUMS)
+    assert damage(step, list(recorded), recorded) == []
+
+
+def test_none_intact_is_refused_in_one_line(saved, tmp_path):
+    ckpt = _copy(saved, tmp_path)
+    _truncate(ckpt / "iter_0000004" / SHARD)
+    _flip(ckpt / "iter_0000002" / SHARD, 1 << 20)
+    before = _hashes(ckpt)
+    with pytest.raises(UsageError, match="no intact checkpoint in --load") as error:
+        newest_intact_checkpoint(str(ckpt))
+    assert f"{ckpt}/iter_0000004 ({SHARD} has " in str(error.value)
+    assert f"{ckpt}/iter_0000002 ({SHARD} differs from its checksum at save)" in str(error.value)
+    assert _hashes(ckpt) == before
+
+
+def test_a_run_resumes_past_a_damaged_checkpoint_and_saves_a_verified_one(saved, tmp_path):
+    """Flipped bytes in the newest shard and a garbage tracker: the run loads 2, repeats steps 3 and 4 with the
+    losses of the run that saved them, and its save of 4 is intact; checkpoint 2 is untouched."""
+    ckpt = _copy(saved, tmp_path)
+    (ckpt / TRACKER).write_text("garbage")
+    _flip(ckpt / "iter_0000004" / SHARD, 1 << 20)
+    kept = {k: v for k, v in _hashes(ckpt).items() if k.startswith("iter_0000002")}
+    run = pretrain(FLAGS + ["--save", "ck", "--load", "ck"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    warnings = [line for line in run.stderr.splitlines() if line.startswith("zaya-pretrain: warning:")]
+    assert len(warnings) == 1 and f"ck/iter_0000004 ({SHARD} differs" in warnings[0], warnings
+    assert "Traceback" not in run.stderr
+    # A quiet start: one line for the optional packages, the argument dump and patch lines in the run directory.
+    assert "not installed" not in run.stderr and run.stdout.count("[zaya] not installed: ") == 1
+    assert "------------------------ arguments" not in run.stdout and "[zaya-patches]" not in run.stdout
+    assert "patches applied; the argument dump and patch lines: ck/zaya-start.log" in run.stdout
+    start_log = (ckpt / "zaya-start.log").read_text()
+    assert "------------------------ arguments" in start_log and "reliability.verified_load" in start_log
+    resumed = losses(run.stdout)
+    assert sorted(resumed) == [3, 4] and all(resumed[i] == saved[1][i] for i in (3, 4)), (resumed, saved[1])
+    curve = [line.split(",") for line in (ckpt / "loss.csv").read_text().splitlines()[1:]]
+    assert [int(i) for i, _ in curve] == [1, 2, 3, 4]  # the first run's steps 1-2, then this run's
+    assert all(abs(float(v) - resumed[int(i)]) < 1e-5 * resumed[int(i)] for i, v in curve[2:]), curve
+    assert (ckpt / TRACKER).read_text() == "4"
+    assert newest_intact_checkpoint(str(ckpt)) == "4"
+    assert {k: v for k, v in _hashes(ckpt).items() if k.startswith("iter_0000002")} == kept
+
+
+def test_a_run_with_no_intact_checkpoint_exits_2_and_changes_nothing(saved, tmp_path):
+    ckpt = _copy(saved, tmp_path)
+    _truncate(ckpt / "iter_0000004" / SHARD)
+    (ckpt / "iter_0000002" / "metadata.json").write_text("garbage")
+    before = _hashes(ckpt)
+    run = pretrain(FLAGS + ["--save", "ck", "--load", "ck"], cwd=tmp_path)
+    assert run.returncode == 2, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("zaya-pretrain: error: no intact checkpoint in --load ck:"), last
+    assert "iter_0000004" in last and "iter_0000002 (metadata.json has" in last, last
+    assert "Traceback" not in run.stderr
+    assert _hashes(ckpt) == before
+
+
+def test_raising_train_iters_on_a_finished_run_is_one_line(saved, tmp_path):
+    ckpt = _copy(saved, tmp_path)
+    before = _hashes(ckpt)
+    run = pretrain(QUICK + ["--train-iters", "8", "--save-interval", "2", "--save", "ck", "--load", "ck"],
+                   cwd=tmp_path)
+    assert run.returncode == 2, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("zaya-pretrain: error: the checkpoint's schedule has total number of iterations 32, "
+                           "this run's flags give 64"), last
+    assert "--override-opt_param-scheduler" in last and "Traceback" not in run.stderr
+    assert _hashes(ckpt) == before
