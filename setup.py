@@ -12,8 +12,6 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.12,<3.13",
-    # The repository keeps patch hooks in the top-level `patches/` folder; `megatron_zaya/patches` is a
-    # symbolic link to it, so they import (and install) as `megatron_zaya.patches` from a checkout too.
     packages=[
         "megatron_zaya",
         "megatron_zaya.model",

@@ -12,6 +12,6 @@ merge, the CCA convolutions); the model picks the kernel or its reference when i
 * ``cca``: ``cca_qk`` (CCA convolutions + skip terms + QK norm + temperature + partial RoPE)
 * ``grouped_gemm``: ``grouped_gemm`` (top-1 experts, tokens sorted by expert)
 
-``patches/kernels.py`` swaps RMSNorm, SwiGLU and the cross-entropy in for Megatron-Core's own defaults;
+``megatron_zaya/patches/kernels.py`` swaps RMSNorm, SwiGLU and the cross-entropy in for Megatron-Core's own defaults;
 ``testing.py`` runs the kernels on CPU for the tests.
 """

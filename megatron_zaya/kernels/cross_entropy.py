@@ -23,7 +23,7 @@ the fp32 logits of 8192 tokens alone take 8.6 GB, their gradient as much again.
 
 Labels must lie in [0, V) or equal ``ignore_index`` (loss 0, no gradient). Tensor-parallel vocabularies
 (logits split over ranks) are out of scope here: Megatron's ``vocab_parallel_cross_entropy`` stays in use
-for TP > 1 (see patches/kernels.py).
+for TP > 1 (see megatron_zaya/patches/kernels.py).
 """
 
 from __future__ import annotations

@@ -8,15 +8,12 @@ schedule), so the widths disagree. All receives of both schedules go through one
 ``config.variable_seq_lengths`` sends every shape ahead of its tensor with a device sync each time (and
 Megatron refuses it with the allgather dispatcher); ``adjust_tensor_shapes_fn`` reaches 1F1B only and
 ``megatron.training`` does not let a plugin set it.
-
-The group also holds ``cpu.p2p_communication`` (in the ``cpu`` group, for gloo runs on a CPU machine).
 """
 
 from __future__ import annotations
 
 import functools
 
-from .cpu import _cpu_patch, _see_cpu_torch
 from .registry import register, replace_attr
 
 
@@ -52,10 +49,3 @@ def patch_stage_tensor_width() -> None:
         return original(self, tensor_shape=tensor_shape, **kwargs)
 
     replace_attr(P2PCommunicator, "_communicate", _communicate)
-
-
-@_cpu_patch("cpu.p2p_communication", "megatron.core.pipeline_parallel.p2p_communication.torch")
-def patch_p2p_communication() -> None:
-    """Give ``megatron.core.pipeline_parallel.p2p_communication`` the CPU view of torch: after batched
-    sends and receives it calls ``torch.cuda.synchronize()`` (l.264, 419), which raises without CUDA."""
-    _see_cpu_torch("megatron.core.pipeline_parallel.p2p_communication")

@@ -598,3 +598,10 @@ def patch_moe_alltoall() -> None:
     for module in (moe_utils, token_dispatcher):
         replace_attr(module, "maybe_move_tensor_to_cpu", _split_sizes_to_numpy)
     _see_cpu_torch("megatron.core.transformer.moe.token_dispatcher")
+
+
+@_cpu_patch("cpu.p2p_communication", "megatron.core.pipeline_parallel.p2p_communication.torch")
+def patch_p2p_communication() -> None:
+    """Give ``megatron.core.pipeline_parallel.p2p_communication`` the CPU view of torch: after batched
+    sends and receives it calls ``torch.cuda.synchronize()`` (l.264, 419), which raises without CUDA."""
+    _see_cpu_torch("megatron.core.pipeline_parallel.p2p_communication")

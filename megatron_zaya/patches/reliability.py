@@ -12,8 +12,6 @@ from pathlib import Path
 
 from .registry import register, replace_attr
 
-TRACKER = "latest_checkpointed_iteration.txt"
-
 
 class _AtomicTrackerStorage:
     """Megatron's ``maybe_msc`` storage front, except that writing the tracker file is atomic."""
@@ -26,6 +24,8 @@ class _AtomicTrackerStorage:
 
     def open(self, path, mode="r", *args, **kwargs):
         from megatron.core.msc_utils import MultiStorageClientFeature
+
+        from megatron_zaya.checkpoint import TRACKER
 
         if mode == "w" and Path(str(path)).name == TRACKER and not MultiStorageClientFeature.is_enabled():
             return _AtomicTextFile(str(path))
