@@ -7,7 +7,6 @@ match a float64 plain-torch transcription of the same network. Two gloo processe
 """
 
 import math
-import os
 import socket
 import zlib
 
@@ -163,9 +162,9 @@ def single_rank():
 
     apply_cpu_patches()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        # a tcp:// address, not MASTER_PORT: the CLI runs of later tests in this process would inherit the variable
+        # and find the port held by this process group
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     assert dist.get_world_size() == 1
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
