@@ -94,18 +94,20 @@ def _memory_plan_world_size(argv: list[str]) -> int | None:
     if value is None or value.startswith("-"):
         return int(os.environ.get("WORLD_SIZE", "1"))
     if not value.isdigit() or int(value) < 1:
+        from .training.arguments import UsageError
+
         raise UsageError(f"--zaya-memory-plan {value}: give a number of GPUs >= 1, or nothing")
     return int(value)
 
 
 def _saves_on_sigterm(argv: list[str], flags: list[str]) -> bool:
-    """With a --save directory, SIGTERM (pre-emption, scancel) saves unless --zaya-sigterm-deadline is 0."""
+    """With a --save directory and a positive --zaya-sigterm-deadline, SIGTERM (pre-emption, scancel) saves."""
     deadline = _flag_value(argv, "--zaya-sigterm-deadline")
     try:
-        off = deadline is not None and float(deadline) <= 0
+        on = deadline is not None and float(deadline) > 0
     except ValueError:
         return False  # argparse names the bad value
-    return not off and (_has(argv, "--save") or _has(flags, "--save"))
+    return on and (_has(argv, "--save") or _has(flags, "--save"))
 
 
 def _relaunch_on_all_gpus(argv: list[str]) -> None:

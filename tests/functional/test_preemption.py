@@ -41,10 +41,10 @@ def _left_in_session(session: int) -> list[str]:
     return left
 
 
-def test_sigterm_saves_by_default_and_the_next_launch_resumes(tmp_path):
+def test_sigterm_with_a_deadline_saves_and_the_next_launch_resumes(tmp_path):
     ckpt = tmp_path / "ckpt"
     flags = QUICK + ["--train-iters", "400", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1000"]
-    proc = _start(flags, tmp_path, "first")
+    proc = _start(flags + ["--zaya-sigterm-deadline", "60"], tmp_path, "first")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0, (tmp_path / "first.log").read_text()[-3000:]
     assert _left_in_session(proc.pid) == []
