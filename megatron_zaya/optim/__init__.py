@@ -1,4 +1,4 @@
-"""Muon for ZAYA1 (issue #5): ZayaMuon on every matrix, AdamW on embeddings and vectors.
+"""Muon for ZAYA1: ZayaMuon on every matrix, AdamW on embeddings and vectors.
 
 * ``roles``: which parameter gets which optimizer, and how it is cut into matrices;
 * ``muon``: ``ZayaMuon`` (a ``torch.optim.Optimizer``) and ``MuonConfig``;

@@ -1,4 +1,4 @@
-"""Expert parallel 8 on eight gloo ranks equals one rank (issue #10's EP8 layout, at the ``test`` model's size).
+"""Expert parallel 8 on eight gloo ranks equals one rank.
 
 16 experts, 2 per rank; with world 8 the dense part is data parallel 8, one sequence per rank. The step and
 its checks are ``test_zaya_parallel``'s: per-token losses and every gradient after Megatron's DDP reduction

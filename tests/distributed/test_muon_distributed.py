@@ -1,4 +1,4 @@
-"""ZayaMuon over several gloo processes equals the single-rank ZayaMuon (issue #5, part 4).
+"""ZayaMuon over several gloo processes equals the single-rank ZayaMuon.
 
 * DP2 / DP4: every parameter equals the single-rank run, each matrix is orthogonalised exactly once (the
   Newton–Schulz inputs of all ranks together are those of the single rank, each once), and momentum lives

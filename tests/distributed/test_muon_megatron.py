@@ -1,4 +1,4 @@
-"""``--optimizer zaya_muon`` through Megatron-Core on the ZAYA1 model (issue #5, part 3), on CPU with gloo.
+"""``--optimizer zaya_muon`` through Megatron-Core on the ZAYA1 model, on CPU with gloo.
 
 The optimizer comes from ``megatron.training.training.get_megatron_optimizer`` (patched by ``optim``),
 drives a DDP-wrapped ZAYA1 ``test`` model with Megatron's LR scheduler (warmup + cosine) and gradient

@@ -1,5 +1,4 @@
-"""``torch_dist`` checkpoints of ZAYA1, optimizer state included, resume under another parallel layout
-(issue #4, items 1 and 6).
+"""``torch_dist`` checkpoints of ZAYA1, optimizer state included, resume under another parallel layout.
 
 A one-rank run of the ``test`` model trains two steps through Megatron's schedule with Megatron's Adam
 (weight decay, gradient clipping) and the ZAYA1 balancing step, saves a checkpoint the way

@@ -1,4 +1,4 @@
-"""The ZAYA1 model on two gloo ranks equals the one-rank run on the same global batch (issue #4).
+"""The ZAYA1 model on two gloo ranks equals the one-rank run on the same global batch.
 
 Layouts of world 2: DP2; TP2 with sequence parallelism (experts tensor-parallel too, ETP2); EP2 with Megatron's
 alltoall dispatcher and with ZAYA's sync-free all-gather dispatch (``allgather``, model/moe.py); TP2 + SP with EP2

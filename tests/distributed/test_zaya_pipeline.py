@@ -1,4 +1,4 @@
-"""ZAYA1 under pipeline parallelism equals the one-rank run on the same global batch (issue #4, item 5).
+"""ZAYA1 under pipeline parallelism equals the one-rank run on the same global batch.
 
 Each stage runs Megatron's own schedule (``get_forward_backward_func``: 1F1B, or the interleaved one with
 virtual stages) over the global batch cut into micro-batches, with ``finalize_model_grads_with_balancing``

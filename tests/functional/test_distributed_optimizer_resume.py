@@ -1,4 +1,4 @@
-"""zaya-pretrain --use-distributed-optimizer resumes exactly (issue #4, item 1; CPU, fp32, one rank).
+"""zaya-pretrain --use-distributed-optimizer resumes exactly (CPU, fp32, one rank).
 
 Without Transformer Engine or apex, Megatron 0.19.2's distributed optimizer could not resume (``--load``
 asserted, then refused to copy into fp32 parameter views), and with those worked around resumed silently

@@ -1,5 +1,4 @@
-"""The symmetric Newton–Schulz Triton kernels (standard and Gram iterations) vs plain float64 (issue #5,
-kernels), without a GPU.
+"""The symmetric Newton–Schulz Triton kernels (standard and Gram iterations) vs plain float64, without a GPU.
 
 * Interpreted (``TRITON_INTERPRET=1`` via ``kernels.testing.load_kernel_module``, fp32: the interpreter's
   bf16 ``tl.dot`` is wrong) on small ragged shapes, so the masks, triangle indexing and mirroring run.

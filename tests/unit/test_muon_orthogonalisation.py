@@ -1,4 +1,4 @@
-"""Newton–Schulz orthogonalisation vs the float64 polar factor of an SVD (issue #5, tests).
+"""Newton–Schulz orthogonalisation vs the float64 polar factor of an SVD.
 
 Newton–Schulz keeps the singular vectors of G and maps each normalised singular value σ̂ = σ / ‖G‖_F
 through the scalar polynomials p(σ) = a·σ + b·σ³ + c·σ⁵ of its steps. The oracle is therefore

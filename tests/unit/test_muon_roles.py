@@ -1,4 +1,4 @@
-"""Parameter roles, the data-parallel work plan and the ``--zaya-muon-*`` flags (issue #5, parts 1, 2, 4)."""
+"""Parameter roles, the data-parallel work plan and the ``--zaya-muon-*`` flags."""
 
 from __future__ import annotations
 

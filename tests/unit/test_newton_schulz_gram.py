@@ -1,5 +1,5 @@
 """Gram Newton–Schulz: its FLOP counts and shape rule, the iteration ``newton_schulz`` picks, and the
-``--zaya-muon-ns-gram`` flag (issue #5). Its numerics are in test_muon_orthogonalisation.py, its Triton
+``--zaya-muon-ns-gram`` flag. Its numerics are in test_muon_orthogonalisation.py, its Triton
 kernels in test_muon_kernels.py.
 
 The FLOP formulas are checked against counts of the operations the implementations run: torch's
