@@ -44,27 +44,23 @@ def merge_and_norm(merge, norm, hidden: torch.Tensor, residual: torch.Tensor, dt
     return norm_residual(norm, residual, dtype), residual
 
 
-def fused_norm_residual(norm, residual: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """:func:`norm_residual` as one Triton pass each way, the cast folded in."""
-    from ..kernels.residual_rmsnorm import residual_norm
-
-    return residual_norm(residual, norm.weight, norm.eps)
-
-
-def fused_merge_and_norm(merge, norm, hidden: torch.Tensor, residual: torch.Tensor, dtype: torch.dtype):
-    """:func:`merge_and_norm` as one Triton pass each way (residual scaling's merge and the RMSNorm)."""
-    from ..kernels.residual_rmsnorm import residual_rms_norm
-
-    return residual_rms_norm(hidden, residual, merge.hidden_states_bias, merge.hidden_states_scale,
-                             merge.residual_bias, merge.residual_scale, norm.weight, norm.eps)
-
-
 def residual_ops(config):
     """``(norm_residual, merge_and_norm)`` for layers of ``config``: the Triton kernels of
     ``kernels/residual_rmsnorm.py`` (for the fp32 stream; the merge also needs residual scaling) or
     the references above."""
     if not (config.uses_kernel("residual") and config.fp32_residual_connection):
         return norm_residual, merge_and_norm
+    from ..kernels.residual_rmsnorm import residual_norm, residual_rms_norm  # Triton: imported once chosen
+
+    def fused_norm_residual(norm, residual: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """:func:`norm_residual` as one Triton pass each way, the cast folded in."""
+        return residual_norm(residual, norm.weight, norm.eps)
+
+    def fused_merge_and_norm(merge, norm, hidden: torch.Tensor, residual: torch.Tensor, dtype: torch.dtype):
+        """:func:`merge_and_norm` as one Triton pass each way (residual scaling's merge and the RMSNorm)."""
+        return residual_rms_norm(hidden, residual, merge.hidden_states_bias, merge.hidden_states_scale,
+                                 merge.residual_bias, merge.residual_scale, norm.weight, norm.eps)
+
     return fused_norm_residual, (fused_merge_and_norm if config.residual_scaling else merge_and_norm)
 
 
