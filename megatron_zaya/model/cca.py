@@ -278,10 +278,11 @@ class CompressedConvAttention(MegatronModule):
         v, _ = self.linear_v(hidden_states)
         s, b = q0.shape[:2]
         qk_history, v_previous = self._context_parallel_halos(q0, k0, v)
-        offsets = document_ids = None
+        offsets = document_ids = varlen = None
         if attention_mask is not None:
             offsets = documents.tokens_before(attention_mask, self.pg_collection.cp)
             document_ids = documents.document_ids(attention_mask)
+            varlen = documents.varlen_bounds(attention_mask, self.pg_collection.cp)
         qk = partial(self._call_qk, conv=self.conv, rotary_pos_emb=rotary_pos_emb, head_dim=self.head_dim,
                      config=self.config, cp_group=self.pg_collection.cp, document_offsets=offsets)
         recompute_qk = recomputes(self.config, "cca_qk", self.training)
@@ -290,7 +291,8 @@ class CompressedConvAttention(MegatronModule):
         q, k = qk(q0, k0, self.qk_norm.key_temperature, qk_history)
         v = delay_channels(v, self.first_delayed_channel, v_previous, offsets).view(s, b, self.kv_heads, self.head_dim)
         dtype = v.dtype
-        attend = partial(self.core_attention, attention_mask=document_ids, attn_mask_type=self.attn_mask_type)
+        attend = partial(self.core_attention, attention_mask=document_ids, attn_mask_type=self.attn_mask_type,
+                         packed_seq_params=varlen)
         recompute_attention = recomputes(self.config, "core_attn", self.training)
         if recompute_attention:
             attend = Recompute(attend)

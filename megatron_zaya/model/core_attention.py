@@ -10,12 +10,16 @@ Under context parallelism the keys and values of the whole sequence are all-gath
 two chunks attends to the keys up to its own end (``context_parallel.py``).
 
 Packed documents (``documents.py``): ``attention_mask`` is then the document ids of the whole sequence
-``[S, b]``, and a query sees only the keys of its own document. The queries go in blocks of
-``DOCUMENT_QUERY_BLOCK``, each against the keys up to its end with a ``[block, keys]`` mask, so that no
+``[S, b]``, and a query sees only the keys of its own document. Where ``packed_seq_params`` is given (on a GPU,
+outside graph capture and context parallelism: ``documents.varlen_bounds``), the documents run end to end
+through variable-length flash attention, which skips the work between documents. Otherwise the queries go in
+blocks of ``DOCUMENT_QUERY_BLOCK``, each against the keys up to its end with a ``[block, keys]`` mask, so that no
 ``[S, S]`` tensor exists; the shapes do not depend on the documents (CUDA graphs replay them).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +27,10 @@ from megatron.core.transformer.module import MegatronModule
 from torch.nn.attention.bias import causal_lower_right
 
 from .context_parallel import gather_sequence, local_chunk_ids, local_chunks
+from .documents import varlen_attn
 
 DOCUMENT_QUERY_BLOCK = 1024
+VARLEN_GQA = varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def sliding_window_mask(q_len: int, kv_len: int, window: int, device: torch.device) -> torch.Tensor:
@@ -84,9 +90,27 @@ class SDPAttention(MegatronModule):
                 enable_gqa=k.shape[1] != q.shape[1]))
         return torch.cat(outs, dim=2)
 
+    def attend_varlen(self, q, k, v, bounds):
+        """q ``[s, b, heads, d]``, k, v ``[s, b, kv_heads, d]`` as the documents of ``bounds`` laid end to end,
+        row after row -> ``[s, b, heads * d]``."""
+        s, b, heads, d = q.shape
+        q, k, v = (t.transpose(0, 1).reshape(b * s, t.shape[2], d) for t in (q, k, v))
+        gqa = {}
+        if k.shape[1] != heads:
+            if VARLEN_GQA:
+                gqa = {"enable_gqa": True}
+            else:  # older torch: each query head gets its group's keys
+                k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+        window = (-1 if self.window is None else self.window - 1, 0)  # keys back, keys ahead: causal
+        out = varlen_attn(q, k, v, bounds.cu_seqlens_q, bounds.cu_seqlens_kv, bounds.max_seqlen_q,
+                          bounds.max_seqlen_kv, scale=self.softmax_scale, window_size=window, **gqa)
+        return out.view(b, s, heads * d).transpose(0, 1)
+
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         s, b, heads, d = query.shape
+        if packed_seq_params is not None and self.cp_group is None:
+            return self.attend_varlen(query, key, value, packed_seq_params)
         documents = None if attention_mask is None else attention_mask.t()  # [b, S]
         if self.cp_group is None:
             out = self.attend(*(t.permute(1, 2, 0, 3) for t in (query, key, value)), documents, documents)

@@ -12,11 +12,16 @@ ZAYA1 mixes tokens in four places, and each stops at a document's first token:
 The model hands the layers one tensor, the position ids of the whole sequence ``[S, b]`` (gathered over context
 parallel ranks), in the ``attention_mask`` slot of Megatron's layer signature; every layer derives the rest. It
 is data, not shape: CUDA graphs replay it like the RoPE tables. No [S, S] mask is built anywhere.
+
+On a GPU outside graph capture and context parallelism, attention runs as variable-length flash attention over
+the documents laid end to end (``varlen_bounds``: their offsets, read to the host once per batch).
 """
 
 from __future__ import annotations
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .context_parallel import gather_sequence, local_chunks
 
@@ -49,3 +54,34 @@ def rotary_table(inv_freq: torch.Tensor, position_ids: torch.Tensor) -> torch.Te
     """RoPE angles ``[s, b, 1, rot]`` (NeoX layout, as Megatron's ``RotaryEmbedding``) at position ids ``[b, s]``."""
     angles = position_ids.t()[..., None].to(inv_freq.dtype) * inv_freq.to(position_ids.device)
     return torch.cat([angles, angles], dim=-1)[:, :, None, :]
+
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch without variable-length attention
+    varlen_attn = None
+
+_BOUNDS = WeakIdKeyDictionary()  # positions tensor -> its PackedSeqParams
+
+
+def varlen_bounds(positions: torch.Tensor, cp_group=None) -> PackedSeqParams | None:
+    """The documents of ``[S, b]`` position ids laid end to end, row after row, as Megatron's
+    ``PackedSeqParams`` (``cu_seqlens_q/kv`` int32 offsets, ``max_seqlen_q/kv``), or None where variable-length
+    attention does not run: on CPU, under context parallelism or graph capture (its shapes follow the data).
+
+    Every layer of a batch is handed the same positions tensor, so the one host read is cached on it.
+    """
+    if (varlen_attn is None or not positions.is_cuda or torch.cuda.is_current_stream_capturing()
+            or (cp_group is not None and cp_group.size() > 1)):
+        return None
+    bounds = _BOUNDS.get(positions)
+    if bounds is None:
+        starts = (positions.t() == 0).flatten()
+        starts[::positions.shape[0]] = True  # every row starts a document
+        offsets = torch.cat([starts.nonzero().flatten(), starts.new_tensor([starts.numel()], dtype=torch.long)])
+        longest = int((offsets[1:] - offsets[:-1]).max())
+        offsets = offsets.to(torch.int32)
+        bounds = PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets,
+                                 max_seqlen_q=longest, max_seqlen_kv=longest)
+        _BOUNDS[positions] = bounds
+    return bounds
