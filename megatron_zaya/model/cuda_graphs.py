@@ -26,11 +26,15 @@ captured forward and backward: ``recompute.py``), no dropout (RNG offsets), and 
 run. A hook that keeps tensors from call to call (a global forward hook, a probe) must skip calls made while
 ``torch.cuda.is_current_stream_capturing()``: the graph would read tensors the hook later drops.
 
+A capture the platform refuses (on ROCm, collectives and torch's NCCL watchdog break HIP graph capture) is not
+fatal: that input signature runs eagerly from then on, after one ``[zaya]`` warning line.
+
 Off: the default; leave out ``--zaya-cuda-graphs`` (``ZayaConfig.cuda_graphs=False``).
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from contextlib import contextmanager
 from functools import partial
@@ -127,11 +131,13 @@ def _step_untouched(layers):
 
 class LayerGraphs:
     """``LayerGraphs(layers)(hidden, router_state, attention_mask, rotary_pos_emb) -> (hidden, router_state)``:
-    the layers run in order, each as the replay of its captured graphs (one capture per input signature)."""
+    the layers run in order, each as the replay of its captured graphs (one capture per input signature).
+    Returns None where the signature's capture failed: the caller runs the layers eagerly."""
 
     def __init__(self, layers):
         self.layers = list(layers)
-        self._chains: dict[tuple, tuple[list[_CapturedLayer], dict[str, torch.Tensor]]] = {}
+        # None for a signature whose capture failed
+        self._chains: dict[tuple, tuple[list[_CapturedLayer], dict[str, torch.Tensor]] | None] = {}
 
     def __call__(self, hidden, router_state, attention_mask, rotary_pos_emb: dict):
         # Per-step constants of every layer (RoPE tables, the mask when the data loader makes one): copied into
@@ -145,7 +151,9 @@ class LayerGraphs:
                 # and torch warns when a backward pass on another stream reaches them. Only warm-up and capture
                 # do (on side streams, by design); replays run on the caller's stream.
                 warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match")
-                self._chains[key] = self._capture(hidden, router_state, constants)
+                self._chains[key] = self._capture_or_none(hidden, router_state, constants)
+        if self._chains[key] is None:
+            return None
         chain, static_constants = self._chains[key]
         for name, given in constants.items():
             _load(static_constants[name], given)
@@ -153,6 +161,16 @@ class LayerGraphs:
             inputs = (hidden,) if len(captured.inputs) == 1 else (hidden, router_state)
             hidden, router_state = _ReplayLayer.apply(captured, *inputs, *captured.params)
         return hidden, router_state
+
+    def _capture_or_none(self, hidden, router_state, constants):
+        try:
+            return self._capture(hidden, router_state, constants)
+        except RuntimeError as error:
+            torch.cuda.synchronize()
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                print(f"[zaya] warning: CUDA graph capture failed ({str(error).strip().splitlines()[0][:160]}); "
+                      "these layers run eagerly", file=sys.stderr, flush=True)
+            return None
 
     def _capture(self, hidden, router_state, constants):
         constants = {name: table.detach().clone() for name, table in constants.items()}

@@ -153,12 +153,12 @@ class ZayaTransformerBlock(TransformerBlock):
             hidden_states = self.input_residual_scaling(hidden_states)
         else:
             hidden_states = hidden_states.to(residual_dtype(self.config))
+        replayed = None
         if self.cuda_graphs is not None and self.training and torch.is_grad_enabled():
-            hidden_states, router_state = self.cuda_graphs(hidden_states, router_state, attention_mask,
-                                                           rotary_pos_emb)
-        else:
-            hidden_states, router_state = self._run_layers(hidden_states, router_state, attention_mask,
-                                                           rotary_pos_emb)
+            replayed = self.cuda_graphs(hidden_states, router_state, attention_mask, rotary_pos_emb)
+        if replayed is None:
+            replayed = self._run_layers(hidden_states, router_state, attention_mask, rotary_pos_emb)
+        hidden_states, router_state = replayed
         if not self.post_process:
             return self._pack_stage_output(hidden_states, router_state)
         if self.final_layernorm is not None:
