@@ -35,11 +35,8 @@ def build(bf16: bool, ep: int = 1):
     """A DDP-wrapped ZAYA1 ``test`` model, its ChainedOptimizer (via the patched factory) and LR scheduler."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    import megatron.training.training as training
     from megatron_zaya.config import zaya_config
     from megatron_zaya.model import build_zaya_model
     from megatron_zaya.patches import apply_patches
@@ -53,14 +50,25 @@ def build(bf16: bool, ep: int = 1):
                       moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep)  # fmt: skip
     model = build_zaya_model(cfg)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    return (ddp, *optimizer_and_scheduler(ddp, bf16))
+
+
+def optimizer_and_scheduler(ddp, bf16: bool, muon: MuonConfig = MUON):
+    """``--optimizer zaya_muon`` from the patched ``get_megatron_optimizer`` for ``ddp``, and Megatron's LR
+    scheduler (warmup + cosine) over it."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    import megatron.training.training as training
+
     config = OptimizerConfig(optimizer="zaya_muon", lr=LR, min_lr=MIN_LR, weight_decay=WD, clip_grad=CLIP,
                              bf16=bf16, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=ADAM_EPS)  # fmt: skip
-    optimizer = training.get_megatron_optimizer(config, [ddp], muon_config=MUON)
+    optimizer = training.get_megatron_optimizer(config, [ddp], muon_config=muon)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.005, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=2, lr_decay_steps=10,
         lr_decay_style="cosine", start_wd=WD, end_wd=WD, wd_incr_steps=10, wd_incr_style="constant",
     )  # fmt: skip
-    return ddp, optimizer, scheduler
+    return optimizer, scheduler
 
 
 def compute_grads(ddp, optimizer) -> None:

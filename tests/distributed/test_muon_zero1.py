@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo import run_ranks
-from test_muon_megatron import ADAM_EPS, BETAS, CLIP, LR, MIN_LR, MUON, WD
+from test_muon_megatron import MUON, optimizer_and_scheduler
 from test_muon_megatron import checkpoint_metadata as replicated_checkpoint_metadata
 
 STEPS = 3
@@ -35,8 +35,6 @@ BUCKET = 4000  # elements: several buckets in the test model
 def build(zero1: bool, bf16: bool, grad_fp32: bool = True, momentum_dtype=torch.float32, ep: int = 1):
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.training import global_vars
 
@@ -57,14 +55,7 @@ def build(zero1: bool, bf16: bool, grad_fp32: bool = True, momentum_dtype=torch.
     model = build_zaya_model(cfg)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_fp32, bucket_size=BUCKET)
     (ddp,) = training.wrap_model_chunks_with_ddp([model], cfg, ddp_config, use_layer_wise_distributed_optimizer=zero1)
-    config = OptimizerConfig(optimizer="zaya_muon", lr=LR, min_lr=MIN_LR, weight_decay=WD, clip_grad=CLIP,
-                             bf16=bf16, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=ADAM_EPS)  # fmt: skip
-    optimizer = training.get_megatron_optimizer(config, [ddp],
-                                                muon_config=dataclasses.replace(MUON, momentum_dtype=momentum_dtype))
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.005, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=2, lr_decay_steps=10,
-        lr_decay_style="cosine", start_wd=WD, end_wd=WD, wd_incr_steps=10, wd_incr_style="constant",
-    )  # fmt: skip
+    optimizer, scheduler = optimizer_and_scheduler(ddp, bf16, dataclasses.replace(MUON, momentum_dtype=momentum_dtype))
     return ddp, optimizer, scheduler
 
 
