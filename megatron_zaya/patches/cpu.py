@@ -365,6 +365,45 @@ def patch_dist_checkpointing() -> None:
     )
 
 
+@_cpu_patch("cpu.async_checkpoint_worker", "megatron.training.initialize.init_persistent_async_worker")
+def patch_async_checkpoint_worker() -> None:
+    """Run Megatron's background checkpoint writer (``--async-save``) and ZAYA1's local tier on the CPU.
+
+    * ``initialize_megatron`` starts the persistent writer with ``forkserver`` (initialize.py:74): a fresh
+      interpreter without these patches, whose first call ``torch.cuda.set_device(rank % device_count())``
+      (async_utils.py:565) divides by zero. It is started with ``fork`` instead and inherits them.
+    * ``async_utils`` (the writer's ``set_device``, the completion all-reduce), ``tensor_aware_state_dict``
+      and ``exchange_utils`` (the local tier's ``synchronize`` and shard exchange) see :data:`CPU_TORCH`.
+    * ``FileSystemWriterAsync.preload_tensors`` copies CPU tensors. On a GPU it is the device-to-host copy
+      the trainer waits for; on the CPU ``.to('cpu')`` returns the training tensor itself, which the writer
+      would then save while the next steps change it.
+    """
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    from megatron.training import initialize
+
+    original_init = initialize.init_persistent_async_worker
+
+    @functools.wraps(original_init)
+    def init_persistent_async_worker(rank, mp_mode="spawn"):
+        return original_init(rank, "fork")
+
+    original_preload = FileSystemWriterAsync.preload_tensors
+
+    @functools.wraps(original_preload)
+    def preload_tensors(write_buckets, non_blocking=True):
+        copies = [(name, key, (bytes_data, [(item, tensor.detach().clone()) for item, tensor in tensors]))
+                  for name, key, (bytes_data, tensors) in write_buckets]
+        return original_preload(copies, non_blocking)
+
+    replace_attr(initialize, "init_persistent_async_worker", init_persistent_async_worker)
+    replace_attr(FileSystemWriterAsync, "preload_tensors", staticmethod(preload_tensors))
+    _see_cpu_torch(
+        "megatron.core.dist_checkpointing.strategies.async_utils",
+        "megatron.core.dist_checkpointing.tensor_aware_state_dict",
+        "megatron.core.dist_checkpointing.exchange_utils",
+    )
+
+
 @_cpu_patch("cpu.training_utils", "megatron.training.utils.common_utils.torch")
 def patch_training_utils() -> None:
     """Give ``megatron.training.utils.common_utils`` the CPU view of torch.
