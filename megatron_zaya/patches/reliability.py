@@ -47,8 +47,6 @@ class _AtomicTextFile:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        from megatron_zaya.training.fault_injection import kill_if_asked
-
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
@@ -61,8 +59,6 @@ class _AtomicTextFile:
         step = Path(self.path).parent / step_name(marker) if marker.isdigit() or marker == "release" else None
         if step is not None and step.is_dir():
             write_checksums(step)
-        if marker.isdigit():
-            kill_if_asked("kill_in_save", int(marker))  # testing hook: die with the data written, marker old
         os.replace(self.staging, self.path)
         directory = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY)
         try:
