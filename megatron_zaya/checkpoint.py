@@ -99,6 +99,24 @@ def _write_atomically(target: Path, record: dict) -> None:
     os.replace(staging, target)
 
 
+def check_written(path: str | os.PathLike) -> None:
+    """Raise :class:`CheckpointError` unless every byte range that the ``.metadata`` of the ``torch_dist`` step
+    directory ``path`` records lies in a file that exists and is that long (a step without one passes)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        return
+    ends: dict[str, int] = {}
+    for info in FileSystemReader(str(path)).read_metadata().storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        size = (path / name).stat().st_size if (path / name).is_file() else None
+        if size is None or size < end:
+            raise CheckpointError(f"{path / name} {'is missing' if size is None else f'has {size} bytes'}, but the "
+                                  f"checkpoint's .metadata places data up to byte {end} in it: the save is incomplete")
+
+
 def write_checksums(path: str | os.PathLike) -> None:
     """Record the size and CRC-32 of every file of the step directory ``path`` in :data:`CHECKSUMS`, written
     last and atomically (staged, fsynced, renamed), so that its presence means every file was complete.

@@ -55,7 +55,7 @@ def local_tier() -> None:
     ``pretrain`` (training.py:1193) gets a config without it, so that it builds an empty context;
     ``setup_model_and_optimizer``, which receives that context before the first load, puts a ``LocalTier`` into
     it; and ``MCoreTensorAwareStateDict.from_state_dict``, Megatron's own conversion of a rank's state that the
-    package only gives a base class, runs without its ``HAVE_NVRX`` guard (tensor_aware_state_dict.py:124).
+    package only gives a base class, runs without its ``HAVE_NVRX`` guard (tensor_aware_state_dict.py:127).
     Off: leave ``checkpointing.local_tier`` out of ``--zaya-patches`` (the local type then needs the package).
     """
     import megatron.training

@@ -65,12 +65,16 @@ def write_part(path: str, state, layout: dict[str, int]) -> None:
     part = Path(path)
     shutil.rmtree(part, ignore_errors=True)
     part.mkdir(parents=True)
-    for name, write in ((STATE, lambda f: torch.save(state, f)), (LAYOUT, lambda f: f.write(json.dumps(layout).encode()))):
-        with (part / name).open("wb") as stream:
-            write(stream)
-            stream.flush()
-            os.fsync(stream.fileno())
+    _synced(part / STATE, lambda stream: torch.save(state, stream))
+    _synced(part / LAYOUT, lambda stream: stream.write(json.dumps(layout).encode()))
     write_checksums(part)
+
+
+def _synced(path: Path, write) -> None:
+    with path.open("wb") as stream:
+        write(stream)
+        stream.flush()
+        os.fsync(stream.fileno())
 
 
 def _complete_parts(root: Path, rank: int) -> dict[int, Path]:
