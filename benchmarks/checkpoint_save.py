@@ -16,13 +16,17 @@ the total time of a save (from "saving checkpoint" to the line saying it is comp
 when the next step finalized it), the bytes per parameter of one checkpoint (its files over the parameters of
 ``--zaya-memory-plan``), and for the background writer its peak device memory (``nvidia-smi``, the processes of
 the run other than the trainer). Persistent checkpoints beyond the newest are deleted as the run goes
-(``--save-retain-interval``), so the disk holds two at most.
+(``--save-retain-interval``) and the local tier keeps one, so a mode holds two checkpoints at most (the newest
+and the one being written). By the state they hold (bf16 weights, fp32 master weights and Muon momentum, AdamW
+moments: about 11 bytes per parameter, an estimate until measured here), two of the 8-layer model's (2.2B
+parameters) fit a 64 GiB disk, and two of the 12-layer model's (3.0B) 128 GiB of host memory (``/dev/shm``).
 
-One H200 (about 2 minutes a mode)::
+One H200 (the ``none`` run is each call's baseline; run times not measured yet)::
 
-    python -m benchmarks.checkpoint_save --dir /tmp/ckpt-bench --local-dir /dev/shm/ckpt-bench
-    python -m benchmarks.checkpoint_save --num-layers 16 --modes none,async,local --dir /tmp/ckpt-bench \\
-        --local-dir /dev/shm/ckpt-bench
+    python -m benchmarks.checkpoint_save --modes none,sync,async --dir /tmp/ckpt-bench
+    python -m benchmarks.checkpoint_save --modes none,local --local-dir /dev/shm/ckpt-bench --dir /tmp/ckpt-bench
+    python -m benchmarks.checkpoint_save --num-layers 12 --modes none,local --local-dir /dev/shm/ckpt-bench \\
+        --dir /tmp/ckpt-bench
 
 ``--smoke`` runs the ``test`` preset on any device (CPU: fp32, gloo) to check the script.
 """
@@ -48,9 +52,10 @@ MODES = {
     "sync": ["--save-interval", "{interval}"],
     "async": ["--save-interval", "{interval}", "--async-save"],
     "local": ["--save-interval", "1000000", "--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir",
-              "{local}", "--non-persistent-save-interval", "{interval}", "--async-save"],
+              "{local}", "--non-persistent-save-interval", "{interval}", "--zaya-local-ckpt-keep", "1", "--async-save"],
     "local_sync": ["--save-interval", "1000000", "--non-persistent-ckpt-type", "local",
-                   "--non-persistent-local-ckpt-dir", "{local}", "--non-persistent-save-interval", "{interval}"],
+                   "--non-persistent-local-ckpt-dir", "{local}", "--non-persistent-save-interval", "{interval}",
+                   "--zaya-local-ckpt-keep", "1"],
 }
 STAMP = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\]"
 STARTED = re.compile(STAMP + r" saving checkpoint at iteration\s+(\d+) to (\S+)")

@@ -14,16 +14,17 @@ from pathlib import Path
 
 from megatron_zaya import checkpoint, pretrain
 
-ITERATION = int(sys.argv[1])
-_write_checksums = checkpoint.write_checksums
+
+def kill_after(iteration: int, write_checksums):
+    def wrapped(path):
+        write_checksums(path)
+        if Path(path).name == checkpoint.step_name(iteration):
+            print(f"[test] SIGKILL with the checksums of {path} written, before the tracker", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return wrapped
 
 
-def write_checksums(path):
-    _write_checksums(path)
-    if Path(path).name == checkpoint.step_name(ITERATION):
-        print(f"[test] SIGKILL with the checksums of {path} written, before the tracker", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-checkpoint.write_checksums = write_checksums
-sys.exit(pretrain.main(sys.argv[2:]))
+if __name__ == "__main__":  # (spawned helpers re-import this file as __mp_main__)
+    checkpoint.write_checksums = kill_after(int(sys.argv[1]), checkpoint.write_checksums)
+    sys.exit(pretrain.main(sys.argv[2:]))
