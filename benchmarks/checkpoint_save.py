@@ -13,8 +13,8 @@ Per mode it prints, from Megatron's log: the save call (Megatron's ``save-checkp
 waits for in the call), the loop's excess time per save (every iteration from the first save on, against the
 ``none`` run's median iteration: includes a background write's slowdown of the steps and its finalization),
 the total time of a save (from "saving checkpoint" to the line saying it is complete: for a background save,
-when the next step finalized it), the bytes per parameter of one checkpoint (its files over the parameters of
-``--zaya-memory-plan``), and for the background writer its peak device memory (``nvidia-smi``, the processes of
+when the next step finalized it), the bytes per parameter of one checkpoint (its files over the parameters the
+memory planner counts), and for the background writer its peak device memory (``nvidia-smi``, the processes of
 the run other than the trainer). Persistent checkpoints beyond the newest are deleted as the run goes
 (``--save-retain-interval``) and the local tier keeps one, so a mode holds two checkpoints at most (the newest
 and the one being written). By the state they hold (bf16 weights, fp32 master weights and Muon momentum, AdamW
@@ -61,7 +61,6 @@ STAMP = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\]"
 STARTED = re.compile(STAMP + r" saving checkpoint at iteration\s+(\d+) to (\S+)")
 DONE = re.compile(STAMP + r" successfully saved (?:local )?checkpoint from iteration\s+(\d+)")
 CALL = re.compile(r"^\s+save-checkpoint(?:-non-persistent)? \.+: \(([0-9.]+), ([0-9.]+)\)", re.MULTILINE)
-PARAMETERS = re.compile(r"([0-9.]+)B parameters on this rank")
 
 
 def _time(stamp: str) -> float:
@@ -128,25 +127,26 @@ def run(mode: str, args) -> dict:
 
 
 def summarize(text: str, iters: int) -> dict:
-    """What a run's log says about its saves (those during training: the one after the last step is left out)."""
-    started = {int(i): (_time(t), where) for t, i, where in STARTED.findall(text)}
+    """What a run's log says about the saves of its tier during training (not the save after the last step)."""
+    starts = [(int(i), _time(t), where) for t, i, where in STARTED.findall(text)]
+    tier = starts[0][2] if starts else None  # (the save after the last step of a local run goes to --save)
+    started = {i: t for i, t, where in starts if where == tier and i < iters}
     done = {int(i): _time(t) for t, i in DONE.findall(text)}
-    during = sorted(i for i in started if i < iters)
-    tier = started[during[0]][1] if during else None  # (the save after the last step may go to --save)
-    kept = [Path(where) / f"iter_{i:07d}" for i, (_, where) in sorted(started.items(), reverse=True)
-            if where == tier and (Path(where) / f"iter_{i:07d}").is_dir()]  # older ones are deleted as it goes
-    return {"iterations": iterations(text), "calls_ms": [float(high) for _, high in CALL.findall(text)][:len(during)],
-            "totals_s": [done[i] - started[i][0] for i in during if i in done], "saved": during,
+    kept = [Path(tier) / f"iter_{i:07d}" for i, _, where in reversed(starts)
+            if where == tier and (Path(tier) / f"iter_{i:07d}").is_dir()]  # older ones are deleted as it goes
+    return {"iterations": iterations(text), "calls_ms": [float(high) for _, high in CALL.findall(text)][:len(started)],
+            "totals_s": [done[i] - t for i, t in sorted(started.items()) if i in done], "saved": sorted(started),
             "bytes": sum(f.stat().st_size for f in kept[0].rglob("*") if f.is_file()) if kept else None}
 
 
 def parameters(args) -> float:
-    plan = subprocess.run([sys.executable, "-m", "megatron_zaya.pretrain", *flags(args), "--zaya-memory-plan", "1"],
-                          capture_output=True, text=True)
-    found = PARAMETERS.search(plan.stdout)
-    if not found:
-        raise SystemExit(f"no parameter count in the memory plan: {plan.stderr[-2000:]}")
-    return float(found.group(1)) * 1e9
+    """The model's parameters, as the memory planner counts them (one rank holds all of them here)."""
+    from megatron_zaya.config import zaya_config
+    from megatron_zaya.memory_plan import Parallel, parameter_counts
+
+    shape = {"num_layers": args.num_layers} if args.num_layers else {}
+    cfg = zaya_config("test" if args.smoke else "zaya1-8b-shallow", **shape)
+    return sum(parameter_counts(cfg, Parallel()).values())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,7 +173,7 @@ def table(results: dict, count: float) -> str:
     base = results.get("none")
     baseline = statistics.median(ms for i, (ms, _) in base["iterations"].items() if i > 2) if base else None
     lines = [f"\n{'mode':<11} {'saves':>5} {'save call ms':>13} {'loop excess ms/save':>20} {'total s/save':>13} "
-             f"{'bytes/param':>12} {'writer MiB':>11}   ({count / 1e9:.3f}B parameters, baseline "
+             f"{'bytes/param':>12} {'writer MiB':>11}   ({count / 1e6:.1f}M parameters, baseline "
              f"{baseline or float('nan'):.0f} ms/iteration)"]
     for mode, r in results.items():
         saves = len(r["saved"])
