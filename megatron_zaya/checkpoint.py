@@ -80,28 +80,69 @@ def _hash_all(paths: list[Path]) -> list[int]:
         return list(pool.map(_crc32, paths))
 
 
+def record_written(paths: list[str | os.PathLike], rank: int) -> None:
+    """Record the size and CRC-32 of the files ``paths`` that ``rank`` just wrote (all in one step directory),
+    for :func:`write_checksums` to take instead of reading them again (the background writer calls it)."""
+    if not paths:
+        return
+    paths = [Path(p) for p in paths]
+    table = {p.name: [p.stat().st_size, crc] for p, crc in zip(paths, _hash_all(paths), strict=True)}
+    _write_atomically(paths[0].parent / f".{CHECKSUMS}.rank-{rank:05d}", {"algorithm": "crc32", "files": table})
+
+
+def _write_atomically(target: Path, record: dict) -> None:
+    staging = target.with_name(f".{CHECKSUMS}.tmp-{os.getpid()}")
+    with staging.open("w") as stream:
+        json.dump(record, stream)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(staging, target)
+
+
+def check_written(path: str | os.PathLike) -> None:
+    """Raise :class:`CheckpointError` unless every byte range that the ``.metadata`` of the ``torch_dist`` step
+    directory ``path`` records lies in a file that exists and is that long (a step without one passes)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        return
+    ends: dict[str, int] = {}
+    for info in FileSystemReader(str(path)).read_metadata().storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        size = (path / name).stat().st_size if (path / name).is_file() else None
+        if size is None or size < end:
+            raise CheckpointError(f"{path / name} {'is missing' if size is None else f'has {size} bytes'}, but the "
+                                  f"checkpoint's .metadata places data up to byte {end} in it: the save is incomplete")
+
+
 def write_checksums(path: str | os.PathLike) -> None:
     """Record the size and CRC-32 of every file of the step directory ``path`` in :data:`CHECKSUMS`, written
-    last and atomically (staged, fsynced, renamed), so that its presence means every file was complete."""
+    last and atomically (staged, fsynced, renamed), so that its presence means every file was complete.
+    Files the writers recorded (:func:`record_written`) with the size they still have are not read again."""
     path = Path(path)
     files = sorted(f for f in path.rglob("*") if f.is_file() and f.name != CHECKSUMS and not f.name.startswith(
         f".{CHECKSUMS}"))
+    records = sorted(path.glob(f".{CHECKSUMS}.rank-*"))
+    known = {}
+    for record in records:
+        known.update(recorded_files(path, record.name) or {})
+    names = [str(f.relative_to(path)) for f in files]
     sizes = [f.stat().st_size for f in files]
-    crcs = _hash_all(files)
-    table = {str(f.relative_to(path)): [size, crc] for f, size, crc in zip(files, sizes, crcs, strict=True)}
-    staging = path / f".{CHECKSUMS}.tmp-{os.getpid()}"
-    with staging.open("w") as stream:
-        json.dump({"algorithm": "crc32", "files": table}, stream)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(staging, path / CHECKSUMS)
+    crcs = [known[n][1] if known.get(n, [None])[0] == size else None for n, size in zip(names, sizes)]
+    hashed = iter(_hash_all([f for f, crc in zip(files, crcs) if crc is None]))
+    table = {n: [size, next(hashed) if crc is None else crc] for n, size, crc in zip(names, sizes, crcs)}
+    _write_atomically(path / CHECKSUMS, {"algorithm": "crc32", "files": table})
+    for record in records:
+        record.unlink()
 
 
-def recorded_files(path: str | os.PathLike) -> dict[str, list[int]] | None:
+def recorded_files(path: str | os.PathLike, name: str = CHECKSUMS) -> dict[str, list[int]] | None:
     """``{file: [size, crc32]}`` recorded at save, None without a readable record (older or foreign saves)."""
     try:
-        record = json.loads((Path(path) / CHECKSUMS).read_text())
-        return {str(name): [int(size), int(crc)] for name, (size, crc) in record["files"].items()}
+        record = json.loads((Path(path) / name).read_text())
+        return {str(file): [int(size), int(crc)] for file, (size, crc) in record["files"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 

@@ -37,6 +37,10 @@ STEP_TRANSIENT_BYTES = {"zaya_muon": 2.0, "adam": 0.0, "sgd": 0.0}
 GRAPH_GRAD_BYTES = 2  # --zaya-cuda-graphs: each layer's backward graph keeps its parameter gradients (param dtype)
 LM_HEAD_TILE_ELEMENTS = 2**28  # kernels/cross_entropy.py: fp32 logits per chunk of the fused LM head
 RESERVE_GIB = 2.0  # per GPU, outside torch's allocations: CUDA/ROCm context, NCCL/RCCL buffers, fragmentation
+# --async-save: the background writer is a second process on the GPU (its own CUDA context; it reads the training
+# tensors through IPC handles and copies them to host memory, so it allocates no copy of them). An estimate of a
+# CUDA context, not measured yet: benchmarks/checkpoint_save.py prints the writer's device memory.
+ASYNC_WRITER_GIB = 0.5
 GPUS_GIB = {"H200": 140.4, "MI300X": 192.0, "MI355X": 288.0}  # capacity as the runtime reports it
 
 
@@ -202,6 +206,7 @@ class Run:
     sequence_parallel: bool = False
     lm_head_grad_in_forward: bool = True
     path: str = "kernels"
+    async_save: bool = False
 
 
 def plan(cfg, par: Parallel, run: Run, stage: int = 0) -> dict[str, float]:
@@ -246,7 +251,9 @@ def plan(cfg, par: Parallel, run: Run, stage: int = 0) -> dict[str, float]:
     layer_params = params - (V * D if stage == 0 or last else 0)
     out["CUDA-graph pool"] = graphs * (GRAPH_GRAD_BYTES * layer_params + 2 * 4 * (D + cfg.router_hidden_size) * tokens)
     out["optimizer-step transient"] = STEP_TRANSIENT_BYTES.get(run.optimizer, 0.0) * params
-    state = out["weights"] + out["gradients"] + out["master weights"] + out["optimizer state"] + out["CUDA-graph pool"]
+    out["checkpoint writer"] = run.async_save * ASYNC_WRITER_GIB * GIB
+    state = (out["weights"] + out["gradients"] + out["master weights"] + out["optimizer state"] + out["CUDA-graph pool"]
+             + out["checkpoint writer"])
     backward = state + out["activations per micro-batch"] + out["activations in flight"] + out["LM-head chunks"]
     out["between steps"] = state + (graphs * out["activations per micro-batch"])
     out["peak"] = max(backward, state + out["optimizer-step transient"])
@@ -298,5 +305,5 @@ def from_args(args) -> tuple[object, Parallel, Run]:
               recompute=args.recompute_granularity,
               recompute_modules=tuple(cfg.zaya_recompute_modules), cuda_graphs=bool(args.zaya_cuda_graphs),
               sequence_parallel=bool(args.sequence_parallel),
-              lm_head_grad_in_forward=cfg.lm_head_grad_in_forward)
+              lm_head_grad_in_forward=cfg.lm_head_grad_in_forward, async_save=bool(args.async_save))
     return cfg, par, run

@@ -50,6 +50,7 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
     """ZAYA1's flags, the preset's, platform and main-job defaults, then the user's (last wins)."""
     from .config import PRESETS, preset
     from .training.arguments import ZAYA_FLAGS, UsageError, preset_flags
+    from .training.checkpoint_tiers import implied_flags
 
     name = _flag_value(argv, "--zaya-preset")
     if name is None and not _has(argv, "--num-layers"):
@@ -61,6 +62,7 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
     # would instead abort (or rerun the step and exit 16) from inside the backward pass.
     flags += ["--no-check-for-nan-in-loss-and-grad"]
     flags += [] if cuda else ["--distributed-backend", "gloo", "--use-cpu-initialization"]
+    flags += implied_flags(argv)  # --async-save alone: a background save
 
     if _has(argv, "-h", "--help"):
         pass  # only the flags are printed: no embedded corpus to build

@@ -365,6 +365,57 @@ def patch_dist_checkpointing() -> None:
     )
 
 
+@_cpu_patch("cpu.async_checkpoint_worker",
+            "megatron.core.dist_checkpointing.strategies.async_utils.PersistentAsyncCaller._get_process")
+def patch_async_checkpoint_worker() -> None:
+    """Run Megatron's background checkpoint writer (``--async-save``) and ZAYA1's local tier on the CPU.
+
+    * The persistent writer process is started with ``forkserver`` (initialize.py:74) or, once the run's end
+      closed it, ``spawn`` (a save after training, async_utils.py:415): a fresh interpreter without these
+      patches, whose first call ``torch.cuda.set_device(rank % device_count())`` (async_utils.py:565) divides
+      by zero. ``PersistentAsyncCaller._get_process`` starts it with ``fork`` instead: it inherits them. The
+      forked writer computes on one thread (``async_loop``): OpenMP's thread pool does not survive a fork, and
+      the first parallel op of a writer forked after training started would wait on it forever.
+    * ``async_utils`` (the writer's ``set_device``, the completion all-reduce), ``tensor_aware_state_dict``
+      and ``exchange_utils`` (the local tier's ``synchronize`` and shard exchange) see :data:`CPU_TORCH`.
+    * ``FileSystemWriterAsync.preload_tensors`` copies CPU tensors. On a GPU it is the device-to-host copy
+      the trainer waits for; on the CPU ``.to('cpu')`` returns the training tensor itself, which the writer
+      would then save while the next steps change it.
+    """
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    original_start = PersistentAsyncCaller._get_process.__func__
+
+    @functools.wraps(original_start)
+    def _get_process(cls, rank, mp_mode="spawn", *args, **kwargs):
+        return original_start(cls, rank, "fork", *args, **kwargs)
+
+    original_loop = PersistentAsyncCaller.async_loop
+
+    @functools.wraps(original_loop)
+    def async_loop(*args, **kwargs):
+        torch.set_num_threads(1)
+        return original_loop(*args, **kwargs)
+
+    original_preload = FileSystemWriterAsync.preload_tensors
+
+    @functools.wraps(original_preload)
+    def preload_tensors(write_buckets, non_blocking=True):
+        copies = [(name, key, (bytes_data, [(item, tensor.detach().clone()) for item, tensor in tensors]))
+                  for name, key, (bytes_data, tensors) in write_buckets]
+        return original_preload(copies, non_blocking)
+
+    replace_attr(PersistentAsyncCaller, "_get_process", classmethod(_get_process))
+    replace_attr(PersistentAsyncCaller, "async_loop", staticmethod(async_loop))
+    replace_attr(FileSystemWriterAsync, "preload_tensors", staticmethod(preload_tensors))
+    _see_cpu_torch(
+        "megatron.core.dist_checkpointing.strategies.async_utils",
+        "megatron.core.dist_checkpointing.tensor_aware_state_dict",
+        "megatron.core.dist_checkpointing.exchange_utils",
+    )
+
+
 @_cpu_patch("cpu.training_utils", "megatron.training.utils.common_utils.torch")
 def patch_training_utils() -> None:
     """Give ``megatron.training.utils.common_utils`` the CPU view of torch.

@@ -47,22 +47,23 @@ class _AtomicTextFile:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        from megatron_zaya.training.fault_injection import kill_if_asked
-
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
         if exc_type is not None:
             os.unlink(self.staging)
             return False
-        from megatron_zaya.checkpoint import step_name, write_checksums
+        from megatron_zaya.checkpoint import check_written, step_name, write_checksums
 
         marker = Path(self.staging).read_text().strip()
         step = Path(self.path).parent / step_name(marker) if marker.isdigit() or marker == "release" else None
         if step is not None and step.is_dir():
+            try:
+                check_written(step)
+            except Exception:
+                os.unlink(self.staging)
+                raise
             write_checksums(step)
-        if marker.isdigit():
-            kill_if_asked("kill_in_save", int(marker))  # testing hook: die with the data written, marker old
         os.replace(self.staging, self.path)
         directory = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY)
         try:
@@ -83,9 +84,12 @@ def atomic_tracker() -> None:
     the previous checkpoint. The replacement wraps the module's ``maybe_msc`` storage front so that only
     a write-mode ``open`` of the tracker on a local filesystem goes through a staged file renamed over
     the old one; everything else (and multi-storage-client paths) is untouched. The tracker is written
-    after every rank finished its checkpoint files, so it always names a complete checkpoint. Just before
-    it, the size and CRC-32 of each file of that checkpoint go into ``zaya_checksums.json`` (hashed in
-    parallel threads, written atomically), which ``reliability.verified_load`` checks on the next load.
+    after every rank finished its checkpoint files (for ``--async-save``: when Megatron finalizes the
+    background write), so it names a complete checkpoint; before it, every byte range the checkpoint's
+    ``.metadata`` records is checked to lie in its file (``checkpoint.check_written``: else the save fails and
+    the tracker stays), then the size and CRC-32 of each file go into ``zaya_checksums.json`` (hashed in
+    parallel threads, or taken from the background writers' records; written atomically), which
+    ``reliability.verified_load`` checks on the next load.
     Off: leave ``reliability`` out of ``--zaya-patches`` / ``ZAYA_PATCHES``.
     """
     from megatron.training import checkpointing

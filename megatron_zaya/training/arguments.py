@@ -90,6 +90,8 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="with --save, SIGTERM (pre-emption, scancel) saves at the end of the current step and exits "
                         "0 within this many seconds (e.g. 60, under Slurm's grace), else exits 3 without the save; "
                         "0 (the default): no save on SIGTERM")
+    g.add_argument("--zaya-local-ckpt-keep", type=int, default=2,
+                   help="with --non-persistent-ckpt-type local: each rank keeps its newest this many local checkpoints")
     return add_muon_args(parser)  # --zaya-muon-* and the --optimizer zaya_muon choice
 
 
@@ -168,7 +170,10 @@ def _check_flag_combinations(args) -> None:
 
 def check_args(args, world_size: int) -> None:
     """Fail early, in one line, on input Megatron would reject with a traceback (or not at all)."""
+    from .checkpoint_tiers import check_args as check_checkpoint_tiers
+
     _check_flag_combinations(args)
+    check_checkpoint_tiers(args)
     try:
         kernel_selection(args.zaya_kernels)
     except ZayaConfigError as error:

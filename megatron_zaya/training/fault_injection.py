@@ -6,9 +6,7 @@ iteration, on every rank or only on ``rank`` (global rank). Kinds:
 * ``nan_loss`` / ``inf_loss``: the micro-batch losses of that iteration become NaN / +Inf (and so do their grads);
 * ``nan_grad`` / ``inf_grad``: one gradient element becomes NaN / +Inf after the gradient all-reduce;
 * ``loss_spike``: the losses of that iteration are multiplied by 10;
-* ``drift``: one weight of this rank changes by +1 (data-parallel replicas disagree from then on);
-* ``kill_in_save``: SIGKILL while the checkpoint of that iteration is being committed (data written, the
-  ``latest`` marker not yet replaced).
+* ``drift``: one weight of this rank changes by +1 (data-parallel replicas disagree from then on).
 
 This module is the only place that reads the variable; with it unset every query is False.
 """
@@ -17,10 +15,9 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
 
 ENV_VAR = "ZAYA_FAULT_INJECT"
-KINDS = ("nan_loss", "inf_loss", "nan_grad", "inf_grad", "loss_spike", "drift", "kill_in_save")
+KINDS = ("nan_loss", "inf_loss", "nan_grad", "inf_grad", "loss_spike", "drift")
 
 
 @functools.cache
@@ -49,8 +46,3 @@ def fault(kind: str, iteration: int) -> bool:
         return False
     return any(k == kind and i == iteration and r in (None, _rank()) for k, i, r in _plan(spec))
 
-
-def kill_if_asked(kind: str, iteration: int) -> None:
-    if fault(kind, iteration):
-        print(f"[zaya] {ENV_VAR}: SIGKILL at {kind}@{iteration}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)

@@ -79,6 +79,18 @@ def results(tmp_path_factory):
         "CUDA graphs on CPU": [*mock, "--zaya-cuda-graphs"],
         "balancing a skip class that is off": [*mock, "--zaya-no-skip-class", "--zaya-balance-skip-class"],
         "a misspelt flag": [*mock, "--lrr", "3"],
+        "a local tier without a directory": [*mock, "--non-persistent-ckpt-type", "local",
+                                             "--non-persistent-save-interval", "2"],
+        "a local tier without an interval": [*mock, "--non-persistent-ckpt-type", "local",
+                                             "--non-persistent-local-ckpt-dir", "local"],
+        "a non-persistent interval without a tier": [*mock, "--non-persistent-save-interval", "2"],
+        "a local tier with replication": [*mock, "--non-persistent-ckpt-type", "local", "--replication",
+                                          "--non-persistent-local-ckpt-dir", "local",
+                                          "--non-persistent-save-interval", "2"],
+        "an unwritable local tier": [*mock, "--non-persistent-ckpt-type", "local", "--non-persistent-save-interval",
+                                     "2", "--non-persistent-local-ckpt-dir", str(directory / "small.bin" / "local")],
+        "a background save of another format": [*mock, "--async-save", "--ckpt-format", "torch"],
+        "a background save through a missing package": [*mock, "--async-save", "--async-strategy", "nvrx"],
     })
     argvs = {name: QUICK + ["--train-iters", "5", "--save", "ckpt", "--load", "ckpt", *flags]
              for name, flags in cases.items()}
@@ -103,6 +115,13 @@ EXPECTED = {  # case -> words the one error line must hold
     "CUDA graphs on CPU": ["--zaya-cuda-graphs needs a GPU"],
     "balancing a skip class that is off": ["--zaya-balance-skip-class with --zaya-no-skip-class"],
     "a misspelt flag": ["unrecognized arguments: --lrr 3"],
+    "a local tier without a directory": ["needs --non-persistent-local-ckpt-dir DIR"],
+    "a local tier without an interval": ["every --non-persistent-save-interval N steps; give N"],
+    "a non-persistent interval without a tier": ["needs --non-persistent-ckpt-type local"],
+    "a local tier with replication": ["--replication does not work with --non-persistent-ckpt-type local"],
+    "an unwritable local tier": ["small.bin/local is not writable"],
+    "a background save of another format": ["--async-save writes --ckpt-format torch_dist only, not torch"],
+    "a background save through a missing package": ["--async-strategy nvrx needs", "drop the flag"],
 }
 
 

@@ -1,7 +1,7 @@
 """Faults injected into real zaya-pretrain runs (docs/reliability.md has the fault matrix).
 
 Faults come from the testing hook ZAYA_FAULT_INJECT (megatron_zaya/training/fault_injection.py), from
-signals sent to the trainer, and from damaged files on disk.
+signals sent to the trainer (tests/kill_before_tracker.py times one), and from damaged files on disk.
 """
 
 from __future__ import annotations
@@ -82,12 +82,15 @@ def test_replica_drift_and_a_nan_on_one_rank_under_torchrun(tmp_path):
     assert len(errors) == 2, out[-3000:]  # both ranks stop
 
 
-def _launch(flags, cwd, log, extra_env=None):
+KILL_BEFORE_TRACKER = str(Path(__file__).parents[1] / "kill_before_tracker.py")
+
+
+def _launch(flags, cwd, log, extra_env=None, launcher=("-m", "megatron_zaya.pretrain")):
     """zaya-pretrain in its own process group (as a scheduler's job step), output to ``log``."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     env.pop("WORLD_SIZE", None)
     with log.open("w") as out:
-        return subprocess.Popen([sys.executable, "-m", "megatron_zaya.pretrain", *flags], cwd=cwd, stdout=out,
+        return subprocess.Popen([sys.executable, *launcher, *flags], cwd=cwd, stdout=out,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
@@ -105,7 +108,7 @@ def test_sigkill_during_a_save_then_sigterm_with_a_deadline(tmp_path):
     resumes from 3 with the same losses; SIGTERM then saves and exits 0 within --zaya-sigterm-deadline."""
     ckpt = tmp_path / "ckpt"
     flags = QUICK + ["--train-iters", "400", "--save-interval", "3", "--save", str(ckpt), "--load", str(ckpt)]
-    killed = _launch(flags, tmp_path, tmp_path / "killed.log", {"ZAYA_FAULT_INJECT": "kill_in_save@6"})
+    killed = _launch(flags, tmp_path, tmp_path / "killed.log", launcher=(KILL_BEFORE_TRACKER, "6"))
     code = killed.wait(timeout=600)
     _end_job_step(killed)
     assert code == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]

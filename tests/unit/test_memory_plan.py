@@ -3,6 +3,8 @@ against the tensors a ZAYA1 model really saves for its backward (torch's saved-t
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from zaya_cli import pretrain
@@ -97,9 +99,10 @@ def test_selective_recompute_names_and_graphs():
 def test_cli_prints_the_plan_and_exits(tmp_path):
     result = pretrain(["--zaya-preset", "zaya1-8b", "--mock-data", "--seq-length", "4096", "--micro-batch-size", "1",
                        "--global-batch-size", "8", "--bf16", "--optimizer", "zaya_muon", "--train-iters", "8",
-                       "--zaya-memory-plan", "8", "--use-distributed-optimizer"], tmp_path, timeout=300)
+                       "--zaya-memory-plan", "8", "--use-distributed-optimizer", "--async-save"], tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "DP8, 8.840B parameters" in result.stdout and "largest micro-batch on MI355X" in result.stdout
+    assert re.search(r"checkpoint writer +0\.50 GiB", result.stdout)  # --async-save's writer process
     assert not list(tmp_path.iterdir())  # nothing built, nothing written
     bad = pretrain(["--zaya-preset", "test", "--mock-data", "--zaya-memory-plan", "0"], tmp_path, timeout=300)
     assert bad.returncode == 2 and "--zaya-memory-plan 0" in bad.stderr.strip().splitlines()[-1]

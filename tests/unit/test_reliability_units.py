@@ -1,5 +1,5 @@
 """Reliability pieces that need no training run: damaged datasets, the atomic `latest` marker under
-SIGKILL, the SIGTERM deadline, an unusable --save directory (docs/reliability.md)."""
+SIGKILL and after an incomplete save, the SIGTERM deadline, an unusable --save directory (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -87,6 +87,7 @@ KILLED_WRITER = textwrap.dedent("""
     from megatron_zaya.patches.reliability import _AtomicTrackerStorage
     from megatron.core.msc_utils import maybe_msc
     storage = _AtomicTrackerStorage(maybe_msc) if sys.argv[2] == "atomic" else maybe_msc
+    os.replace = lambda *paths: os.kill(os.getpid(), 9)  # the atomic writer, killed before its rename
     with storage.open(sys.argv[1], "w") as f:
         if sys.argv[2] == "stock":  # Megatron's in-place rewrite, killed between truncation and write
             os.kill(os.getpid(), 9)
@@ -101,8 +102,8 @@ def test_sigkill_while_replacing_the_latest_marker(tmp_path, writer):
     tracker = tmp_path / TRACKER
     tracker.write_text("3")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(tracker), writer], cwd=root,
-                         env={**os.environ, "ZAYA_FAULT_INJECT": "kill_in_save@7"}, capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(tracker), writer], cwd=root, capture_output=True,
+                         text=True)
     assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
     assert tracker.read_text() == ("3" if writer == "atomic" else "")
 
@@ -140,3 +141,36 @@ def test_save_dir_without_room_for_the_next_checkpoint(tmp_path):
         f.truncate(shutil.disk_usage(save).free + 2**30)
     with pytest.raises(UsageError, match="GiB free but its last checkpoint .iter_0000005. takes"):
         check_save_dir(str(save))
+
+
+def test_latest_moves_only_past_a_checked_save_whose_checksums_the_writers_recorded(tmp_path):
+    """A torch_dist save whose writer recorded its file: the tracker write takes that record (a recorded CRC is
+    not recomputed) and names the step; the same save with its data file cut short is refused, ``latest`` kept."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.msc_utils import maybe_msc
+
+    from megatron_zaya.checkpoint import CHECKSUMS, CheckpointError, check_written, record_written, recorded_files
+    from megatron_zaya.patches.reliability import _AtomicTrackerStorage
+
+    step = tmp_path / "iter_0000002"
+    dcp.save({"w": torch.arange(4096.0)}, checkpoint_id=str(step), no_dist=True)
+    [data] = step.glob("*.distcp")
+    (tmp_path / TRACKER).write_text("1")
+    check_written(step)
+    record_written([data], rank=0)
+    record = step / f".{CHECKSUMS}.rank-00000"
+    table = json.loads(record.read_text())
+    table["files"][data.name][1] = 12345  # what the writer says, not what a second read would find
+    record.write_text(json.dumps(table))
+    with _AtomicTrackerStorage(maybe_msc).open(str(tmp_path / TRACKER), "w") as f:
+        f.write("2")
+    assert (tmp_path / TRACKER).read_text() == "2" and not record.exists()
+    assert recorded_files(step)[data.name] == [data.stat().st_size, 12345]
+
+    data.write_bytes(data.read_bytes()[:100])
+    (tmp_path / TRACKER).write_text("1")
+    with pytest.raises(CheckpointError, match=f"{data.name} has 100 bytes, but the checkpoint's .metadata places"):
+        with _AtomicTrackerStorage(maybe_msc).open(str(tmp_path / TRACKER), "w") as f:
+            f.write("2")
+    assert (tmp_path / TRACKER).read_text() == "1" and not list(tmp_path.glob(f"{TRACKER}.tmp-*"))

@@ -1,0 +1,194 @@
+"""What a checkpoint save costs the training loop, by tier: ``python -m benchmarks.checkpoint_save``.
+
+Trains ZAYA1 (``zaya1-8b-shallow``: ZAYA1-8B's width, 8 layers; ``--num-layers`` for deeper) through the real
+``zaya-pretrain`` CLI once per mode, on mock data with bf16 and Muon, saving every ``--interval`` steps:
+
+* ``none``: no save (the baseline iteration time);
+* ``sync``: Megatron's synchronous ``torch_dist`` save to ``--save`` (``--dir``);
+* ``async``: the same with ``--async-save`` (Megatron's background writer);
+* ``local``: the local tier (``--non-persistent-ckpt-type local``) in ``--local-dir`` (e.g. ``/dev/shm``),
+  with ``--async-save``; ``local_sync``: without it.
+
+Per mode it prints, from Megatron's log: the save call (Megatron's ``save-checkpoint`` timer: what the loop
+waits for in the call), the loop's excess time per save (every iteration from the first save on, against the
+``none`` run's median iteration: includes a background write's slowdown of the steps and its finalization),
+the total time of a save (from "saving checkpoint" to the line saying it is complete: for a background save,
+when the next step finalized it), the bytes per parameter of one checkpoint (its files over the parameters the
+memory planner counts), and for the background writer its peak device memory (``nvidia-smi``, the processes of
+the run other than the trainer). Persistent checkpoints beyond the newest are deleted as the run goes
+(``--save-retain-interval``) and the local tier keeps one, so a mode holds two checkpoints at most (the newest
+and the one being written). By the state they hold (bf16 weights, fp32 master weights and Muon momentum, AdamW
+moments: about 11 bytes per parameter, an estimate until measured here), two of the 8-layer model's (2.2B
+parameters) fit a 64 GiB disk, and two of the 12-layer model's (3.0B) 128 GiB of host memory (``/dev/shm``).
+
+One H200 (the ``none`` run is each call's baseline; run times not measured yet)::
+
+    python -m benchmarks.checkpoint_save --modes none,sync,async --dir /tmp/ckpt-bench
+    python -m benchmarks.checkpoint_save --modes none,local --local-dir /dev/shm/ckpt-bench --dir /tmp/ckpt-bench
+    python -m benchmarks.checkpoint_save --num-layers 12 --modes none,local --local-dir /dev/shm/ckpt-bench \\
+        --dir /tmp/ckpt-bench
+
+``--smoke`` runs the ``test`` preset on any device (CPU: fp32, gloo) to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from benchmarks.megatron_log import iterations
+
+MODES = {
+    "none": [],
+    "sync": ["--save-interval", "{interval}"],
+    "async": ["--save-interval", "{interval}", "--async-save"],
+    "local": ["--save-interval", "1000000", "--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir",
+              "{local}", "--non-persistent-save-interval", "{interval}", "--zaya-local-ckpt-keep", "1", "--async-save"],
+    "local_sync": ["--save-interval", "1000000", "--non-persistent-ckpt-type", "local",
+                   "--non-persistent-local-ckpt-dir", "{local}", "--non-persistent-save-interval", "{interval}",
+                   "--zaya-local-ckpt-keep", "1"],
+}
+STAMP = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\]"
+STARTED = re.compile(STAMP + r" saving checkpoint at iteration\s+(\d+) to (\S+)")
+DONE = re.compile(STAMP + r" successfully saved (?:local )?checkpoint from iteration\s+(\d+)")
+CALL = re.compile(r"^\s+save-checkpoint(?:-non-persistent)? \.+: \(([0-9.]+), ([0-9.]+)\)", re.MULTILINE)
+
+
+def _time(stamp: str) -> float:
+    return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S.%f").timestamp()
+
+
+def flags(args) -> list[str]:
+    shape = ["--zaya-preset", "test"] if args.smoke else ["--zaya-preset", "zaya1-8b-shallow", "--bf16"]
+    if args.num_layers:
+        shape += ["--num-layers", str(args.num_layers)]
+    return shape + ["--mock-data", "--optimizer", "zaya_muon", "--seq-length", str(args.seq),
+                    "--max-position-embeddings", str(args.seq), "--micro-batch-size", "1", "--global-batch-size",
+                    str(args.gbs), "--train-iters", str(args.iters), "--lr", "3e-4", "--min-lr", "3e-5",
+                    "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "0"]
+
+
+def command(mode: str, args) -> list[str]:
+    extra = [f.format(interval=args.interval, local=args.local_dir) for f in MODES[mode]]
+    save = ["--save", str(Path(args.dir) / mode), "--save-retain-interval", "1000000"] if mode != "none" else []
+    return [sys.executable, "-m", "megatron_zaya.pretrain", *flags(args), *save, *extra]
+
+
+def _watch_device_memory(trainer: int, peak: dict, stop: threading.Event) -> None:
+    """Peak device memory (MiB) of the run's processes other than the trainer (the background writer)."""
+    while not stop.wait(0.5):
+        try:
+            table = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,"
+                                    "nounits"], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return
+        for line in table.strip().splitlines():
+            pid, used = (int(x) for x in line.split(","))
+            if pid != trainer and _group(pid) == trainer:  # (n/a where nvidia-smi sees another PID namespace)
+                peak["writer"] = max(peak.get("writer", 0), used)
+
+
+def _group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def run(mode: str, args) -> dict:
+    shutil.rmtree(Path(args.dir) / mode, ignore_errors=True)
+    shutil.rmtree(args.local_dir, ignore_errors=True)
+    cmd = command(mode, args)
+    print("$ " + " ".join(cmd), flush=True)
+    log = Path(args.dir) / f"{mode}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    peak, stop = {}, threading.Event()
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={k: v for k, v in os.environ.items() if k != "WORLD_SIZE"})
+        watcher = threading.Thread(target=_watch_device_memory, args=(proc.pid, peak, stop), daemon=True)
+        watcher.start()
+        code = proc.wait()
+        stop.set()
+    text = log.read_text()
+    if code:
+        sys.stderr.write(text[-5000:])
+        raise SystemExit(f"{mode}: zaya-pretrain exited {code} (log: {log})")
+    return dict(summarize(text, args.iters), writer_mib=peak.get("writer"))
+
+
+def summarize(text: str, iters: int) -> dict:
+    """What a run's log says about the saves of its tier during training (not the save after the last step)."""
+    starts = [(int(i), _time(t), where) for t, i, where in STARTED.findall(text)]
+    tier = starts[0][2] if starts else None  # (the save after the last step of a local run goes to --save)
+    started = {i: t for i, t, where in starts if where == tier and i < iters}
+    done = {int(i): _time(t) for t, i in DONE.findall(text)}
+    kept = [Path(tier) / f"iter_{i:07d}" for i, _, where in reversed(starts)
+            if where == tier and (Path(tier) / f"iter_{i:07d}").is_dir()]  # older ones are deleted as it goes
+    return {"iterations": iterations(text), "calls_ms": [float(high) for _, high in CALL.findall(text)][:len(started)],
+            "totals_s": [done[i] - t for i, t in sorted(started.items()) if i in done], "saved": sorted(started),
+            "bytes": sum(f.stat().st_size for f in kept[0].rglob("*") if f.is_file()) if kept else None}
+
+
+def parameters(args) -> float:
+    """The model's parameters, as the memory planner counts them (one rank holds all of them here)."""
+    from megatron_zaya.config import zaya_config
+    from megatron_zaya.memory_plan import Parallel, parameter_counts
+
+    shape = {"num_layers": args.num_layers} if args.num_layers else {}
+    cfg = zaya_config("test" if args.smoke else "zaya1-8b-shallow", **shape)
+    return sum(parameter_counts(cfg, Parallel()).values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", default="none,sync,async,local", help=f"comma-separated: {', '.join(MODES)}")
+    parser.add_argument("--num-layers", type=int, default=None, help="layers (default: the preset's 8)")
+    parser.add_argument("--dir", default="runs/checkpoint-save", help="persistent checkpoints and logs")
+    parser.add_argument("--local-dir", default="/dev/shm/zaya-checkpoint-save", help="the local tier's directory")
+    parser.add_argument("--interval", type=int, default=5, help="steps between saves")
+    parser.add_argument("--iters", type=int, default=16, help="training steps per mode")
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--gbs", type=int, default=2, help="global batch (micro-batch 1)")
+    parser.add_argument("--smoke", action="store_true", help="the test preset, anywhere (checks the script)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.seq, args.iters, args.interval = 64, 6, 2
+    count = parameters(args)
+    results = {mode: run(mode, args) for mode in args.modes.split(",")}
+    print(table(results, count))
+    return 0
+
+
+def table(results: dict, count: float) -> str:
+    base = results.get("none")
+    baseline = statistics.median(ms for i, (ms, _) in base["iterations"].items() if i > 2) if base else None
+    lines = [f"\n{'mode':<11} {'saves':>5} {'save call ms':>13} {'loop excess ms/save':>20} {'total s/save':>13} "
+             f"{'bytes/param':>12} {'writer MiB':>11}   ({count / 1e6:.1f}M parameters, baseline "
+             f"{baseline or float('nan'):.0f} ms/iteration)"]
+    for mode, r in results.items():
+        saves = len(r["saved"])
+        excess = float("nan")
+        if baseline and saves:
+            after = [ms for i, (ms, _) in r["iterations"].items() if i > min(r["saved"])]
+            excess = (sum(after) - baseline * len(after)) / saves
+        call = statistics.mean(r["calls_ms"]) if r["calls_ms"] else float("nan")
+        total = statistics.mean(r["totals_s"]) if r["totals_s"] else float("nan")
+        per_param = r.get("bytes") / count if r.get("bytes") else float("nan")
+        writer = r.get("writer_mib") if r.get("writer_mib") is not None else "n/a"
+        lines.append(f"{mode:<11} {saves:>5} {call:>13.0f} {excess:>20.0f} {total:>13.2f} {per_param:>12.2f} "
+                     f"{writer:>11}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

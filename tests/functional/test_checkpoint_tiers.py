@@ -1,0 +1,90 @@
+"""Background saves (``--async-save``) and the local tier in real runs: the whole job SIGKILLed while the
+background writer writes checkpoint 8 leaves both tiers resumable, and a resume from either tier repeats the
+killed run's losses; a write still in flight when the run ends is finished and checksummed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from zaya_cli import QUICK, losses, pretrain
+
+from megatron_zaya.checkpoint import CHECKSUMS, TRACKER
+from megatron_zaya.training.reliability import newest_intact_checkpoint
+
+TIERS = ["--async-save", "--save-interval", "4", "--save", "ck", "--load", "ck", "--non-persistent-ckpt-type", "local",
+         "--non-persistent-local-ckpt-dir", "local", "--non-persistent-save-interval", "1"]
+FLAGS = QUICK + ["--train-iters", "400"]
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """A run with both tiers, its process group SIGKILLed the moment the directory of checkpoint 8 appears (its
+    background write starting, local checkpoints of 6 and 7 written or being written); its losses."""
+    directory = tmp_path_factory.mktemp("killed")
+    with (directory / "killed.log").open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_zaya.pretrain", *FLAGS, *TIERS], cwd=directory,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    target, deadline = directory / "ck" / "iter_0000008", time.time() + 400
+    while not target.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.001)
+    os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its background writer, as a node failure would
+    proc.wait(timeout=60)
+    output = (directory / "killed.log").read_text()
+    assert target.exists() and "Traceback" not in output, output[-3000:]
+    return directory, losses(output)
+
+
+def _copy(killed, tmp_path):
+    for name in ("ck", "local"):
+        shutil.copytree(killed[0] / name, tmp_path / name)
+
+
+def test_the_kill_leaves_complete_checkpoints_in_both_tiers(killed):
+    directory, first = killed
+    ckpt, local = directory / "ck", directory / "local"
+    assert (ckpt / TRACKER).read_text() == "4"  # 8 was being written: never named
+    assert not (ckpt / "iter_0000008" / CHECKSUMS).exists()
+    assert newest_intact_checkpoint(str(ckpt)) == "4"
+    # Each local part kept (the newest two, plus one a later save may have completed before its pruning) is
+    # complete or was still being written; nothing older than 5 is left.
+    parts = sorted(int(p.parent.name[5:]) for p in local.glob("iter_*/rank_00000"))
+    assert parts and min(parts) >= 5 and max(parts) <= 7 and max(first) >= 8, (parts, max(first))
+
+
+def test_a_resume_takes_the_newest_local_checkpoint_and_repeats_the_losses(killed, tmp_path):
+    """The local tier is newer than the persistent one (4): the resume starts there and its first loss equals the
+    killed run's. The background saves of this run (persistent 8, local 9 and 10, the last one still in flight
+    at the exit interval) are finished, checksummed and named before the run ends."""
+    _copy(killed, tmp_path)
+    complete = sorted(int(p.parent.parent.name[5:]) for p in (tmp_path / "local").glob(f"iter_*/rank_*/{CHECKSUMS}"))
+    run = pretrain(FLAGS + TIERS + ["--exit-interval", "10"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    resumed = losses(run.stdout)
+    start = min(resumed) - 1
+    assert start == complete[-1] >= 6, (start, complete)
+    assert f"[zaya] resuming from the local checkpoint local/iter_{start:07d} (the persistent one in --load: 4)" \
+        in run.stdout
+    assert resumed[start + 1] == killed[1][start + 1]
+    assert max(resumed) == 10 and (tmp_path / "ck" / TRACKER).read_text() == "8"
+    assert newest_intact_checkpoint(str(tmp_path / "ck")) == "8"
+    assert sorted(p.parent.parent.name for p in (tmp_path / "local").glob(f"iter_*/rank_00000/{CHECKSUMS}")) == [
+        "iter_0000009", "iter_0000010"]
+
+
+def test_a_resume_from_the_background_save_repeats_the_losses(killed, tmp_path):
+    """Without the local tier the resume starts at the persistent checkpoint 4 that the background writer
+    wrote while steps 5 and on trained: losses 5 and 7 equal the killed run's."""
+    _copy(killed, tmp_path)
+    run = pretrain(FLAGS + ["--async-save", "--save-interval", "4", "--save", "ck", "--load", "ck",
+                            "--exit-interval", "7"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    resumed = losses(run.stdout)
+    assert min(resumed) == 5  # (Megatron's second log line after a resume averages two steps)
+    assert [resumed[i] for i in (5, 7)] == [killed[1][i] for i in (5, 7)]
