@@ -1,7 +1,8 @@
 """Faults injected into real zaya-pretrain runs (docs/reliability.md has the fault matrix).
 
-Faults come from the testing hook ZAYA_FAULT_INJECT (megatron_zaya/training/fault_injection.py), from
-signals sent to the trainer, and from damaged files on disk.
+Faults come from the test-side hooks of tests/fault_hooks (zaya_cli.with_faults), the testing hook
+ZAYA_FAULT_INJECT=kill_in_save (megatron_zaya/training/fault_injection.py), signals sent to the trainer, and damaged
+files on disk.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from zaya_cli import QUICK, losses, pretrain
+from zaya_cli import QUICK, losses, pretrain, with_faults
 
 SKIPPED = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?number of skipped iterations:\s+(\d+)")
 
@@ -40,7 +41,7 @@ def test_nonfinite_steps_are_skipped_spikes_logged_and_a_streak_stops_the_run(tm
     faults = "nan_loss@3,inf_grad@4,loss_spike@7,nan_grad@9,inf_loss@10,nan_loss@11"
     run = pretrain(QUICK + ["--train-iters", "20", "--save-interval", "2", "--save", str(ckpt), "--load", str(ckpt),
                             "--zaya-max-nonfinite-steps", "3", "--zaya-loss-spike-window", "8"],
-                   cwd=tmp_path, extra_env={"ZAYA_FAULT_INJECT": faults})
+                   cwd=tmp_path, extra_env=with_faults(faults))
     assert run.returncode == 3, run.stderr[-3000:]
     error = _last_error(run.stderr)
     assert "3 steps in a row (iterations 9-11)" in error and "--iterations-to-skip 9 10 11" in error, error
@@ -66,7 +67,7 @@ def test_nonfinite_steps_are_skipped_spikes_logged_and_a_streak_stops_the_run(tm
 def test_replica_drift_and_a_nan_on_one_rank_under_torchrun(tmp_path):
     """Two data-parallel ranks (gloo): a NaN gradient on rank 1 only makes both skip (the replicas still
     match at the next check); a weight changed on rank 1 stops both at the next check, naming rank and tensor."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ZAYA_FAULT_INJECT": "nan_grad@3@1,drift@5@1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **with_faults("nan_grad@3@1,drift@5@1")}
     env.pop("WORLD_SIZE", None)
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
