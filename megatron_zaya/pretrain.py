@@ -65,7 +65,8 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
     if _has(argv, "-h", "--help"):
         pass  # only the flags are printed: no embedded corpus to build
     elif not _has(argv, "--data-path", "--mock-data", "--train-data-path", "--data-args-path"):
-        from .data import embedded_dataset_prefix, embedded_tokenizer_dir
+        from .data import embedded_tokenizer_dir
+        from .data.preprocess import embedded_dataset_prefix
 
         flags += MAIN_JOB_FLAGS + (["--bf16"] if cuda else [])
         iterations = _flag_value(argv, "--train-iters")

@@ -213,7 +213,8 @@ def test_a_save_failing_mid_training_is_reported_and_the_previous_checkpoint_kep
 
 
 def test_truncated_data_stops_in_one_line(tmp_path):
-    from megatron_zaya.data import embedded_dataset_prefix, embedded_tokenizer_dir
+    from megatron_zaya.data import embedded_tokenizer_dir
+    from megatron_zaya.data.preprocess import embedded_dataset_prefix
 
     prefix = embedded_dataset_prefix(str(tmp_path / "data"))
     with open(prefix + ".bin", "r+b") as f:
