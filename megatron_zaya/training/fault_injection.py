@@ -1,16 +1,11 @@
-"""TESTING HOOK: deliberate faults for the reliability tests (``docs/reliability.md``). Never set it in a real run.
+"""TESTING HOOK: a SIGKILL during a save, for the reliability tests (``docs/reliability.md``). Never set it in a
+real run.
 
-``ZAYA_FAULT_INJECT="kind@iteration[@rank],..."`` makes the trainer poison or break the given (1-based)
-iteration, on every rank or only on ``rank`` (global rank). Kinds:
-
-* ``nan_loss`` / ``inf_loss``: the micro-batch losses of that iteration become NaN / +Inf (and so do their grads);
-* ``nan_grad`` / ``inf_grad``: one gradient element becomes NaN / +Inf after the gradient all-reduce;
-* ``loss_spike``: the losses of that iteration are multiplied by 10;
-* ``drift``: one weight of this rank changes by +1 (data-parallel replicas disagree from then on);
-* ``kill_in_save``: SIGKILL while the checkpoint of that iteration is being committed (data written, the
-  ``latest`` marker not yet replaced).
-
-This module is the only place that reads the variable; with it unset every query is False.
+``ZAYA_FAULT_INJECT="kind@iteration[@rank],..."``: ``kill_in_save`` SIGKILLs the trainer while the checkpoint
+of that (1-based) iteration is being committed (data written, the ``latest`` marker not yet replaced), on every
+rank or only on ``rank`` (global rank). The other kinds (NaN/Inf losses and gradients, loss spikes, replica
+drift) are injected from outside the trainer by ``tests/fault_hooks/sitecustomize.py``; they are accepted here
+so that one variable can name both.
 """
 
 from __future__ import annotations
