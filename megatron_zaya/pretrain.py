@@ -67,7 +67,8 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
     if _has(argv, "-h", "--help"):
         pass  # only the flags are printed: no embedded corpus to build
     elif not _has(argv, "--data-path", "--mock-data", "--train-data-path", "--data-args-path"):
-        from .data import embedded_dataset_prefix, embedded_tokenizer_dir
+        from .data import embedded_tokenizer_dir
+        from .data.preprocess import embedded_dataset_prefix
 
         flags += MAIN_JOB_FLAGS + (["--bf16"] if cuda else [])
         iterations = _flag_value(argv, "--train-iters")
@@ -103,13 +104,13 @@ def _memory_plan_world_size(argv: list[str]) -> int | None:
 
 
 def _saves_on_sigterm(argv: list[str], flags: list[str]) -> bool:
-    """With a --save directory and a positive --zaya-sigterm-deadline, SIGTERM (pre-emption, scancel) saves."""
+    """With a --save directory, SIGTERM (pre-emption, scancel) saves unless --zaya-sigterm-deadline is 0."""
     deadline = _flag_value(argv, "--zaya-sigterm-deadline")
     try:
-        on = deadline is not None and float(deadline) > 0
+        off = deadline is not None and float(deadline) <= 0
     except ValueError:
         return False  # argparse names the bad value
-    return on and (_has(argv, "--save") or _has(flags, "--save"))
+    return not off and (_has(argv, "--save") or _has(flags, "--save"))
 
 
 def _relaunch_on_all_gpus(argv: list[str]) -> None:
@@ -180,9 +181,10 @@ def run(argv: list[str]) -> None:
     import torch
 
     from .patches import apply_patches
-    from .runtime import START_LOG, end_helpers_with_this_process, write_start_log
+    from .runtime import START_LOG, end_data_workers_at_exit, end_helpers_with_this_process, write_start_log
 
     end_helpers_with_this_process()  # no helper outlives a killed trainer
+    end_data_workers_at_exit()  # nor waits forever on data-loader workers at exit
     cuda = torch.cuda.is_available()
     plan_size = _memory_plan_world_size(argv)
     if plan_size is not None:  # the plan is for GPUs and for the world size asked, whatever this machine is

@@ -92,6 +92,28 @@ def end_helpers_with_this_process() -> None:
     os.register_at_fork(before=before_fork, after_in_child=in_child)
 
 
+def end_data_workers_at_exit() -> None:
+    """Shut down data-loader workers still running at exit, the way an iterator that runs out does.
+
+    With ``--exit-signal-handler`` Megatron's ``worker_init_fn`` gives every data-loader worker a SIGTERM handler
+    that only sets a flag (so that a job-wide SIGTERM leaves them serving the step before the save). A run that
+    ends on an exception (a failed save, a fault, a traceback) keeps its iterators alive in the exception's
+    reference cycles until after the exit handlers; torch's own shutdown of their workers does nothing once the
+    interpreter is exiting, and multiprocessing's exit handler then SIGTERMs them (ignored) and joins them:
+    forever. Registered after torch's and multiprocessing's exit handlers, this one runs before them."""
+    import atexit
+    import gc
+
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    def shut_down():
+        for live in gc.get_objects():
+            if type(live) is _MultiProcessingDataLoaderIter:  # (isinstance would ask dead weak proxies too)
+                live._shutdown_workers()
+
+    atexit.register(shut_down)
+
+
 # Megatron's argument dump and the patch lines of this process, for the run directory's START_LOG_NAME.
 START_LOG: list[str] = []
 START_LOG_NAME = "zaya-start.log"

@@ -15,6 +15,15 @@ QUICK = ["--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size",
          "--eval-iters", "0", "--log-interval", "1"]
 
 
+FAULT_HOOKS = Path(__file__).parent / "fault_hooks"
+
+
+def with_faults(spec: str) -> dict[str, str]:
+    """Environment for a subprocess that injects the faults ``spec`` (see fault_hooks/sitecustomize.py)."""
+    path = os.pathsep.join(p for p in (str(FAULT_HOOKS), os.environ.get("PYTHONPATH")) if p)
+    return {"ZAYA_FAULT_INJECT": spec, "PYTHONPATH": path}
+
+
 def pretrain(args: list[str], cwd: Path, timeout: int = 600, extra_env: dict | None = None, nproc: int = 1):
     """``zaya-pretrain ARGS`` in a subprocess; with ``nproc`` > 1 under torchrun (gloo on CPU)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}

@@ -18,9 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
-DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"auto": None, "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # torch's names: --help needs no torch
 
 
 class UsageError(ValueError):
@@ -69,6 +67,8 @@ def import_hf(hf_dir: Path, out: Path, dtype) -> None:
 
 
 def export_hf(ckpt_dir: Path, out: Path, dtype, tokenizer: Path | None) -> None:
+    import torch
+
     from megatron_zaya.convert.hf import hf_config_from_zaya, megatron_to_hf
     from megatron_zaya.convert.hf_io import write_hf_checkpoint
     from megatron_zaya.pretrained import load_megatron
@@ -114,19 +114,22 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)  # before torch and Megatron: --help and usage errors come at once
     from megatron_zaya.runtime import one_line_for_missing_packages
 
-    args = parser().parse_args(argv)
     with one_line_for_missing_packages():
+        import torch
+
         from megatron_zaya.checkpoint import CheckpointError
         from megatron_zaya.convert.hf import ConversionError
         from megatron_zaya.pretrained import load_hf  # noqa: F401  (Megatron's model stack)
 
+    dtype = None if DTYPES[args.dtype] is None else getattr(torch, DTYPES[args.dtype])
     try:
         if args.command == "import-hf":
-            import_hf(args.hf_dir, args.out_dir, DTYPES[args.dtype])
+            import_hf(args.hf_dir, args.out_dir, dtype)
         else:
-            export_hf(args.ckpt_dir, args.out_dir, DTYPES[args.dtype], args.tokenizer)
+            export_hf(args.ckpt_dir, args.out_dir, dtype, args.tokenizer)
     except (ConversionError, CheckpointError, UsageError) as error:
         print(f"zaya-convert: error: {error}", file=sys.stderr)
         return 2

@@ -6,12 +6,14 @@
 Each document is encoded the way Megatron's HuggingFaceTokenizer encodes text (the tokenizer's own
 special tokens included, e.g. a BOS where its template adds one), then the EOS id, Megatron's `.eod`,
 is appended. The files are written under a temporary name and renamed at the end, so a failed or
-interrupted run leaves nothing behind and a reader never sees half a dataset.
+interrupted run leaves nothing behind and a reader never sees half a dataset. The embedded corpus's
+dataset (`embedded_dataset_prefix`, the default data of zaya-pretrain) is built the same way, once per cache.
 """
 
 import argparse
 import collections
 import contextlib
+import hashlib
 import multiprocessing
 import multiprocessing.pool
 import os
@@ -22,10 +24,10 @@ from dataclasses import dataclass
 from itertools import batched
 
 import numpy as np
-from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 from tqdm import tqdm
 
 from .documents import InputError, expand_inputs, read_documents
+from .embedded import EMBEDDED_CORPUS, EMBEDDED_DIR, embedded_tokenizer_dir
 
 DOCUMENTS_PER_BATCH = 64
 
@@ -81,6 +83,8 @@ def write_indexed_dataset(
     Documents keep input order whatever `workers` is, so the output bytes do not depend on it.
     Raises InputError, having written nothing, on any bad input.
     """
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
+
     paths = expand_inputs(inputs)
     _check_output(output_prefix, overwrite)
     if workers < 1:
@@ -127,6 +131,8 @@ def write_indexed_dataset(
 
 
 def _check_output(output_prefix: str, overwrite: bool) -> None:
+    from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
+
     directory = os.path.dirname(output_prefix) or "."
     if not os.path.isdir(directory):
         raise InputError(f"output directory {directory} does not exist; create it or change --output-prefix")
@@ -179,6 +185,23 @@ def _encode_in_worker(batch: tuple[str, ...]) -> list[np.ndarray]:
     return encode_documents(_worker_state["tokenizer"], batch, _worker_state["eod"])
 
 
+def embedded_dataset_prefix(cache_dir: str) -> str:
+    """Tokenise the embedded corpus into `cache_dir` (once) and return the prefix for `--data-path`.
+
+    One document per chapter, each ending in `<eos>`. The file name carries a hash of the corpus
+    and the tokenizer, so a rebuilt tokenizer never reuses stale tokens. Writing goes through a
+    temporary name and a rename, so concurrent callers (several ranks) are safe.
+    """
+    digest = hashlib.sha256()
+    for path in (EMBEDDED_CORPUS, EMBEDDED_DIR / "tokenizer.json"):
+        digest.update(path.read_bytes())
+    prefix = os.path.join(cache_dir, f"austen-{digest.hexdigest()[:12]}")
+    if not os.path.exists(prefix + ".idx"):  # .idx is renamed into place last
+        os.makedirs(cache_dir, exist_ok=True)
+        write_indexed_dataset([str(EMBEDDED_CORPUS)], prefix, embedded_tokenizer_dir(), overwrite=True, progress=False)
+    return prefix
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="zaya-preprocess",
@@ -200,8 +223,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.tokenizer is None:
-        from .embedded import embedded_tokenizer_dir
-
         args.tokenizer = embedded_tokenizer_dir()
     try:
         summary = write_indexed_dataset(

@@ -33,7 +33,6 @@ import torch
 
 from ..checkpoint import TRACKER, damage, read_tracker, recorded_files, step_name
 from .arguments import UsageError
-from .fault_injection import fault
 
 FAULT_EXIT_CODE = 3
 
@@ -105,7 +104,6 @@ class StepGuard:
             if overflow:
                 return True
             iteration = _iteration()
-            self._inject_grad_faults(optimizer, iteration)
             if self.replica_interval and iteration % self.replica_interval == 0:
                 check_replicas(self.model_chunks, iteration, self.save_dir)
             cached_norm[:] = [get_grad_norm()]
@@ -120,7 +118,7 @@ class StepGuard:
 
     def watch(self, forward_step):
         """``forward_step`` that snapshots the balancing state at a step's first micro-batch (on every pipeline
-        stage) and records the step's loss (applying the testing hook's loss faults)."""
+        stage) and records the step's loss."""
 
         @functools.wraps(forward_step)
         def watched_forward_step(data_iterator, model, *args, **kwargs):
@@ -145,12 +143,6 @@ class StepGuard:
         loss, num_tokens, report = loss_func(output)
         if not torch.is_grad_enabled():  # evaluation
             return loss, num_tokens, report
-        iteration = _iteration()
-        poison = {"nan_loss": math.nan, "inf_loss": math.inf, "loss_spike": 10.0}
-        for kind, factor in poison.items():
-            if fault(kind, iteration):
-                loss = loss * factor
-                report = {**report, "lm loss": torch.cat([loss.detach().view(1), report["lm loss"][1:]])}
         self._loss += torch.stack([loss.detach().double(), num_tokens.detach().double()])
         return loss, num_tokens, report
 
@@ -185,15 +177,6 @@ class StepGuard:
                 f"(--iterations-to-skip {' '.join(map(str, range(first, iteration + 1)))}); last checkpoint: "
                 f"{describe_latest_checkpoint(self.save_dir)}")
         return True
-
-    def _inject_grad_faults(self, optimizer, iteration: int) -> None:
-        for kind, value in (("nan_grad", math.nan), ("inf_grad", math.inf)):
-            if fault(kind, iteration):
-                grad = next(p.grad for p in optimizer.get_parameters() if p.grad is not None)
-                grad.view(-1)[0] = value
-        if fault("drift", iteration):
-            with torch.no_grad():
-                next(p for chunk in self.model_chunks for p in chunk.parameters()).view(-1)[0] += 1.0
 
     def _undo_balancing(self) -> None:
         if self._balancing_snapshot:

@@ -1,7 +1,7 @@
 """Faults injected into real zaya-pretrain runs (docs/reliability.md has the fault matrix).
 
-Faults come from the testing hook ZAYA_FAULT_INJECT (megatron_zaya/training/fault_injection.py), from
-signals sent to the trainer (tests/kill_before_tracker.py times one), and from damaged files on disk.
+Faults come from the test-side hooks of tests/fault_hooks (zaya_cli.with_faults), from signals sent to the
+trainer (tests/kill_before_tracker.py times one), and from damaged files on disk.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from zaya_cli import QUICK, losses, pretrain
+from zaya_cli import QUICK, losses, pretrain, with_faults
 
 SKIPPED = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?number of skipped iterations:\s+(\d+)")
 
@@ -40,7 +40,7 @@ def test_nonfinite_steps_are_skipped_spikes_logged_and_a_streak_stops_the_run(tm
     faults = "nan_loss@3,inf_grad@4,loss_spike@7,nan_grad@9,inf_loss@10,nan_loss@11"
     run = pretrain(QUICK + ["--train-iters", "20", "--save-interval", "2", "--save", str(ckpt), "--load", str(ckpt),
                             "--zaya-max-nonfinite-steps", "3", "--zaya-loss-spike-window", "8"],
-                   cwd=tmp_path, extra_env={"ZAYA_FAULT_INJECT": faults})
+                   cwd=tmp_path, extra_env=with_faults(faults))
     assert run.returncode == 3, run.stderr[-3000:]
     error = _last_error(run.stderr)
     assert "3 steps in a row (iterations 9-11)" in error and "--iterations-to-skip 9 10 11" in error, error
@@ -66,7 +66,7 @@ def test_nonfinite_steps_are_skipped_spikes_logged_and_a_streak_stops_the_run(tm
 def test_replica_drift_and_a_nan_on_one_rank_under_torchrun(tmp_path):
     """Two data-parallel ranks (gloo): a NaN gradient on rank 1 only makes both skip (the replicas still
     match at the next check); a weight changed on rank 1 stops both at the next check, naming rank and tensor."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ZAYA_FAULT_INJECT": "nan_grad@3@1,drift@5@1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **with_faults("nan_grad@3@1,drift@5@1")}
     env.pop("WORLD_SIZE", None)
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
@@ -174,7 +174,7 @@ def _processes_of_group(pgid: int) -> list[int]:
             fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
         except (OSError, IndexError):
             continue
-        if int(fields[2]) == pgid:
+        if int(fields[2]) == pgid and fields[0] != "Z":
             pids.append(int(stat.parent.name))
     return pids
 
@@ -195,9 +195,11 @@ def test_a_save_failing_mid_training_is_reported_and_the_previous_checkpoint_kep
     for pid in _processes_of_group(proc.pid):
         resource.prlimit(pid, resource.RLIMIT_FSIZE, (largest // 2, largest // 2))
     code = proc.wait(timeout=300)
+    time.sleep(1)  # the kernel's signal to the helpers takes a moment
+    left = _processes_of_group(proc.pid)  # data-loader workers ignore SIGTERM: runtime.end_data_workers_at_exit
     _end_job_step(proc)
     output = log.read_text()
-    assert code == 3, output[-3000:]
+    assert code == 3 and left == [], (left, output[-3000:])
     error = _last_error(output)
     assert "saving the checkpoint of iteration 6" in error and "failed" in error, error
     assert "iter_0000003 (iteration 3)" in error, error
@@ -213,7 +215,8 @@ def test_a_save_failing_mid_training_is_reported_and_the_previous_checkpoint_kep
 
 
 def test_truncated_data_stops_in_one_line(tmp_path):
-    from megatron_zaya.data import embedded_dataset_prefix, embedded_tokenizer_dir
+    from megatron_zaya.data import embedded_tokenizer_dir
+    from megatron_zaya.data.preprocess import embedded_dataset_prefix
 
     prefix = embedded_dataset_prefix(str(tmp_path / "data"))
     with open(prefix + ".bin", "r+b") as f:

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from zaya_cli import with_faults
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 
@@ -53,7 +54,7 @@ def test_exact_resume_with_the_distributed_optimizer(tmp_path, optimizer):
 
 def test_nan_on_one_rank_is_skipped_everywhere(tmp_path):
     run = _pretrain(["--train-iters", "8", "--save-interval", "100"], tmp_path,
-                    {"ZAYA_FAULT_INJECT": f"nan_grad@3@{GPUS - 1}"})
+                    with_faults(f"nan_grad@3@{GPUS - 1}"))
     assert run.returncode == 0, run.stderr[-4000:]
     out = run.stdout + run.stderr
     assert re.search(r"iteration\s+3 \| non-finite step skipped", out), out[-4000:]

@@ -16,7 +16,8 @@ from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 from megatron.training.arguments import add_megatron_arguments
 from tokenizers import Tokenizer
 
-from megatron_zaya.data import build_embedded, embedded_dataset_prefix, embedded_tokenizer_dir
+from megatron_zaya.data import build_embedded, embedded_tokenizer_dir
+from megatron_zaya.data.preprocess import embedded_dataset_prefix
 
 TOKENIZER_DIR = Path(embedded_tokenizer_dir())
 REFERENCE = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))

@@ -20,13 +20,13 @@ def test_an_explicit_load_wins():
     assert (_resolved(argv, "--save"), _resolved(argv, "--load")) == ("/tmp/new", "/tmp/old")
 
 
-def test_sigterm_saves_when_asked_and_there_is_a_save_directory():
+def test_sigterm_saves_whenever_there_is_a_save_directory():
     mock = ["--mock-data", "--zaya-preset", "test"]
-    assert "--exit-signal-handler" not in build_argv([*mock, "--save", "ck"], cuda=False)  # off by default
-    assert "--exit-signal-handler" in build_argv([*mock, "--save", "ck", "--zaya-sigterm-deadline", "60"], cuda=False)
+    assert "--exit-signal-handler" in build_argv([], cuda=False)  # the main job saves into its run directory
+    assert "--exit-signal-handler" in build_argv([*mock, "--save", "ck"], cuda=False)
     assert "--exit-signal-handler" not in build_argv([*mock, "--save", "ck", "--zaya-sigterm-deadline", "0"],
                                                      cuda=False)
-    assert "--exit-signal-handler" not in build_argv([*mock, "--zaya-sigterm-deadline", "60"], cuda=False)  # no save
+    assert "--exit-signal-handler" not in build_argv(mock, cuda=False)  # nothing to save into
 
 
 def test_a_shorter_main_job_gets_a_warmup_that_fits():

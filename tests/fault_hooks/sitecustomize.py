@@ -1,0 +1,119 @@
+"""Faults for the reliability tests, injected into a zaya-pretrain process from outside megatron_zaya's code.
+
+A test puts this folder first on the process's PYTHONPATH and sets ``ZAYA_FAULT_INJECT="kind@iteration[@rank],..."``
+(``zaya_cli.with_faults``). Python imports this module at start-up; when ``megatron_zaya.training.reliability`` is
+imported, its :class:`StepGuard` is wrapped so that the given (1-based) iteration, on every rank or only on ``rank``
+(global rank), is broken:
+
+* ``nan_loss`` / ``inf_loss``: the micro-batch losses of that iteration become NaN / +Inf (and so do their grads);
+* ``loss_spike``: the losses of that iteration are multiplied by 10;
+* ``nan_grad`` / ``inf_grad``: one gradient element becomes NaN / +Inf after the gradient all-reduce;
+* ``drift``: one weight of this rank changes by +1 (data-parallel replicas disagree from then on).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import math
+import os
+import sys
+
+ENV_VAR = "ZAYA_FAULT_INJECT"
+STEP_KINDS = ("nan_loss", "inf_loss", "loss_spike", "nan_grad", "inf_grad", "drift")
+TARGET = "megatron_zaya.training.reliability"
+
+
+@functools.cache
+def _plan() -> tuple[tuple[str, int, int | None], ...]:
+    faults = []
+    for item in (s.strip() for s in os.environ.get(ENV_VAR, "").split(",") if s.strip()):
+        kind, _, rest = item.partition("@")
+        iteration, _, rank = rest.partition("@")
+        if kind not in STEP_KINDS or not iteration.isdigit() or (rank and not rank.isdigit()):
+            raise ValueError(f"{ENV_VAR}: bad entry {item!r}; use kind@iteration[@rank], kind one of "
+                             f"{', '.join(STEP_KINDS)}")
+        faults.append((kind, int(iteration), int(rank) if rank else None))
+    return tuple(faults)
+
+
+def _asked(kind: str) -> bool:
+    """Whether ``kind`` is asked for at the current iteration on this rank."""
+    import torch.distributed as dist
+    from megatron.training import get_args
+
+    iteration, rank = get_args().curr_iteration + 1, dist.get_rank() if dist.is_initialized() else 0
+    return any(k == kind and i == iteration and r in (None, rank) for k, i, r in _plan())
+
+
+def _poisoned(loss_func, output):
+    import torch
+
+    loss, num_tokens, report = loss_func(output)
+    if torch.is_grad_enabled():  # training, not evaluation
+        for kind, factor in (("nan_loss", math.nan), ("inf_loss", math.inf), ("loss_spike", 10.0)):
+            if _asked(kind):
+                loss = loss * factor
+                report = {**report, "lm loss": torch.cat([loss.detach().view(1), report["lm loss"][1:]])}
+    return loss, num_tokens, report
+
+
+def _break_grads(optimizer, model_chunks) -> None:
+    import torch
+
+    for kind, value in (("nan_grad", math.nan), ("inf_grad", math.inf)):
+        if _asked(kind):
+            next(p.grad for p in optimizer.get_parameters() if p.grad is not None).view(-1)[0] = value
+    if _asked("drift"):
+        with torch.no_grad():
+            next(p for chunk in model_chunks for p in chunk.parameters()).view(-1)[0] += 1.0
+
+
+def _wrap(step_guard) -> None:
+    """Loss faults enter through the forward step the guard watches; gradient and weight faults right after
+    ``prepare_grads`` (gradients final, before the guard reads the norm and compares replicas)."""
+    install, watch = step_guard.install, step_guard.watch
+
+    def install_with_faults(self, optimizer, model_chunks, args):
+        prepare_grads = optimizer.prepare_grads
+
+        def prepare_grads_with_faults():
+            overflow = prepare_grads()
+            _break_grads(optimizer, model_chunks)
+            return overflow
+
+        optimizer.prepare_grads = prepare_grads_with_faults
+        install(self, optimizer, model_chunks, args)
+
+    def watch_with_faults(self, forward_step):
+        @functools.wraps(forward_step)
+        def forward_step_with_faults(*args, **kwargs):
+            output, loss_func = forward_step(*args, **kwargs)
+            return output, functools.partial(_poisoned, loss_func)
+
+        return watch(self, forward_step_with_faults)
+
+    step_guard.install, step_guard.watch = install_with_faults, watch_with_faults
+
+
+class _WrapOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: hands the target module's spec on with a loader that wraps it once executed."""
+
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            _wrap(module.StepGuard)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if any(kind in STEP_KINDS for kind, _, _ in _plan()):
+    sys.meta_path.insert(0, _WrapOnImport())
