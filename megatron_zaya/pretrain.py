@@ -20,6 +20,7 @@ from pathlib import Path
 APPLIED = ("applied", "already applied")  # apply_patches() reports of a patch in effect
 
 EMBEDDED_RUN_DIR = "runs/zaya-tiny"
+EMBEDDED_DATA_DIR = "runs/embedded-data"  # the embedded corpus tokenised, once
 
 # Training flags of the embedded main job (prepended: any explicit flag wins).
 # The balancing-bias lr is 10x the pretraining default so that 300 steps show the experts evening out.
@@ -77,7 +78,7 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
         # A run resumes from where it saves: `--save X` alone must not pick up the default run's checkpoint.
         save = _flag_value(argv, "--save") or EMBEDDED_RUN_DIR
         flags += ["--save", save, "--load", _flag_value(argv, "--load") or save]
-        flags += ["--data-path", embedded_dataset_prefix(str(Path(EMBEDDED_RUN_DIR).parent / "embedded-data")),
+        flags += ["--data-path", embedded_dataset_prefix(EMBEDDED_DATA_DIR, build=False),
                   "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", embedded_tokenizer_dir()]
     elif _has(argv, "--mock-data") and not _has(argv, "--tokenizer-type"):
         vocab = _flag_value(argv, "--zaya-vocab-size") or (preset(name)["vocab_size"] if name else None)
@@ -128,10 +129,15 @@ def _parse(argv: list[str]):
     from megatron.training.arguments import parse_and_validate_args, parse_args
     from megatron.training.global_vars import get_tokenizer
 
-    from .training.arguments import UsageError, add_zaya_args, check_args
+    from .data.preprocess import embedded_dataset_prefix
+    from .training.arguments import UsageError, add_zaya_args, check_args, check_data
 
     sys.argv = ["zaya-pretrain", *argv]
-    check_args(parse_args(add_zaya_args), int(os.environ.get("WORLD_SIZE", "1")))
+    flags = parse_args(add_zaya_args)
+    check_args(flags, int(os.environ.get("WORLD_SIZE", "1")))
+    main_job = embedded_dataset_prefix(EMBEDDED_DATA_DIR, build=False) in (flags.data_path or [])
+    if not main_job:
+        check_data(flags)
     try:
         args = parse_and_validate_args(add_zaya_args)
     except AssertionError as error:
@@ -148,6 +154,9 @@ def _parse(argv: list[str]):
         raise UsageError(f"the tokenizer has {tokenizer_vocab} tokens but the model's vocabulary is {model_vocab}; "
                          "use a tokenizer that fits or raise --zaya-vocab-size")
     args.padded_vocab_size = model_vocab
+    if main_job:  # the embedded corpus is tokenised once the flags are known to be sound
+        embedded_dataset_prefix(EMBEDDED_DATA_DIR)
+        check_data(args)
     return args
 
 

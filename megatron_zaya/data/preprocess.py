@@ -185,8 +185,9 @@ def _encode_in_worker(batch: tuple[str, ...]) -> list[np.ndarray]:
     return encode_documents(_worker_state["tokenizer"], batch, _worker_state["eod"])
 
 
-def embedded_dataset_prefix(cache_dir: str) -> str:
-    """Tokenise the embedded corpus into `cache_dir` (once) and return the prefix for `--data-path`.
+def embedded_dataset_prefix(cache_dir: str, build: bool = True) -> str:
+    """Tokenise the embedded corpus into `cache_dir` (once) and return the prefix for `--data-path`
+    (with ``build=False`` only the prefix: nothing is written).
 
     One document per chapter, each ending in `<eos>`. The file name carries a hash of the corpus
     and the tokenizer, so a rebuilt tokenizer never reuses stale tokens. Writing goes through a
@@ -196,7 +197,7 @@ def embedded_dataset_prefix(cache_dir: str) -> str:
     for path in (EMBEDDED_CORPUS, EMBEDDED_DIR / "tokenizer.json"):
         digest.update(path.read_bytes())
     prefix = os.path.join(cache_dir, f"austen-{digest.hexdigest()[:12]}")
-    if not os.path.exists(prefix + ".idx"):  # .idx is renamed into place last
+    if build and not os.path.exists(prefix + ".idx"):  # .idx is renamed into place last
         os.makedirs(cache_dir, exist_ok=True)
         write_indexed_dataset([str(EMBEDDED_CORPUS)], prefix, embedded_tokenizer_dir(), overwrite=True, progress=False)
     return prefix

@@ -167,16 +167,9 @@ def _check_flag_combinations(args) -> None:
                          "drop one of them")
 
 
-def check_args(args, world_size: int) -> None:
-    """Fail early, in one line, on input Megatron would reject with a traceback (or not at all)."""
-    from .checkpoint_tiers import check_args as check_checkpoint_tiers
-
-    _check_flag_combinations(args)
-    check_checkpoint_tiers(args)
-    try:
-        kernel_selection(args.zaya_kernels)
-    except ZayaConfigError as error:
-        raise UsageError(f"--zaya-kernels: {error}") from error
+def check_data(args) -> None:
+    """Fail in one line on damaged, missing or too small datasets (after the flags: the embedded corpus is built
+    only for a command whose flags are sound)."""
     for prefix in _data_prefixes(args.data_path) + _data_prefixes(args.train_data_path):
         for suffix in (".bin", ".idx"):
             path = Path(prefix + suffix)
@@ -190,6 +183,18 @@ def check_args(args, world_size: int) -> None:
         problem = split_problem(prefix, args.split or DEFAULT_SPLIT, args.seq_length)
         if problem:
             raise UsageError(problem)
+
+
+def check_args(args, world_size: int) -> None:
+    """Fail early, in one line, on flags Megatron would reject with a traceback (or not at all)."""
+    from .checkpoint_tiers import check_args as check_checkpoint_tiers
+
+    _check_flag_combinations(args)
+    check_checkpoint_tiers(args)
+    try:
+        kernel_selection(args.zaya_kernels)
+    except ZayaConfigError as error:
+        raise UsageError(f"--zaya-kernels: {error}") from error
     if args.max_position_embeddings is not None and args.seq_length is not None \
             and args.seq_length > args.max_position_embeddings:
         raise UsageError(f"--seq-length {args.seq_length} exceeds the model's positions "

@@ -1,6 +1,6 @@
 """zaya-pretrain on bad input: exit 2 with one line naming the problem and the fix, before Megatron builds
 anything, no traceback, nothing written. All cases run in one process (one start-up) through ``main``, each
-in a directory of its own."""
+in a directory of its own and with Megatron's global state reset between them."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from megatron_zaya.data.preprocess import write_indexed_dataset
 
 RUNNER = """
 import contextlib, io, json, os, sys
+from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+from megatron.training.global_vars import destroy_global_vars
 from megatron_zaya.pretrain import main
 results = {}
 for i, (name, argv) in enumerate(json.loads(sys.argv[1]).items()):
@@ -30,6 +32,8 @@ for i, (name, argv) in enumerate(json.loads(sys.argv[1]).items()):
         except SystemExit as exit:
             code = exit.code
     results[name] = [code, out.getvalue(), err.getvalue(), sorted(os.listdir("."))]
+    destroy_global_vars()  # as a new process would start: a case that failed after Megatron's parsing set them
+    destroy_num_microbatches_calculator()
     os.chdir("..")
 print(json.dumps(results))
 """
@@ -92,6 +96,7 @@ def results(tmp_path_factory):
         "a background save of another format": [*mock, "--async-save", "--ckpt-format", "torch"],
         "a background save through a missing package": [*mock, "--async-save", "--async-strategy", "nvrx"],
     })
+    cases.update({name: flags for name, (flags, _) in MODEL_AND_LAYOUT.items()})
     argvs = {name: QUICK + ["--train-iters", "5", "--save", "ckpt", "--load", "ckpt", *flags]
              for name, flags in cases.items()}
     argvs["--help"] = ["--help"]
@@ -100,6 +105,26 @@ def results(tmp_path_factory):
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
+
+# Bad model, layout and schedule flags on the embedded corpus: case -> (flags, words the error line must hold)
+MODEL_AND_LAYOUT = {
+    "unknown preset": (["--zaya-preset", "zaya9"], ["unknown preset", "zaya9"]),
+    "missing data": (["--data-path", "/nonexistent/corpus_text_document", "--tokenizer-type", "NullTokenizer",
+                      "--vocab-size", "4095"], ["/nonexistent/corpus_text_document", "zaya-preprocess"]),
+    "sequence too long": (["--seq-length", "4096"], ["--seq-length 4096", "--max-position-embeddings 1024"]),
+    "parallel sizes": (["--tensor-model-parallel-size", "3"], ["not divisible", "TP*PP*CP"]),
+    "context parallel chunks": (["--context-parallel-size", "3"], ["--seq-length 64", "2*CP = 6"]),
+    "tokenizer too large": (["--zaya-vocab-size", "1024"], ["4096 tokens", "1024"]),
+    "save without interval": (["--mock-data", "--zaya-preset", "test", "--save-interval", "0"],
+                              ["assert args.save_interval"]),
+    "min lr above lr": (["--lr", "1e-4"], ["--min-lr 0.0003", "--lr 0.0001"]),
+    "warmup too long": (["--lr-warmup-iters", "5"], ["--lr-warmup-iters 5", "decay length 5"]),
+    "cuda graphs and overlapped gather": (["--zaya-cuda-graphs", "--use-distributed-optimizer",
+                                           "--overlap-param-gather", "--overlap-grad-reduce"],
+                                          ["--zaya-cuda-graphs", "--overlap-param-gather"]),
+    "pipeline stages": (["--pipeline-model-parallel-size", "3"], ["--num-layers 4", "--pipeline-model-parallel-size 3"]),
+    "document mask without position ids": (["--reset-attention-mask"], ["--reset-position-ids", "together"]),
+}
 
 EXPECTED = {  # case -> words the one error line must hold
     "small corpus with the default split": ["the test split", "(20 sequences) with 0 sequences",
@@ -122,6 +147,7 @@ EXPECTED = {  # case -> words the one error line must hold
     "an unwritable local tier": ["small.bin/local is not writable"],
     "a background save of another format": ["--async-save writes --ckpt-format torch_dist only, not torch"],
     "a background save through a missing package": ["--async-strategy nvrx needs", "drop the flag"],
+    **{name: words for name, (_, words) in MODEL_AND_LAYOUT.items()},
 }
 
 
