@@ -35,16 +35,20 @@ def sequence_positions(position_ids: torch.Tensor, cp_group) -> torch.Tensor:
 
 
 def document_ids(positions: torch.Tensor) -> torch.Tensor:
-    """``[S, b]`` position ids -> ``[S, b]`` ids that differ between documents (count of starts so far)."""
-    return torch.cumsum(positions == 0, dim=0)
+    """``[S, b]`` position ids -> ``[S, b]`` ids that differ between documents (count of starts so far).
+
+    The scans run along each row's own memory ([b, S]): a scan over the outer dimension of [S, b] has only b-way
+    parallelism and takes ~0.4 ms at S = 4096 on an H200."""
+    return torch.cumsum(positions.t().contiguous() == 0, dim=1).t()
 
 
 def tokens_before(positions: torch.Tensor, cp_group=None) -> torch.Tensor:
     """``[S, b]`` position ids of the whole sequence -> ``[s, b]`` for this rank's tokens: how many earlier
     tokens of its document each token has (the tokens before the sequence start count as another document)."""
-    index = torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(positions)
-    start = torch.cummax(torch.where(positions == 0, index, 0), dim=0).values
-    before = index - start
+    rows = positions.t().contiguous()  # [b, S]: the scan along memory (see document_ids)
+    index = torch.arange(rows.shape[1], device=rows.device).expand_as(rows)
+    start = torch.cummax(torch.where(rows == 0, index, 0), dim=1).values
+    before = (index - start).t().contiguous()
     if cp_group is None or cp_group.size() == 1:
         return before
     return local_chunks(before, cp_group)
