@@ -86,7 +86,7 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--zaya-loss-spike-window", type=int, default=100, help="steps in the loss-spike window")
     g.add_argument("--zaya-replica-check-interval", type=int, default=100,
                    help="compare the weights of data-parallel replicas every this many steps; 0: off")
-    g.add_argument("--zaya-sigterm-deadline", type=float, default=60.0,
+    g.add_argument("--zaya-sigterm-deadline", type=float, default=20.0,
                    help="with --save, SIGTERM (pre-emption, scancel) saves at the end of the current step and exits "
                         "0 within this many seconds, else exits 3 without the save; 0: no save on SIGTERM")
     g.add_argument("--zaya-local-ckpt-keep", type=int, default=2,
