@@ -11,7 +11,7 @@ two chunks attends to the keys up to its own end (``context_parallel.py``).
 
 Packed documents (``documents.py``): ``attention_mask`` is then the document ids of the whole sequence
 ``[S, b]``, and a query sees only the keys of its own document. Where ``packed_seq_params`` is given (on a GPU,
-outside graph capture and context parallelism: ``documents.varlen_bounds``), the documents run end to end
+without CUDA graphs and context parallelism: ``documents.varlen_bounds``), the documents run end to end
 through variable-length flash attention, which skips the work between documents. Otherwise the queries go in
 blocks of ``DOCUMENT_QUERY_BLOCK``, each against the keys up to its end with a ``[block, keys]`` mask, so that no
 ``[S, S]`` tensor exists; the shapes do not depend on the documents (CUDA graphs replay them).

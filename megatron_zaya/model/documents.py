@@ -13,7 +13,7 @@ The model hands the layers one tensor, the position ids of the whole sequence ``
 parallel ranks), in the ``attention_mask`` slot of Megatron's layer signature; every layer derives the rest. It
 is data, not shape: CUDA graphs replay it like the RoPE tables. No [S, S] mask is built anywhere.
 
-On a GPU outside graph capture and context parallelism, attention runs as variable-length flash attention over
+On a GPU, without CUDA graphs and context parallelism, attention runs as variable-length flash attention over
 the documents laid end to end (``varlen_bounds``: their offsets, read to the host once per batch).
 """
 
