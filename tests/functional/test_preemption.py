@@ -10,7 +10,6 @@ import sys
 import time
 
 import psutil
-import pytest
 from zaya_cli import QUICK, losses
 
 from megatron_zaya.training.reliability import newest_intact_checkpoint
@@ -63,24 +62,24 @@ def test_sigterm_saves_by_default_and_the_next_launch_resumes(tmp_path):
     assert saved >= trained
     assert newest_intact_checkpoint(str(ckpt)) == str(saved)  # the save on SIGTERM has its checksums
 
-    # --exit-interval: the run ends promptly, its data-loader workers with it (they ignore SIGTERM, see
-    # runtime.end_data_workers_at_exit)
-    resumed, log = _launch(flags + ["--exit-interval", str(saved + 2)], tmp_path, "resumed"), tmp_path / "resumed.log"
-    _wait_for(resumed, log, lambda output: "exiting program at iteration" in output)
-    assert resumed.wait(timeout=30) == 0, log.read_text()[-3000:]
-    assert _left_in_session(resumed.pid) == []
+    # With the save turned off (--zaya-sigterm-deadline 0) SIGTERM ends the resumed run at once, with every
+    # helper it started (data-loader workers and the like), and the checkpoint stays where it was.
+    resumed, log = _launch(flags + ["--zaya-sigterm-deadline", "0"], tmp_path, "resumed"), tmp_path / "resumed.log"
+    _wait_for(resumed, log, lambda output: losses(output).get(saved + 1))
     assert min(losses(log.read_text())) == saved + 1  # continues where the signal stopped it
+    resumed.send_signal(signal.SIGTERM)
+    assert resumed.wait(timeout=60) == -signal.SIGTERM
+    assert _left_in_session(resumed.pid) == []
+    assert int((ckpt / "latest_checkpointed_iteration.txt").read_text()) == saved
 
 
-@pytest.mark.parametrize("kill", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
-def test_a_run_ended_without_a_save_leaves_no_process(kill, tmp_path):
-    """SIGTERM with --zaya-sigterm-deadline 0 (no save), or SIGKILL: the trainer ends at once, and so does every
-    helper it started (data-loader workers and the like), without waiting for a scheduler to end the job."""
+def test_sigkill_leaves_no_process(tmp_path):
+    """SIGKILL: the trainer ends at once, and so does every helper it started, without waiting for a scheduler
+    to end the job."""
     ckpt = tmp_path / "ckpt"
-    flags = QUICK + ["--train-iters", "400", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1000",
-                     "--zaya-sigterm-deadline", "0"]
+    flags = QUICK + ["--train-iters", "400", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1000"]
     proc = _start(flags, tmp_path, "run")
-    proc.send_signal(kill)
-    assert proc.wait(timeout=60) == -kill
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
     assert _left_in_session(proc.pid) == []
     assert not (ckpt / "latest_checkpointed_iteration.txt").exists()
