@@ -33,24 +33,32 @@ BATCH = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0)
 
 def build(bf16: bool, ep: int = 1):
     """A DDP-wrapped ZAYA1 ``test`` model, its ChainedOptimizer (via the patched factory) and LR scheduler."""
-    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_zaya.patches import apply_patches
+
+    apply_patches("cpu,optim")
+    cfg, model = seeded_test_model(bf16, ep)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    return (ddp, *optimizer_and_scheduler(ddp, bf16))
+
+
+def seeded_test_model(bf16: bool, ep: int = 1):
+    """``(config, model)``: the ZAYA1 ``test`` model on this rank's model-parallel groups (TP = PP = 1, EP ``ep``),
+    built from seed 0 as every rank and every reference run builds it."""
+    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_zaya.config import zaya_config
     from megatron_zaya.model import build_zaya_model
-    from megatron_zaya.patches import apply_patches
 
-    apply_patches("cpu,optim")
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(0)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if bf16 else torch.float32
     cfg = zaya_config("test", use_cpu_initialization=True, params_dtype=dtype, bf16=bf16,
                       moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep)  # fmt: skip
-    model = build_zaya_model(cfg)
-    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
-    return (ddp, *optimizer_and_scheduler(ddp, bf16))
+    return cfg, build_zaya_model(cfg)
 
 
 def optimizer_and_scheduler(ddp, bf16: bool, muon: MuonConfig = MUON):

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo import run_ranks
-from test_muon_megatron import MUON, optimizer_and_scheduler
+from test_muon_megatron import MUON, optimizer_and_scheduler, seeded_test_model
 from test_muon_megatron import checkpoint_metadata as replicated_checkpoint_metadata
 
 STEPS = 3
@@ -33,26 +33,16 @@ BUCKET = 4000  # elements: several buckets in the test model
 
 
 def build(zero1: bool, bf16: bool, grad_fp32: bool = True, momentum_dtype=torch.float32, ep: int = 1):
-    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.training import global_vars
 
     import megatron.training.training as training
-    from megatron_zaya.config import zaya_config
-    from megatron_zaya.model import build_zaya_model
     from megatron_zaya.patches import apply_patches
 
     apply_patches("cpu,optim,megatron_fixes")  # megatron_fixes: the distributed optimizer's resume
     global_vars.set_args(argparse.Namespace(optimizer="zaya_muon", use_layer_wise_distributed_optimizer=zero1,
                                             zaya_muon_split_gate_up=False))  # fmt: skip
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
-    model_parallel_cuda_manual_seed(0)
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    cfg = zaya_config("test", use_cpu_initialization=True, params_dtype=dtype, bf16=bf16,
-                      moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep)  # fmt: skip
-    model = build_zaya_model(cfg)
+    cfg, model = seeded_test_model(bf16, ep)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_fp32, bucket_size=BUCKET)
     (ddp,) = training.wrap_model_chunks_with_ddp([model], cfg, ddp_config, use_layer_wise_distributed_optimizer=zero1)
     optimizer, scheduler = optimizer_and_scheduler(ddp, bf16, dataclasses.replace(MUON, momentum_dtype=momentum_dtype))
