@@ -50,6 +50,20 @@ def _step(model, batches):
     return torch.stack(step_losses), grads, counts
 
 
+def _steps_agree(eager, graphed, batches, step: int) -> torch.Tensor:
+    """One step of each model on the same micro-batches: losses within 1e-3, the routers' counts equal, every
+    gradient within 1% (the backward's atomics differ from run to run). Returns the routers' counts."""
+    want_loss, want_grads, want_counts = _step(eager, batches)
+    got_loss, got_grads, got_counts = _step(graphed, batches)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-3, atol=0)
+    assert torch.equal(got_counts, want_counts), step
+    assert got_grads.keys() == want_grads.keys()
+    for key, want in want_grads.items():
+        error = ((got_grads[key] - want).norm() / want.norm().clamp_min(1e-12)).item()
+        assert error <= 1e-2, (step, key, error)
+    return want_counts
+
+
 def test_graphed_layers_equal_eager_layers():
     eager, graphed = _model(False), _model(True)
     graphed.load_state_dict(eager.state_dict())
@@ -57,14 +71,7 @@ def test_graphed_layers_equal_eager_layers():
     generator = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randint(0, 8192, (2, 512), device="cuda", generator=generator) for _ in range(2)]
     for step in range(2):
-        want_loss, want_grads, want_counts = _step(eager, batches)
-        got_loss, got_grads, got_counts = _step(graphed, batches)
-        torch.testing.assert_close(got_loss, want_loss, rtol=1e-3, atol=0)
-        assert torch.equal(got_counts, want_counts) and want_counts.sum() == 3 * 2 * 2 * 512, step
-        assert got_grads.keys() == want_grads.keys()
-        for key, want in want_grads.items():
-            error = ((got_grads[key] - want).norm() / want.norm().clamp_min(1e-12)).item()
-            assert error <= 1e-2, (step, key, error)
+        assert _steps_agree(eager, graphed, batches, step).sum() == 3 * 2 * 2 * 512, step
         with torch.no_grad():  # the same in-place update on both: step 1 must see the new weights
             for model in (eager, graphed):
                 for param in model.parameters():
@@ -92,13 +99,7 @@ def test_a_failed_capture_runs_the_layers_eagerly(capfd):
     generator = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randint(0, 8192, (2, 512), device="cuda", generator=generator) for _ in range(2)]
     for step in range(2):
-        want_loss, want_grads, want_counts = _step(eager, batches)
-        got_loss, got_grads, got_counts = _step(graphed, batches)
-        torch.testing.assert_close(got_loss, want_loss, rtol=1e-3, atol=0)
-        assert torch.equal(got_counts, want_counts), step
-        for key, want in want_grads.items():  # eager both: only the backward's atomics differ
-            error = ((got_grads[key] - want).norm() / want.norm().clamp_min(1e-12)).item()
-            assert error <= 1e-2, (step, key, error)
+        _steps_agree(eager, graphed, batches, step)
     warnings = [line for line in capfd.readouterr().err.splitlines() if "CUDA graph capture failed" in line]
     assert len(warnings) == 1 and warnings[0].startswith("[zaya] warning:"), warnings
 
