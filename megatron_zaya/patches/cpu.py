@@ -505,6 +505,18 @@ class _ReportCudaTensorTypes(torch.overrides.TorchFunctionMode):
         return result
 
 
+def _construct_reporting_cuda_types(cls) -> None:
+    """Replace ``cls.__init__`` by itself run inside :class:`_ReportCudaTensorTypes`."""
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        with _ReportCudaTensorTypes():
+            original(self, *args, **kwargs)
+
+    replace_attr(cls, "__init__", __init__)
+
+
 @_cpu_patch("cpu.clip_grads", "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32")
 def patch_clip_grads() -> None:
     """Let gradient clipping run on CPU gradients.
@@ -541,14 +553,7 @@ def patch_distrib_optimizer() -> None:
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    original = DistributedOptimizer.__init__
-
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        with _ReportCudaTensorTypes():
-            original(self, *args, **kwargs)
-
-    replace_attr(DistributedOptimizer, "__init__", __init__)
+    _construct_reporting_cuda_types(DistributedOptimizer)
     _see_cpu_torch("megatron.core.optimizer.distrib_optimizer")
 
 
@@ -562,14 +567,7 @@ def patch_float16_optimizer() -> None:
     """
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
-    original = Float16OptimizerWithFloat16Params.__init__
-
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        with _ReportCudaTensorTypes():
-            original(self, *args, **kwargs)
-
-    replace_attr(Float16OptimizerWithFloat16Params, "__init__", __init__)
+    _construct_reporting_cuda_types(Float16OptimizerWithFloat16Params)
 
 
 def _gather_unequal_first_dim(input_, group, output_split_sizes):
