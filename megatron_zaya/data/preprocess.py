@@ -13,6 +13,7 @@ dataset (`embedded_dataset_prefix`, the default data of zaya-pretrain) is built 
 import argparse
 import collections
 import contextlib
+import functools
 import hashlib
 import multiprocessing
 import multiprocessing.pool
@@ -185,6 +186,15 @@ def _encode_in_worker(batch: tuple[str, ...]) -> list[np.ndarray]:
     return encode_documents(_worker_state["tokenizer"], batch, _worker_state["eod"])
 
 
+@functools.cache
+def _embedded_digest() -> str:
+    """The first 12 hex digits of the SHA-256 of the embedded corpus and tokenizer (read once per process)."""
+    digest = hashlib.sha256()
+    for path in (EMBEDDED_CORPUS, EMBEDDED_DIR / "tokenizer.json"):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def embedded_dataset_prefix(cache_dir: str, build: bool = True) -> str:
     """Tokenise the embedded corpus into `cache_dir` (once) and return the prefix for `--data-path`
     (with ``build=False`` only the prefix: nothing is written).
@@ -193,10 +203,7 @@ def embedded_dataset_prefix(cache_dir: str, build: bool = True) -> str:
     and the tokenizer, so a rebuilt tokenizer never reuses stale tokens. Writing goes through a
     temporary name and a rename, so concurrent callers (several ranks) are safe.
     """
-    digest = hashlib.sha256()
-    for path in (EMBEDDED_CORPUS, EMBEDDED_DIR / "tokenizer.json"):
-        digest.update(path.read_bytes())
-    prefix = os.path.join(cache_dir, f"austen-{digest.hexdigest()[:12]}")
+    prefix = os.path.join(cache_dir, f"austen-{_embedded_digest()}")
     if build and not os.path.exists(prefix + ".idx"):  # .idx is renamed into place last
         os.makedirs(cache_dir, exist_ok=True)
         write_indexed_dataset([str(EMBEDDED_CORPUS)], prefix, embedded_tokenizer_dir(), overwrite=True, progress=False)
