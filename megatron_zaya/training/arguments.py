@@ -145,6 +145,9 @@ def _check_flag_combinations(args) -> None:
     """Values and combinations Megatron asserts on without a message, or accepts silently."""
     if args.mock_data and (args.data_path or args.train_data_path):
         raise UsageError("--mock-data and --data-path both given; drop --mock-data to train on the data")
+    if args.zaya_sigterm_deadline < 0:
+        raise UsageError(f"--zaya-sigterm-deadline {args.zaya_sigterm_deadline:g} is negative; give the seconds a save "
+                         "on SIGTERM may take, or 0 to turn it off")
     if args.data_path and args.tokenizer_type is None:
         raise UsageError("--data-path needs the tokenizer the data was built with: add --tokenizer-type "
                          "HuggingFaceTokenizer --tokenizer-model <the directory or name given to zaya-preprocess>")
