@@ -17,9 +17,10 @@ when the next step finalized it), the bytes per parameter of one checkpoint (its
 memory planner counts), and for the background writer its peak device memory (``nvidia-smi``, the processes of
 the run other than the trainer). Persistent checkpoints beyond the newest are deleted as the run goes
 (``--save-retain-interval``) and the local tier keeps one, so a mode holds two checkpoints at most (the newest
-and the one being written). By the state they hold (bf16 weights, fp32 master weights and Muon momentum, AdamW
-moments: about 11 bytes per parameter, an estimate until measured here), two of the 8-layer model's (2.2B
-parameters) fit a 64 GiB disk, and two of the 12-layer model's (3.0B) 128 GiB of host memory (``/dev/shm``).
+and the one being written); they are deleted once the mode is summarized. By the state they hold (bf16 weights,
+fp32 master weights and Muon momentum, AdamW moments: about 11 bytes per parameter, an estimate until measured
+here), two of the 8-layer model's (2.2B parameters) fit a 64 GiB disk, and two of the 12-layer model's (3.0B)
+128 GiB of host memory (``/dev/shm``).
 
 One H200 (the ``none`` run is each call's baseline; run times not measured yet)::
 
@@ -123,7 +124,10 @@ def run(mode: str, args) -> dict:
     if code:
         sys.stderr.write(text[-5000:])
         raise SystemExit(f"{mode}: zaya-pretrain exited {code} (log: {log})")
-    return dict(summarize(text, args.iters), writer_mib=peak.get("writer"))
+    result = dict(summarize(text, args.iters), writer_mib=peak.get("writer"))
+    shutil.rmtree(Path(args.dir) / mode, ignore_errors=True)  # the next mode gets the storage to itself
+    shutil.rmtree(args.local_dir, ignore_errors=True)
+    return result
 
 
 def summarize(text: str, iters: int) -> dict:

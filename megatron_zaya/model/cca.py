@@ -280,11 +280,14 @@ class CompressedConvAttention(MegatronModule):
         qk_history, v_previous = self._context_parallel_halos(q0, k0, v)
         offsets = document_ids = varlen = None
         if attention_mask is not None:
-            offsets = documents.tokens_before(attention_mask, self.pg_collection.cp)
+            packed = None
             if not self.config.cuda_graphs:  # graphs warm up and capture the shape-stable block-masked path
-                varlen = documents.varlen_bounds(attention_mask, self.pg_collection.cp)
-            if varlen is None:  # the block-masked path compares document ids
+                packed = documents.varlen_documents(attention_mask, self.pg_collection.cp)
+            if packed is None:  # the block-masked path compares document ids
+                offsets = documents.tokens_before(attention_mask, self.pg_collection.cp)
                 document_ids = documents.document_ids(attention_mask)
+            else:
+                offsets, varlen = packed.tokens_before, packed.bounds
         qk = partial(self._call_qk, conv=self.conv, rotary_pos_emb=rotary_pos_emb, head_dim=self.head_dim,
                      config=self.config, cp_group=self.pg_collection.cp, document_offsets=offsets)
         recompute_qk = recomputes(self.config, "cca_qk", self.training)

@@ -14,10 +14,12 @@ parallel ranks), in the ``attention_mask`` slot of Megatron's layer signature; e
 is data, not shape: CUDA graphs replay it like the RoPE tables. No [S, S] mask is built anywhere.
 
 On a GPU, without CUDA graphs and context parallelism, attention runs as variable-length flash attention over
-the documents laid end to end (``varlen_bounds``: their offsets, read to the host once per batch).
+the documents laid end to end (``varlen_documents``: their offsets, read to the host once per batch).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -46,7 +48,7 @@ def tokens_before(positions: torch.Tensor, cp_group=None) -> torch.Tensor:
     """``[S, b]`` position ids of the whole sequence -> ``[s, b]`` for this rank's tokens: how many earlier
     tokens of its document each token has (the tokens before the sequence start count as another document)."""
     rows = positions.t().contiguous()  # [b, S]: the scan along memory (see document_ids)
-    index = torch.arange(rows.shape[1], device=rows.device).expand_as(rows)
+    index = torch.arange(rows.shape[1], device=rows.device, dtype=torch.int32).expand_as(rows)  # the kernels' type
     start = torch.cummax(torch.where(rows == 0, index, 0), dim=1).values
     before = (index - start).t().contiguous()
     if cp_group is None or cp_group.size() == 1:
@@ -65,21 +67,31 @@ try:
 except ImportError:  # torch without variable-length attention
     varlen_attn = None
 
-_BOUNDS = WeakIdKeyDictionary()  # positions tensor -> its PackedSeqParams
+_VARLEN = WeakIdKeyDictionary()  # positions tensor -> its VarlenDocuments
 
 
-def varlen_bounds(positions: torch.Tensor, cp_group=None) -> PackedSeqParams | None:
+class VarlenDocuments(NamedTuple):
+    """What every layer of a batch needs for variable-length attention, computed once per positions tensor."""
+
+    bounds: PackedSeqParams  # the documents laid end to end, row after row
+    tokens_before: torch.Tensor  # ``tokens_before(positions)``
+
+
+def varlen_documents(positions: torch.Tensor, cp_group=None) -> VarlenDocuments | None:
     """The documents of ``[S, b]`` position ids laid end to end, row after row, as Megatron's
-    ``PackedSeqParams`` (``cu_seqlens_q/kv`` int32 offsets, ``max_seqlen_q/kv``), or None where variable-length
-    attention does not run: on CPU, under context parallelism or graph capture (its shapes follow the data).
+    ``PackedSeqParams`` (``cu_seqlens_q/kv`` int32 offsets, ``max_seqlen_q/kv``), with ``tokens_before``; or None
+    where variable-length attention does not run: on CPU, under context parallelism or graph capture (its shapes
+    follow the data).
 
-    Every layer of a batch is handed the same positions tensor, so the one host read is cached on it.
+    Every layer of a batch is handed the same positions tensor, so the one host read and the scans are cached on
+    it: the caller must not change a positions tensor in place (CUDA graphs' static inputs do; they never come
+    here).
     """
     if (varlen_attn is None or not positions.is_cuda or torch.cuda.is_current_stream_capturing()
             or (cp_group is not None and cp_group.size() > 1)):
         return None
-    bounds = _BOUNDS.get(positions)
-    if bounds is None:
+    cached = _VARLEN.get(positions)
+    if cached is None:
         starts = (positions.t() == 0).flatten()
         starts[::positions.shape[0]] = True  # every row starts a document
         offsets = torch.cat([starts.nonzero().flatten(), starts.new_tensor([starts.numel()], dtype=torch.long)])
@@ -87,5 +99,5 @@ def varlen_bounds(positions: torch.Tensor, cp_group=None) -> PackedSeqParams | N
         offsets = offsets.to(torch.int32)
         bounds = PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets,
                                  max_seqlen_q=longest, max_seqlen_kv=longest)
-        _BOUNDS[positions] = bounds
-    return bounds
+        cached = _VARLEN[positions] = VarlenDocuments(bounds, tokens_before(positions))
+    return cached

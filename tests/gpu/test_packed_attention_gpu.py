@@ -45,7 +45,7 @@ def test_varlen_attention_matches_float64_per_document(attention_type):
     grad = torch.randn(s, b, heads * d, device="cuda", dtype=torch.float64, generator=generator)
     window = cfg.sliding_window if attention_type == "sliding" else None
 
-    bounds = documents.varlen_bounds(positions)
+    bounds = documents.varlen_documents(positions).bounds
     assert bounds.cu_seqlens_q.tolist() == [0, 1, 4, 204, 211, 512, 1024] and bounds.max_seqlen_q == 512
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]
     out = attention(*inputs, attention_mask=documents.document_ids(positions), packed_seq_params=bounds)
