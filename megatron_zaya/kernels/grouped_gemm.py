@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .utils import platform, triton_runs
 
@@ -169,6 +170,20 @@ def _row_tiles(tokens_per_expert: torch.Tensor, n_rows: int, padded_rows: bool, 
     return torch.where(routed, clamped, -1), first_row, row_end, row_start
 
 
+_TILES = WeakIdKeyDictionary()  # counts tensor -> {(rows, padded_rows, block_m): its row tiles}
+
+
+def _shared_row_tiles(tokens_per_expert: torch.Tensor, n_rows: int, padded_rows: bool, block_m: int):
+    """:func:`_row_tiles`, built once per counts tensor: an MoE layer's two expert GEMMs (and their backward)
+    take the same counts, and the table costs ~20 small launches. The counts are never changed in place (each
+    forward makes new ones), so a table stays right for as long as its counts tensor lives."""
+    tables = _TILES.setdefault(tokens_per_expert, {})
+    key = (n_rows, padded_rows, block_m)
+    if key not in tables:
+        tables[key] = _row_tiles(tokens_per_expert, n_rows, padded_rows, block_m)
+    return tables[key]
+
+
 def _offset_table(tensors, device, align: int = 16) -> torch.Tensor | None:
     """Each tensor's offset from the first one, in elements, as an int64 device tensor; None unless every offset
     is a multiple of ``align`` elements (the kernel's alignment hint for weights). Built once per set of addresses
@@ -224,7 +239,7 @@ class _GroupedGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tokens_per_expert, padded_rows, table, *weights):
         operand, tuning = _Operand(weights, table), GEMM_TUNING[platform(x.device)]
-        tiles = _row_tiles(tokens_per_expert, x.shape[0], padded_rows, tuning["block_m"])
+        tiles = _shared_row_tiles(tokens_per_expert, x.shape[0], padded_rows, tuning["block_m"])
         out = _grouped_matmul(x, operand, True, operand.m_dim, tiles, tuning)
         ctx.save_for_backward(x, tokens_per_expert, *tiles)
         ctx.operand, ctx.tuning = operand, tuning

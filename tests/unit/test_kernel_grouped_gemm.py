@@ -94,6 +94,21 @@ def test_separate_expert_weights_are_read_in_place(padded_rows):
         assert_matches_oracle(f"d_weight[{e}]", grad_e, oracle[2][e])
 
 
+def test_gemms_sharing_one_counts_tensor_each_get_their_own_rows():
+    """An MoE layer's GEMMs share one counts tensor and its row-tile table; a GEMM on the same counts over a
+    buffer with a different tail (or none) must still get the table of its own rows."""
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.tensor([5, 0, 23, 9])
+    weight = 0.2 * torch.randn(len(counts), 24, 40, generator=gen)
+    for tail, padded_rows in [(11, True), (0, False), (40, True), (11, True)]:
+        x = torch.randn(37 + tail, 40, generator=gen)
+        grad = torch.randn(37 + tail, 24, generator=gen)
+        got = _run(kernels.grouped_gemm, x, weight, counts, grad, padded_rows=padded_rows)
+        oracle = _run(kernels.grouped_gemm_reference, x, weight, counts, grad, torch.float64, padded_rows=padded_rows)
+        for name, g, o in zip(["out", "d_x", "d_weight"], got, oracle):
+            assert_matches_oracle(f"{name} (tail {tail})", g, o)
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_weight_gradients_accumulate_into_megatron_main_grad(enabled, monkeypatch):
     """Experts under Megatron's DDP (a ``main_grad`` per weight, views into one fp32 buffer at uneven offsets):
