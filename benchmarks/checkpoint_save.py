@@ -80,7 +80,10 @@ def flags(args) -> list[str]:
 
 def command(mode: str, args) -> list[str]:
     extra = [f.format(interval=args.interval, local=args.local_dir) for f in MODES[mode]]
-    save = ["--save", str(Path(args.dir) / mode), "--save-retain-interval", "1000000"] if mode != "none" else []
+    # Megatron keeps the checkpoints at multiples of the retain interval and needs it a multiple of every save
+    # interval: this one keeps none of those written here but the newest.
+    retain = str(args.interval * 1_000_000)
+    save = ["--save", str(Path(args.dir) / mode), "--save-retain-interval", retain] if mode != "none" else []
     return [sys.executable, "-m", "megatron_zaya.pretrain", *flags(args), *save, *extra]
 
 

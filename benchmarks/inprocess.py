@@ -37,10 +37,10 @@ DTYPE = torch.bfloat16 if GPU else torch.float32
 MICRO_BATCH_TOKENS = 8192 if GPU else 64
 
 
-def zaya_cfg(smoke: bool, layers: int, seq: int):
+def zaya_cfg(smoke: bool, layers: int, seq: int, **overrides):
     return zaya_config("tiny" if smoke else "zaya1-8b-shallow", num_layers=layers, max_position_embeddings=seq,
                        params_dtype=DTYPE, bf16=GPU, use_cpu_initialization=not GPU,
-                       moe_token_dispatcher_type="alltoall")
+                       moe_token_dispatcher_type="alltoall", **overrides)
 
 
 def setup_single_process():

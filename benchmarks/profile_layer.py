@@ -2,10 +2,14 @@
 
     python -m benchmarks.profile_layer                 # S=4096, B=2, ZAYA1-8B width, one GPU
     python -m benchmarks.profile_layer --cuda-graphs   # the layer as --zaya-cuda-graphs replays it
+    python -m benchmarks.profile_layer --as-trained    # under Megatron's DDP, with selective recomputation
     python -m benchmarks.profile_layer --smoke         # tiny widths on any device: checks the script
 
 Builds layer 0 of a one-layer ``zaya1-8b-shallow`` model as training builds it (the kernel patches that apply
 on the device), runs forward + backward on the fp32 residual stream as ``inprocess.py eager`` does, and prints
+(``--as-trained``: the model wrapped in Megatron's DDP, whose hooks add each gradient to its fp32 ``main_grad``,
+and ``--recompute-granularity selective``'s default pieces recomputed, as the 40-layer runs of
+docs/benchmarks.md train; without it the layer's gradients accumulate in ``.grad`` and nothing is recomputed)
 
 * wall time per step (CUDA events, no profiler) and the device's busy time per step (the union of kernel
   intervals under ``torch.profiler``): wall well above busy means the step waits on the host (launches);
@@ -27,12 +31,16 @@ from .probe import busy_ms
 from .timing import call_times
 
 
-def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False):
+def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False, as_trained: bool = False):
     from megatron_zaya.pretrained import build_single_process_model
 
     setup_single_process()
-    cfg = zaya_cfg(smoke, 1, seq)
+    cfg = zaya_cfg(smoke, 1, seq, **({"recompute_granularity": "selective"} if as_trained else {}))
     model = build_single_process_model(cfg).to(DEVICE).train()
+    if as_trained:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)  # its hooks
     layer, rotary = model.decoder.layers[0], model.rotary_pos_emb["global"](seq)
     x = torch.randn(seq, batch, cfg.hidden_size, device=DEVICE, requires_grad=True)  # the fp32 residual stream
     grad = torch.randn_like(x)
@@ -62,6 +70,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--cprofile", action="store_true", help="also print the host-side Python profile")
     parser.add_argument("--cuda-graphs", action="store_true", help="the layer replayed as CUDA graphs")
+    parser.add_argument("--as-trained", action="store_true",
+                        help="under Megatron's DDP (main_grad accumulation), with selective recomputation")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     if args.cuda_graphs and not GPU:
@@ -69,7 +79,7 @@ def main() -> None:
     if not GPU and not args.smoke:
         raise SystemExit("profile_layer.py needs a CUDA or ROCm GPU; use --smoke to check the script on CPU")
     seq, batch = (64, 2) if args.smoke else (args.seq, args.batch)
-    step = layer_step(args.smoke, seq, batch, args.cuda_graphs)
+    step = layer_step(args.smoke, seq, batch, args.cuda_graphs, args.as_trained)
     wall = statistics.median(call_times(step, warmup=3, iters=10))
 
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if GPU else [])
