@@ -60,14 +60,16 @@ NAMED = ((("nccl", "c10d::", "record_param_comms", "gloo"), "communication"),
          (("Optimizer.step", "Optimizer.zero_grad"), "optimizer"))
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
+    """Whether this stream is capturing a CUDA graph: a hook must not keep tensors from that call."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _iteration() -> int:
+def megatron_iteration() -> int:
+    """The iteration Megatron is running, numbered as its log lines number them."""
     from megatron.training.global_vars import get_args
 
-    return get_args().curr_iteration + 1  # 1-based, as Megatron's log lines number them
+    return get_args().curr_iteration + 1
 
 
 class Probe:
@@ -88,7 +90,7 @@ class Probe:
     def pre_forward(self, module, args):
         name = type(module).__name__
         if name in MODELS and self.first is not None and not self.done:
-            iteration = _iteration()
+            iteration = megatron_iteration()
             if self.profiler is None and iteration == self.first:
                 self.start()
             elif self.profiler is not None and iteration == self.first + self.count:
@@ -105,7 +107,7 @@ class Probe:
     def post_forward(self, module, args, output):
         if name_is_component(module) and self.ranges:
             self.ranges.pop().__exit__(None, None, None)
-        if type(module).__name__ == "ZayaRouter" and not _capturing():
+        if type(module).__name__ == "ZayaRouter" and not capturing():
             # (A hook's tensors would be frozen into a CUDA graph being captured, and freed under it. With
             # --zaya-cuda-graphs the routing is sampled from the layers' eager warm-up passes instead.)
             routing_map = output[1]

@@ -424,13 +424,13 @@ class PhaseClock:
     def pre_forward(self, module, args):
         import torch
 
-        from benchmarks.probe import _capturing, _iteration
+        from benchmarks.probe import capturing, megatron_iteration
 
-        if not torch.is_grad_enabled() or _capturing():
+        if not torch.is_grad_enabled() or capturing():
             return
         name = type(module).__name__
         if name == "ZayaModel":
-            self.micro_batches.append((_iteration(), {}))
+            self.micro_batches.append((megatron_iteration(), {}))
         elif name == "ZayaTransformerBlock" and self.micro_batches and args and getattr(args[0], "requires_grad", 0):
             marks = self.micro_batches[-1][1]
             self.mark(marks, "layers_start")

@@ -225,7 +225,7 @@ def test_phase_clock_times_the_layers_and_the_lm_head_forward_and_backward(tmp_p
 
     clock, iteration = Clock(), [1]
     monkeypatch.setattr(throughput.time, "perf_counter", lambda: clock.now)
-    monkeypatch.setattr(benchmarks.probe, "_iteration", lambda: iteration[0])
+    monkeypatch.setattr(benchmarks.probe, "megatron_iteration", lambda: iteration[0])
     phases, model = throughput.PhaseClock(tmp_path), ZayaModel(clock)
     hooks = [torch.nn.modules.module.register_module_forward_pre_hook(phases.pre_forward),
              torch.nn.modules.module.register_module_forward_hook(phases.post_forward)]
