@@ -3,8 +3,9 @@
     python -m benchmarks.packed_documents                          # S=4096 B=2 and S=32768 B=1, one GPU
     python -m benchmarks.packed_documents --points 256x1 --smoke   # tiny widths on any device: checks the script
 
-Times forward + backward (median of ``--iters`` after warm-up) of layer 0's ``self_attention`` of a
-ZAYA1-8B-width model built as training builds it (with its kernels on GPUs), in bf16 on ``[S, B, 2048]``:
+Times forward + backward (median of ``--rounds`` × ``--iters`` steps after warm-up, the variants taking turns
+round by round) of layer 0's ``self_attention`` of a ZAYA1-8B-width model built as training builds it (with its
+kernels on GPUs), in bf16 on ``[S, B, 2048]``:
 
 * ``causal``: one causal sequence per row (no position ids: the model's plain path);
 * ``packed``: the same tokens as documents whose lengths are drawn from a log-normal of median
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from functools import partial
 
 import torch
 
@@ -39,11 +41,17 @@ def document_positions(seq: int, batch: int, median: int, generator: torch.Gener
     return torch.stack(rows)
 
 
+def step(block, x, kwargs) -> None:
+    out, _ = block(x, **kwargs)
+    out.float().square().mean().backward()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--points", default="4096x2,32768x1", help="comma-separated SEQxBATCH")
     parser.add_argument("--median-document", type=int, default=600, help="median document length in tokens")
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=10, help="timed steps per variant and round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the variants in turn")
     parser.add_argument("--smoke", action="store_true", help="tiny widths on any device")
     args = parser.parse_args()
     if not GPU and not args.smoke:
@@ -65,13 +73,12 @@ def main() -> None:
         runs = {"causal": dict(attention_mask=None, rotary_pos_emb=rope(seq)),
                 "packed": dict(attention_mask=positions.t().contiguous(),
                                rotary_pos_emb=rotary_table(rope.inv_freq, positions))}
-        times = {}
-        for name, kwargs in runs.items():
-            def step(kwargs=kwargs):
-                out, _ = block(x, **kwargs)
-                out.float().square().mean().backward()
-
-            times[name] = statistics.median(call_times(step, warmup=2, iters=args.iters))
+        steps = {name: partial(step, block, x, kwargs) for name, kwargs in runs.items()}
+        times = {name: [] for name in runs}
+        for round_ in range(args.rounds):  # alternating, so that the machine's drift reaches both alike
+            for name, fn in steps.items():
+                times[name] += call_times(fn, warmup=2 if round_ == 0 else 0, iters=args.iters)
+        times = {name: statistics.median(ms) for name, ms in times.items()}
         print(f"S={seq} B={batch} documents={documents}: causal {times['causal']:.2f} ms, packed "
               f"{times['packed']:.2f} ms, causal/packed {times['causal'] / times['packed']:.2f}")
 
