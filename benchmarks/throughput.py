@@ -249,11 +249,11 @@ def real_depth_command(part: str, args, micro_batch: int) -> list[str]:
             "--lr-warmup-iters", "1", *REAL_DEPTH_SETTINGS, *TIMER_FLAGS, *REAL_DEPTH[part]]
 
 
-def gpu_names() -> list[str]:
-    """The NVIDIA GPUs' names, from nvidia-smi: asking torch would give this process a CUDA context, memory the
-    training process then lacks."""
+def nvidia_gpus(fields: str = "name") -> list[str]:
+    """One line of ``fields`` per NVIDIA GPU, from nvidia-smi (none without it): asking torch would give this
+    process a CUDA context, memory the training process then lacks."""
     try:
-        found = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+        found = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True,
                                text=True, timeout=20).stdout
     except (OSError, subprocess.TimeoutExpired):
         return []
@@ -282,7 +282,7 @@ def choose_micro_batch(part: str, args, env: dict, out: Path, budget: Budget) ->
     if args.real_depth_mbs:
         plan = memory_plan(real_depth_command(part, args, args.real_depth_mbs), env, out / "plan.log", timeout)
         return {"micro_batch": args.real_depth_mbs, "why": "--real-depth-mbs", "plan": plan}
-    names = gpu_names()
+    names = nvidia_gpus()
     from megatron_zaya.memory_plan import GPUS_GIB
 
     gpu = next((g for g in GPUS_GIB if names and g in names[0]), "H200" if args.smoke and not names else None)
@@ -308,7 +308,7 @@ def run_real_depth(part: str, args, budget: Budget, port: int) -> dict:
     :class:`PhaseClock` (layers, LM head), and read Megatron's iteration lines and timers."""
     out = Path(args.out) / part
     out.mkdir(parents=True, exist_ok=True)
-    if REAL_DEPTH[part] and not gpu_names():
+    if REAL_DEPTH[part] and not nvidia_gpus():
         return {"skipped": "CUDA graphs need a GPU"}
     env = dict(os.environ, ZAYA_BENCH_OUT=str(out), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="1",
                RANK="0", LOCAL_RANK="0")
@@ -666,14 +666,9 @@ def markdown(results: dict, args) -> str:
 
 
 def machine() -> str:
-    try:
-        gpus = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=20).stdout.strip().replace("\n", "; ")
-    except (OSError, subprocess.TimeoutExpired):
-        gpus = "no NVIDIA GPU"
     import torch
 
-    return f"{gpus or 'no NVIDIA GPU'}, torch {torch.__version__}"
+    return f"{'; '.join(nvidia_gpus('name,memory.total')) or 'no NVIDIA GPU'}, torch {torch.__version__}"
 
 
 def main(argv: list[str] | None = None) -> int:
