@@ -54,6 +54,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the variants in turn")
     parser.add_argument("--smoke", action="store_true", help="tiny widths on any device")
     args = parser.parse_args()
+    if args.iters < 1 or args.rounds < 1:
+        parser.error(f"--iters {args.iters} --rounds {args.rounds}: both must be at least 1")
     if not GPU and not args.smoke:
         raise SystemExit("packed_documents.py needs a CUDA or ROCm GPU; use --smoke to check the script on CPU")
 
