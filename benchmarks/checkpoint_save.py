@@ -38,6 +38,7 @@ import argparse
 import datetime
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -84,7 +85,7 @@ def command(mode: str, args) -> list[str]:
     # interval: this one keeps none of those written here but the newest.
     retain = str(args.interval * 1_000_000)
     save = ["--save", str(Path(args.dir) / mode), "--save-retain-interval", retain] if mode != "none" else []
-    return [sys.executable, "-m", "megatron_zaya.pretrain", *flags(args), *save, *extra]
+    return [sys.executable, "-m", "megatron_zaya.pretrain", *flags(args), *save, *extra, *shlex.split(args.extra)]
 
 
 def _watch_device_memory(trainer: int, peak: dict, stop: threading.Event) -> None:
@@ -166,13 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=16, help="training steps per mode")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--gbs", type=int, default=2, help="global batch (micro-batch 1)")
+    parser.add_argument("--extra", default="", help="flags added to every mode's command, e.g. '--dist-ckpt-workers 4'")
     parser.add_argument("--smoke", action="store_true", help="the test preset, anywhere (checks the script)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.seq, args.iters, args.interval = 64, 6, 2
     count = parameters(args)
-    results = {mode: run(mode, args) for mode in args.modes.split(",")}
-    print(table(results, count))
+    results = {}
+    for mode in args.modes.split(","):
+        results[mode] = run(mode, args)
+        print(table(results, count), flush=True)  # the modes so far (a call's time limit may end the rest)
     return 0
 
 

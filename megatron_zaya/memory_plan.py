@@ -37,9 +37,9 @@ STEP_TRANSIENT_BYTES = {"zaya_muon": 2.0, "adam": 0.0, "sgd": 0.0}
 GRAPH_GRAD_BYTES = 2  # --zaya-cuda-graphs: each layer's backward graph keeps its parameter gradients (param dtype)
 LM_HEAD_TILE_ELEMENTS = 2**28  # kernels/cross_entropy.py: fp32 logits per chunk of the fused LM head
 RESERVE_GIB = 2.0  # per GPU, outside torch's allocations: CUDA/ROCm context, NCCL/RCCL buffers, fragmentation
-# --async-save: the background writer is a second process on the GPU (its own CUDA context; it reads the training
-# tensors through IPC handles and copies them to host memory, so it allocates no copy of them). An estimate of a
-# CUDA context, not measured yet: benchmarks/checkpoint_save.py prints the writer's device memory.
+# --async-save: the background writer is a second process on the GPU (its own CUDA context; it reads the save's
+# device copies through IPC handles, so it allocates no copy of them). An estimate of a CUDA context, not
+# measured yet: benchmarks/checkpoint_save.py prints the writer's device memory.
 ASYNC_WRITER_GIB = 0.5
 GPUS_GIB = {"H200": 140.4, "MI300X": 192.0, "MI355X": 288.0}  # capacity as the runtime reports it
 
@@ -257,6 +257,9 @@ def plan(cfg, par: Parallel, run: Run, stage: int = 0) -> dict[str, float]:
     backward = state + out["activations per micro-batch"] + out["activations in flight"] + out["LM-head chunks"]
     out["between steps"] = state + (graphs * out["activations per micro-batch"])
     out["peak"] = max(backward, state + out["optimizer-step transient"])
+    # A background save copies the state on the device, but only into memory beyond the peak (not counted in it);
+    # the training loop waits while the rest is copied to host memory (training/checkpoint_tiers.py).
+    out["background-save copies"] = run.async_save * (out["weights"] + out["master weights"] + out["optimizer state"])
     return out
 
 
@@ -284,6 +287,11 @@ def report(cfg, par: Parallel, run: Run) -> str:
         lines.append(f"  {name:<28s} {value / GIB:9.2f} GiB")
     for gpu, gib in GPUS_GIB.items():
         lines.append(f"  largest micro-batch on {gpu:<7s} ({gib:.0f} GiB): {largest_micro_batch(cfg, par, run, gib)}")
+    copies = result["background-save copies"]
+    for gpu, gib in GPUS_GIB.items() if copies else ():
+        fits = min(copies, max(0.0, (gib - RESERVE_GIB) * GIB - result["peak"]))
+        lines.append(f"  background-save copies beside the peak on {gpu:<7s}: {fits / GIB:6.2f} GiB (the loop waits "
+                     "for the rest)")
     return "\n".join(lines)
 
 

@@ -1,5 +1,6 @@
-"""Patch group ``checkpointing``: background saves whose checksums are computed by the writer, and ZAYA1's local
-checkpoint tier in Megatron's ``local_checkpoint_manager`` slot, without NVIDIA's resiliency package.
+"""Patch group ``checkpointing``: background saves that copy on the GPU and are staged and checksummed by the
+writer, and ZAYA1's local checkpoint tier in Megatron's ``local_checkpoint_manager`` slot, without NVIDIA's
+resiliency package.
 
 The tiers, their flags and their faults: ``megatron_zaya/training/checkpoint_tiers.py``, ``local_tier.py`` and
 ``docs/reliability.md``.
@@ -12,24 +13,29 @@ import functools
 from .registry import register, replace_attr
 
 
-@register("checkpointing.background_checksums", target="megatron.training.checkpointing.schedule_async_save")
-def background_checksums() -> None:
-    """Checksum each rank's files of a ``--async-save`` in the background writer, not in the training loop.
+@register("checkpointing.background_saves", target="megatron.training.checkpointing.schedule_async_save")
+def background_saves() -> None:
+    """A ``--async-save`` copies its tensors on the GPU and lets training go on; the background writer moves
+    them to host memory, writes them, and checksums each rank's files.
 
-    The tracker and ``zaya_checksums.json`` of a background save are written when Megatron finalizes it, from
-    the training loop (``maybe_finalize_async_save``, training.py:3740), after every rank's writer is done; the
-    ``reliability.atomic_tracker`` patch would then read the whole checkpoint on rank 0 while training waits.
-    Wraps the name ``schedule_async_save`` that ``save_checkpoint`` calls (checkpointing.py:1121): a
-    ``torch_dist`` request's write function (``FileSystemWriterAsync.write_preloaded_data_multithread``) is
-    followed, in the writer process, by :func:`~megatron_zaya.training.checkpoint_tiers.write_then_record`'s
-    record of the size and CRC-32 of the files that rank wrote; the finalization takes them (and hashes only
-    files without a record, such as ``.metadata``). Other requests are unchanged.
-    Off: leave ``checkpointing.background_checksums`` out of ``--zaya-patches`` (rank 0 then hashes every file).
+    Megatron's request has the writer process copy the training tensors to host memory while the training loop
+    waits for it (``PersistentAsyncCaller.schedule_async_call`` joins its preload, async_utils.py:421): 21 s
+    per save of the 8-layer model on one H200. And the tracker and ``zaya_checksums.json`` of a background save
+    are written when Megatron finalizes it, from the training loop (``maybe_finalize_async_save``,
+    training.py:3740); the ``reliability.atomic_tracker`` patch would then read the whole checkpoint on rank 0
+    while training waits. Wraps the name ``schedule_async_save`` that ``save_checkpoint`` calls
+    (checkpointing.py:1121) with :func:`~megatron_zaya.training.checkpoint_tiers.background_request` for a
+    ``torch_dist`` request (``FileSystemWriterAsync.write_preloaded_data_multithread``): device copies within
+    the memory the steps leave free (the loop waits only for the tensors beyond it), then, in the writer, the
+    copies staged, Megatron's write, and the size and CRC-32 of the files written; the finalization takes those
+    (and hashes only files without a record, such as ``.metadata``). Other requests are unchanged.
+    Off: leave ``checkpointing.background_saves`` out of ``--zaya-patches`` (the loop then waits for the copy
+    to host memory, and rank 0 hashes every file).
     """
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
     from megatron.training import checkpointing
 
-    from megatron_zaya.training.checkpoint_tiers import write_then_record
+    from megatron_zaya.training.checkpoint_tiers import background_request
 
     original = checkpointing.schedule_async_save
     writer = FileSystemWriterAsync.write_preloaded_data_multithread
@@ -37,7 +43,7 @@ def background_checksums() -> None:
     @functools.wraps(original)
     def schedule_async_save(request):
         if getattr(request.async_fn, "func", None) is writer:
-            request = request._replace(async_fn=functools.partial(write_then_record, request.async_fn))
+            request = background_request(request)
         return original(request)
 
     replace_attr(checkpointing, "schedule_async_save", schedule_async_save)

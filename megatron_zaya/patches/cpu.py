@@ -378,9 +378,10 @@ def patch_async_checkpoint_worker() -> None:
       the first parallel op of a writer forked after training started would wait on it forever.
     * ``async_utils`` (the writer's ``set_device``, the completion all-reduce), ``tensor_aware_state_dict``
       and ``exchange_utils`` (the local tier's ``synchronize`` and shard exchange) see :data:`CPU_TORCH`.
-    * ``FileSystemWriterAsync.preload_tensors`` copies CPU tensors. On a GPU it is the device-to-host copy
-      the trainer waits for; on the CPU ``.to('cpu')`` returns the training tensor itself, which the writer
-      would then save while the next steps change it.
+    * ``FileSystemWriterAsync.preload_tensors`` copies CPU tensors, for requests that the
+      ``checkpointing.background_saves`` patch (which copies them itself) leaves as they are. On a GPU it is the
+      device-to-host copy the trainer waits for; on the CPU ``.to('cpu')`` returns the training tensor itself,
+      which the writer would then save while the next steps change it.
     """
     from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync

@@ -1,11 +1,13 @@
 """Background (``--async-save``) and local-tier checkpoint saves: the flags they imply, the combinations refused
-before training starts, the per-rank checksums the background writer records, and waiting for writes in flight.
+before training starts, the copies a background save takes so that training goes on while it is written, the
+per-rank checksums the background writer records, and waiting for writes in flight.
 
 How the tiers behave on faults: ``docs/reliability.md``. The local tier itself: :mod:`.local_tier`.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from pathlib import Path
@@ -13,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import record_written
+from ..memory_plan import GIB, RESERVE_GIB
 from .arguments import UsageError
 
 # Megatron turns --async-save off without --use-persistent-ckpt-worker (arguments.py:1740), and its default
@@ -70,11 +73,117 @@ def check_args(args) -> None:
                          "writable node-local directory") from error
 
 
-def write_then_record(write, rank, write_buckets, results_queue) -> None:
-    """Megatron's ``torch_dist`` background write (in the writer process), then the sizes and CRC-32 of the
-    files this rank wrote, so that the finalization, in the training loop, does not hash them again."""
+_headroom: int | None = None  # device memory the steps reserve above what stays allocated between them
+
+
+def copy_budget() -> float:
+    """Device bytes a background save may copy its tensors into: the memory beyond the steps' own peak, less
+    the memory planner's reserve (unlimited without a GPU: host tensors are always copied). The steps' peak is
+    taken at the first save, before any copy of a save exists; copies of earlier saves still held count as
+    used."""
+    global _headroom
+    if not torch.cuda.is_available():
+        return float("inf")
+    torch.cuda.ipc_collect()  # copies the writer process has released
+    allocated = torch.cuda.memory_allocated()
+    if _headroom is None:
+        _headroom = torch.cuda.max_memory_reserved() - allocated
+    free, _ = torch.cuda.mem_get_info()
+    return free + torch.cuda.memory_reserved() - allocated - _headroom - RESERVE_GIB * GIB
+
+
+def device_copies(tensors: list[torch.Tensor], budget: float) -> tuple[list[torch.Tensor], frozenset[int]]:
+    """Copies of a save's ``tensors``, each on its own device, while their bytes fit ``budget``; past it the
+    tensors themselves. Training may change a copied tensor as soon as this returns; the writer stages the
+    copies to host memory while training goes on. Returns the tensors to save and the indices of the originals
+    among them, which the writer stages while training waits (:func:`stage`)."""
+    saved, originals = [], set()
+    for index, tensor in enumerate(tensors):
+        size = tensor.numel() * tensor.element_size()
+        if size <= budget:
+            budget -= size
+            saved.append(tensor.detach().clone())
+        else:
+            saved.append(tensor)
+            originals.add(index)
+    if any(tensor.is_cuda for tensor in saved):
+        torch.cuda.current_stream().synchronize()  # the writer reads the copies through IPC, on its own stream
+    return saved, frozenset(originals)
+
+
+def take_copies(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], frozenset[int]]:
+    """:func:`device_copies` within :func:`copy_budget`, said in one line on rank 0: what was copied and how
+    long the loop waited for it, and what is left for the host copy the loop waits for."""
+    start = time.perf_counter()
+    saved, originals = device_copies(tensors, copy_budget())
+    if torch.distributed.get_rank() == 0:
+        left = sum(tensors[i].numel() * tensors[i].element_size() for i in originals)
+        copied = sum(tensor.numel() * tensor.element_size() for tensor in tensors) - left
+        beyond = f"; {left / GIB:.2f} GiB beyond the budget go to host memory while training waits" if left else ""
+        print(f"[zaya] background save: {copied / GIB:.2f} GiB copied on the device in "
+              f"{time.perf_counter() - start:.2f} s{beyond}", flush=True)
+    return saved, originals
+
+
+def stage(tensors: list, which: frozenset[int] | None = None) -> list:
+    """Put host copies in place of ``tensors`` (the list is changed in place, so that no device reference is
+    left): the originals at indices ``which``, copied even on the host since training changes them, or, with
+    ``which`` None, every tensor still on a device. Originals go to pinned memory, fastest, as the training loop
+    waits for them; copies to pageable memory, since the writer has time and host memory is what runs short."""
+    pinned = which is not None
+    indices = which if pinned else [i for i, tensor in enumerate(tensors) if tensor.device.type != "cpu"]
+    for index in indices:
+        tensors[index] = tensors[index].to("cpu", non_blocking=pinned, copy=True)
+    if pinned and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return tensors
+
+
+def _bucket_tensors(buckets: list) -> list:
+    return [tensor for _, _, (_, tensors) in buckets for _, tensor in tensors]
+
+
+def _set_bucket_tensors(buckets: list, tensors: list) -> list:
+    it = iter(tensors)
+    for index, (path, key, (raw, items)) in enumerate(buckets):
+        buckets[index] = (path, key, (raw, [(item, next(it)) for item, _ in items]))
+    return buckets
+
+
+def stage_buckets(buckets: list, which: frozenset[int] | None = None) -> list:
+    """:func:`stage` for the tensors of Megatron's ``torch_dist`` write buckets, in place."""
+    return _set_bucket_tensors(buckets, stage(_bucket_tensors(buckets), which))
+
+
+def background_request(request):
+    """A ``torch_dist`` background save (``FileSystemWriterAsync``'s request) that copies its tensors on their
+    devices within :func:`copy_budget`, so that the training loop waits only for the host copy of what did not
+    fit (and for a previous write still running), then in the writer process stages the copies to host memory,
+    writes, and records the files' checksums."""
+    rank, buckets, results_queue = request.async_fn_args
+    tensors, originals = take_copies(_bucket_tensors(buckets))
+    buckets = _set_bucket_tensors(list(buckets), tensors)
+    # Always a preload, even of nothing: the loop waits for the writer to take it, so that at most one save is
+    # queued behind a write (a save interval shorter than a write then waits, as without copies).
+    return request._replace(async_fn=functools.partial(stage_write_record, request.async_fn),
+                            async_fn_args=[rank, buckets, results_queue],
+                            preload_fn=functools.partial(stage_buckets, buckets, originals))
+
+
+def stage_write_record(write, rank, write_buckets, results_queue) -> None:
+    """In the background writer: stage the device copies to host memory, run Megatron's ``torch_dist`` write,
+    then record the sizes and CRC-32 of the files this rank wrote, so that the finalization, in the training
+    loop, does not hash them again."""
+    start = time.perf_counter()
+    stage_buckets(write_buckets)
+    staged = time.perf_counter()
     write(rank, write_buckets, results_queue)
+    written = time.perf_counter()
     record_written([bucket[0] for bucket in write_buckets], rank)
+    if rank == 0:  # what sets the shortest save interval that does not wait for the previous write
+        print(f"[zaya] background save written in {time.perf_counter() - start:.1f} s: staged to host memory "
+              f"{staged - start:.1f} s, written {written - staged:.1f} s, checksummed "
+              f"{time.perf_counter() - written:.1f} s", flush=True)
 
 
 def finish_background_saves(seconds: float) -> bool:

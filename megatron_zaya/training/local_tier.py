@@ -30,6 +30,7 @@ import torch
 
 from ..checkpoint import CHECKSUMS, TRACKER, damage, recorded_files, step_name, write_checksums
 from .arguments import UsageError
+from .checkpoint_tiers import stage, take_copies
 
 STATE = "state.pt"
 LAYOUT = "layout.json"
@@ -53,15 +54,17 @@ def current_layout() -> dict[str, int]:
     }
 
 
-def host_copy(state):
-    """The device-to-host copy of a rank's shards: what the training loop waits for in an async save."""
-    state.copy_tensors_to_cpu(non_blocking=False)
+def stage_state(state, which: frozenset[int] | None = None):
+    """:func:`~.checkpoint_tiers.stage` for the tensors of a rank's ``MCoreTensorAwareStateDict``, in place."""
+    state.insert_tensors(stage(state.pop_tensors(), which))
     return state
 
 
 def write_part(path: str, state, layout: dict[str, int]) -> None:
-    """Write a rank's part (in the background writer for ``--async-save``): the shards, the layout, then the
-    checksums, last and atomically. A part of the same iteration left by an earlier run is removed first."""
+    """Write a rank's part (in the background writer for ``--async-save``): its tensors staged to host memory,
+    the shards, the layout, then the checksums, last and atomically. A part of the same iteration left by an
+    earlier run is removed first."""
+    stage_state(state)
     part = Path(path)
     shutil.rmtree(part, ignore_errors=True)
     part.mkdir(parents=True)
@@ -124,11 +127,13 @@ class LocalTier:
         path = str(rank_dir(self.local_ckpt_dir, iteration, torch.distributed.get_rank()))
         prune = functools.partial(self._prune, iteration)
         if not is_async:
-            write_part(path, host_copy(state), current_layout())
+            write_part(path, state, current_layout())
             prune()
             return None
+        tensors, originals = take_copies(state.pop_tensors())
+        state.insert_tensors(tensors)
         return AsyncRequest(write_part, (path, state, current_layout()), [prune],
-                            preload_fn=functools.partial(host_copy, state))
+                            preload_fn=functools.partial(stage_state, state, originals))
 
     def _prune(self, iteration: int) -> None:
         """After ``iteration`` is complete on every rank: keep this rank's newest ``keep`` complete parts, and

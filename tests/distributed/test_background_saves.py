@@ -1,12 +1,16 @@
-"""Waiting for background checkpoint writes within a deadline (what a SIGTERM leaves time for), on two gloo
-ranks through Megatron's own async queue: past the deadline nothing is finalized and every rank says so alike;
-given the time, the write is finalized."""
+"""Background checkpoint saves on two gloo ranks. A background save holds the state of its step while training
+changes the tensors before the writer has written them, whatever part of them the copy budget lets it copy.
+Waiting for writes within a deadline (what a SIGTERM leaves time for), through Megatron's own async queue: past
+the deadline nothing is finalized and every rank says so alike; given the time, the write is finalized."""
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
+import pytest
+import torch
 from gloo import run_ranks
 
 
@@ -31,3 +35,54 @@ def test_a_write_in_flight_is_finalized_only_within_the_time_given(tmp_path):
     for rank, (in_time, waited, before, later, finalized) in enumerate(run_ranks(_finish_within, 2, tmp_path, 3.0)):
         assert not in_time and 0.2 <= waited < 2.0 and before == [], (in_time, waited, before)
         assert later and finalized == [rank]
+
+
+def _save_change_and_load(rank, world, root, budget):
+    """A ``torch_dist`` background save of a sharded and a replicated tensor through ``background_request``
+    with a copy budget of ``budget`` bytes, run in the writer's order (the preload while training waits, then
+    the write) with the training tensors changed in between; returns (how many tensors the preload copies to
+    host memory while training waits, the values loaded back, the values at the save, the writer's checksum
+    record)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    from megatron_zaya.patches import apply_patches
+    from megatron_zaya.training import checkpoint_tiers
+
+    apply_patches("cpu")
+
+    def state(fill):
+        sharded = torch.arange(64, dtype=torch.float32) + 1000 * rank if fill else torch.zeros(64)
+        replicated = torch.linspace(0, 1, 256, dtype=torch.float32) if fill else torch.zeros(256)
+        return {"sharded": ShardedTensor.from_rank_offsets("sharded", sharded, (0, rank, world)),
+                "replicated": ShardedTensor.from_rank_offsets("replicated", replicated, replica_id=rank)}
+
+    training = state(fill=True)
+    at_save = {key: value.data.clone() for key, value in training.items()}
+    Path(root).mkdir(exist_ok=True)
+    request = dist_checkpointing.save(training, root, TorchDistSaveShardedStrategy("torch_dist", 1),
+                                      async_sharded_save=True, async_strategy="mcore")
+    checkpoint_tiers.copy_budget = lambda: budget
+    request = checkpoint_tiers.background_request(request)
+    args = list(request.async_fn_args)
+    args[1] = request.preload_fn()
+    for value in training.values():
+        value.data.mul_(-3).add_(7)  # the next optimizer steps
+    request.async_fn(*args, **request.async_fn_kwargs)
+    for finalize in request.finalize_fns:
+        finalize()
+    loaded = dist_checkpointing.load(state(fill=False), root)
+    record = sorted(p.name for p in Path(root).glob(".zaya_checksums.json.rank-*"))
+    return len(request.preload_fn.args[1]), loaded, at_save, record
+
+
+# Rank 0 writes its 256 B shard and the 1 KiB replicated tensor, rank 1 its shard: 300 B copy only the shards.
+@pytest.mark.parametrize(("budget", "waits"), [(float("inf"), [0, 0]), (300, [1, 0])], ids=["all-copied", "some-copied"])
+def test_a_background_save_writes_the_state_of_its_step_while_training_changes_it(tmp_path, budget, waits):
+    for rank, (waited_for, loaded, at_save, record) in enumerate(
+            run_ranks(_save_change_and_load, 2, tmp_path, str(tmp_path / "ckpt"), budget)):
+        assert waited_for == waits[rank], (rank, waited_for)
+        for key, value in at_save.items():
+            torch.testing.assert_close(loaded[key], value, rtol=0, atol=0)
+        assert record == [f".zaya_checksums.json.rank-{r:05d}" for r in range(2)], record

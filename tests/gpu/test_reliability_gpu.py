@@ -1,4 +1,5 @@
-"""On GPUs: exact resume with Megatron's distributed optimizer, and a one-rank NaN skipped on every rank.
+"""On GPUs: exact resume with Megatron's distributed optimizer and from a background save written while training
+went on (its device copies read by the writer process through IPC), and a one-rank NaN skipped on every rank.
 
 Runs zaya-pretrain under torchrun on up to two GPUs (data parallel) in bf16 with --use-distributed-optimizer
 (Adam: Megatron's sharded optimizer; zaya_muon: its own data-parallel sharding of Newton-Schulz and momentum).
@@ -48,6 +49,19 @@ def test_exact_resume_with_the_distributed_optimizer(tmp_path, optimizer):
     resumed = _pretrain(opt + ["--save", str(part), "--load", str(part)], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     before, after = _loss_csv(full / "loss.csv"), _loss_csv(part / "loss.csv")
+    assert sorted(after) == list(range(11, 21))
+    assert all(after[i] == before[i] for i in after), (after, before)
+
+
+def test_exact_resume_from_a_background_save_written_while_training_went_on(tmp_path):
+    opt = ["--optimizer", "zaya_muon", "--lr", "0.02"]
+    full, background, again = tmp_path / "full", tmp_path / "background", tmp_path / "again"
+    for args in (["--save", str(full), "--load", str(full)],
+                 ["--save", str(background), "--load", str(background), "--async-save"],
+                 ["--save", str(again), "--load", str(background), "--ckpt-step", "10"]):
+        run = _pretrain(opt + args, tmp_path)
+        assert run.returncode == 0, run.stderr[-4000:]
+    before, after = _loss_csv(full / "loss.csv"), _loss_csv(again / "loss.csv")
     assert sorted(after) == list(range(11, 21))
     assert all(after[i] == before[i] for i in after), (after, before)
 

@@ -10,7 +10,7 @@ import torch
 from zaya_cli import pretrain
 
 from megatron_zaya.config import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_MODULES, ZayaConfigError, zaya_config
-from megatron_zaya.memory_plan import Parallel, parameter_counts, stack_bytes
+from megatron_zaya.memory_plan import GPUS_GIB, RESERVE_GIB, Parallel, parameter_counts, stack_bytes
 from megatron_zaya.optim.roles import classify
 from megatron_zaya.pretrained import build_single_process_model
 
@@ -103,6 +103,13 @@ def test_cli_prints_the_plan_and_exits(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "DP8, 8.840B parameters" in result.stdout and "largest micro-batch on MI355X" in result.stdout
     assert re.search(r"checkpoint writer +0\.50 GiB", result.stdout)  # --async-save's writer process
+    gib = {name: float(value) for name, value in re.findall(r"^  (\S.*?) +([0-9.]+) GiB", result.stdout, re.MULTILINE)}
+    copies = gib["weights"] + gib["master weights"] + gib["optimizer state"]  # what a background save holds
+    assert abs(gib["background-save copies"] - copies) < 0.02
+    room = {gpu: min(copies, max(0.0, capacity - RESERVE_GIB - gib["peak"])) for gpu, capacity in GPUS_GIB.items()}
+    for gpu, fits in re.findall(r"copies beside the peak on (\S+) *: +([0-9.]+) GiB", result.stdout):
+        assert abs(float(fits) - room.pop(gpu)) < 0.02, (gpu, fits)
+    assert not room  # a line per GPU type
     assert not list(tmp_path.iterdir())  # nothing built, nothing written
     bad = pretrain(["--zaya-preset", "test", "--mock-data", "--zaya-memory-plan", "0"], tmp_path, timeout=300)
     assert bad.returncode == 2 and "--zaya-memory-plan 0" in bad.stderr.strip().splitlines()[-1]
