@@ -228,6 +228,9 @@ def run(argv: list[str]) -> None:
 
         print(memory_plan.report(*memory_plan.from_args(args)), flush=True)
         return
+    if args.lr is None:  # (the plan needs none; Megatron's optimizers fail on it with a traceback)
+        raise UsageError("--lr is missing: give the peak learning rate, e.g. --lr 3e-4 (--min-lr and "
+                         "--lr-warmup-iters shape its schedule)")
     _check_checkpoint_matches(args)
     if args.save:
         reliability.check_save_dir(args.save)
