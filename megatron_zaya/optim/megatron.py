@@ -30,6 +30,7 @@ import torch
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
+from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 import megatron.core.optimizer as megatron_optimizer
 from megatron.core.optimizer import _get_param_groups, get_standard_config_overrides
 from megatron.core.optimizer.optimizer import ChainedOptimizer, Float16OptimizerWithFloat16Params, FP32Optimizer
@@ -251,11 +252,13 @@ class _MuonWrapper:
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
         muon: ZayaMuon = self.optimizer
         muon.init_state()  # also saved before the first step, so that loading always finds every key
-        id_to_sharded = get_param_id_to_sharded_param_map(model_sharded_state_dict, self._model_params())
+        params = self._model_params()
+        own = tracked_sharded_tensors(model_sharded_state_dict, params)
+        id_to_sharded = get_param_id_to_sharded_param_map(own, params)
         momentum = momentum_sharded_state(muon, id_to_sharded)
         state, muon.state = muon.state, defaultdict(dict)
         try:  # Megatron's conversion of everything else (master weights, param groups), without the momentum
-            sharded = super().sharded_state_dict(model_sharded_state_dict, is_loading=False, metadata=metadata)
+            sharded = super().sharded_state_dict(own, is_loading=False, metadata=metadata)
         finally:
             muon.state = state
         if self.zero1:  # master weights live on their owner only: it writes them
@@ -312,6 +315,15 @@ class ZayaMuonFP32Optimizer(_MuonWrapper, FP32Optimizer):
 
     def _torch_state_section(self, sharded):
         return sharded
+
+
+def tracked_sharded_tensors(model_sharded_state_dict, params) -> dict:
+    """The model's sharded tensors (and factories) of ``params`` only, by position: all that Megatron's
+    ``get_param_id_to_sharded_param_map`` maps. Given the others, it formats each into a debug message on every
+    save (debug logging on or off), the tensor's values included: on a GPU, a device-to-host read each."""
+    ids = {id(param) for param in params}
+    tensors, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
+    return dict(enumerate(tensor for tensor in nested_values(tensors) if id(tensor.data) in ids))
 
 
 def momentum_sharded_state(muon: ZayaMuon, id_to_sharded: dict) -> dict:

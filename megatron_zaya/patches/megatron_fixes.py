@@ -223,6 +223,36 @@ def first_log_resets() -> None:
     replace_attr(training, "training_log", training_log)
 
 
+@register("megatron_fixes.untracked_tensor_logs", megatron=">=0.19,<0.20",
+          target="megatron.core.optimizer.optimizer.get_param_id_to_sharded_param_map")
+def untracked_tensor_logs() -> None:
+    """A checkpoint save no longer formats every model tensor that one of the optimizers does not track.
+
+    ``get_param_id_to_sharded_param_map`` (dist_checkpointing/optimizer.py:70), which Megatron's optimizers call
+    from their ``sharded_state_dict`` (optimizer.py:1150, 1365), builds ``logger.debug(f'{ten} is not tracked
+    by the optimizer')`` for each model tensor it is given but the optimizer does not hold, whether or not debug
+    logging is on; the f-string formats the ``ShardedTensor`` with its values (a device-to-host read on a GPU).
+    A chained optimizer gives each part the whole model, so each save formats every tensor of the other
+    parts (2,452 for the 8-layer ZAYA1 with Muon and Adam) while the training loop waits. The wrapper passes
+    only the optimizer's own tensors (:func:`~megatron_zaya.optim.megatron.tracked_sharded_tensors`): the
+    same map, nothing formatted. ZAYA1's Muon wrapper already passes its own.
+
+    Off: leave ``megatron_fixes.untracked_tensor_logs`` out of ``--zaya-patches`` / ``ZAYA_PATCHES``.
+    """
+    from megatron.core.optimizer import optimizer
+
+    from megatron_zaya.optim.megatron import tracked_sharded_tensors
+
+    original = optimizer.get_param_id_to_sharded_param_map
+
+    @functools.wraps(original)
+    def get_param_id_to_sharded_param_map(model_sharded_state_dict, optim_params_iter):
+        params = list(optim_params_iter)
+        return original(tracked_sharded_tensors(model_sharded_state_dict, params), params)
+
+    replace_attr(optimizer, "get_param_id_to_sharded_param_map", get_param_id_to_sharded_param_map)
+
+
 _SCHEDULE_FLAGS = {  # OptimizerParamScheduler's name of a value -> the flag behind it
     "learning rate": "--lr", "minimum learning rate": "--min-lr", "warmup iterations": "--lr-warmup-iters",
     "total number of iterations": "--lr-decay-iters (default: --train-iters)",
