@@ -258,7 +258,8 @@ def plan(cfg, par: Parallel, run: Run, stage: int = 0) -> dict[str, float]:
     out["between steps"] = state + (graphs * out["activations per micro-batch"])
     out["peak"] = max(backward, state + out["optimizer-step transient"])
     # A background save copies the state on the device, but only into memory beyond the peak (not counted in it);
-    # the training loop waits while the rest is copied to host memory (training/checkpoint_tiers.py).
+    # the training loop waits while the rest is copied to host memory (training/checkpoint_tiers.py). An upper
+    # bound: a rank copies only the tensors it writes, and a fully parallel save spreads the replicated ones.
     out["background-save copies"] = run.async_save * (out["weights"] + out["master weights"] + out["optimizer state"])
     return out
 
@@ -306,8 +307,11 @@ def from_args(args) -> tuple[object, Parallel, Run]:
                    cp=args.context_parallel_size, dp=args.data_parallel_size)
     model_parallel = par.pp * par.ep * par.etp
     par.expert_dp = max(1, args.world_size // model_parallel)
+    # Megatron turns --use-distributed-optimizer into its layer-wise flag for optimizers other than Adam and SGD
+    # (arguments.py:1680); zaya_muon shards by data-parallel owner under it (optim/zero.py).
+    sharded_optimizer = args.use_distributed_optimizer or getattr(args, "use_layer_wise_distributed_optimizer", False)
     run = Run(micro_batch=args.micro_batch_size, seq=args.seq_length, global_batch=args.global_batch_size,
-              optimizer=args.optimizer, bf16=bool(args.bf16), distributed_optimizer=bool(args.use_distributed_optimizer),
+              optimizer=args.optimizer, bf16=bool(args.bf16), distributed_optimizer=bool(sharded_optimizer),
               grad_bf16=not args.accumulate_allreduce_grads_in_fp32 if args.bf16 else False,
               bf16_momentum=getattr(args, "zaya_muon_momentum_dtype", "fp32") == "bf16",
               recompute=args.recompute_granularity,

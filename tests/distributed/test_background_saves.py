@@ -78,7 +78,8 @@ def _save_change_and_load(rank, world, root, budget):
 
 
 # Rank 0 writes its 256 B shard and the 1 KiB replicated tensor, rank 1 its shard: 300 B copy only the shards.
-@pytest.mark.parametrize(("budget", "waits"), [(float("inf"), [0, 0]), (300, [1, 0])], ids=["all-copied", "some-copied"])
+@pytest.mark.parametrize(("budget", "waits"), [(float("inf"), [0, 0]), (300, [1, 0])],
+                         ids=["all-copied", "some-copied"])
 def test_a_background_save_writes_the_state_of_its_step_while_training_changes_it(tmp_path, budget, waits):
     for rank, (waited_for, loaded, at_save, record) in enumerate(
             run_ranks(_save_change_and_load, 2, tmp_path, str(tmp_path / "ckpt"), budget)):

@@ -104,6 +104,8 @@ def test_cli_prints_the_plan_and_exits(tmp_path):
     assert "DP8, 8.840B parameters" in result.stdout and "largest micro-batch on MI355X" in result.stdout
     assert re.search(r"checkpoint writer +0\.50 GiB", result.stdout)  # --async-save's writer process
     gib = {name: float(value) for name, value in re.findall(r"^  (\S.*?) +([0-9.]+) GiB", result.stdout, re.MULTILINE)}
+    params = sum(parameter_counts(zaya_config("zaya1-8b"), Parallel()).values())
+    assert abs(gib["master weights"] - 4 * params / 8 / 2**30) < 0.01  # fp32, sharded over the 8 ranks
     copies = gib["weights"] + gib["master weights"] + gib["optimizer state"]  # what a background save holds
     assert abs(gib["background-save copies"] - copies) < 0.02
     room = {gpu: min(copies, max(0.0, capacity - RESERVE_GIB - gib["peak"])) for gpu, capacity in GPUS_GIB.items()}
