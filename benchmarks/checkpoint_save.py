@@ -15,17 +15,19 @@ waits for in the call), the loop's excess time per save (every iteration from th
 the total time of a save (from "saving checkpoint" to the line saying it is complete: for a background save,
 when the next step finalized it), the bytes per parameter of one checkpoint (its files over the parameters the
 memory planner counts), and for the background writer its peak device memory (``nvidia-smi``, the processes of
-the run other than the trainer). Persistent checkpoints beyond the newest are deleted as the run goes
-(``--save-retain-interval``) and the local tier keeps one, so a mode holds two checkpoints at most (the newest
-and the one being written); they are deleted once the mode is summarized. By the state they hold (bf16 weights,
-fp32 master weights and Muon momentum, AdamW moments: about 11 bytes per parameter, an estimate until measured
-here), two of the 8-layer model's (2.2B parameters) fit a 64 GiB disk, and two of the 12-layer model's (3.0B)
-128 GiB of host memory (``/dev/shm``).
+the run other than the trainer). The table is printed again after each mode. Persistent checkpoints beyond the
+newest are deleted as the run goes (``--save-retain-interval``) and the local tier keeps one, so a mode holds
+two checkpoints at most (the newest and the one being written); they are deleted once the mode is summarized.
+At 10.98 bytes per parameter (measured on an H200), two of the 8-layer model's (2.2B parameters) fit a 64 GiB
+disk, and two of the 12-layer model's (3.0B) 128 GiB of host memory (``/dev/shm``).
 
-One H200 (the ``none`` run is each call's baseline; run times not measured yet)::
+A background write of the 8-layer model takes 45-60 s on one H200 (its log's ``[zaya] background save
+written`` lines); an interval shorter than that measures the wait for the previous write. One H200 (the
+``none`` run is each call's baseline; about 2.5 minutes per mode at 60 iterations)::
 
-    python -m benchmarks.checkpoint_save --modes none,sync,async --dir /tmp/ckpt-bench
-    python -m benchmarks.checkpoint_save --modes none,local --local-dir /dev/shm/ckpt-bench --dir /tmp/ckpt-bench
+    python -m benchmarks.checkpoint_save --modes none,async,local --iters 60 --interval 25 \\
+        --extra "--dist-ckpt-workers 8" --dir /dev/shm/ckpt-bench --local-dir /dev/shm/ckpt-local
+    python -m benchmarks.checkpoint_save --modes none,async --iters 300 --interval 130 --dir /dev/shm/ckpt-bench
     python -m benchmarks.checkpoint_save --num-layers 12 --modes none,local --local-dir /dev/shm/ckpt-bench \\
         --dir /tmp/ckpt-bench
 

@@ -38,8 +38,8 @@ GRAPH_GRAD_BYTES = 2  # --zaya-cuda-graphs: each layer's backward graph keeps it
 LM_HEAD_TILE_ELEMENTS = 2**28  # kernels/cross_entropy.py: fp32 logits per chunk of the fused LM head
 RESERVE_GIB = 2.0  # per GPU, outside torch's allocations: CUDA/ROCm context, NCCL/RCCL buffers, fragmentation
 # --async-save: the background writer is a second process on the GPU (its own CUDA context; it reads the save's
-# device copies through IPC handles, so it allocates no copy of them). An estimate of a CUDA context, not
-# measured yet: benchmarks/checkpoint_save.py prints the writer's device memory.
+# device copies through IPC handles, so it allocates no copy of them). 518 MiB at its peak on an H200
+# (benchmarks/checkpoint_save.py, docs/benchmarks.md "Checkpoint saves").
 ASYNC_WRITER_GIB = 0.5
 GPUS_GIB = {"H200": 140.4, "MI300X": 192.0, "MI355X": 288.0}  # capacity as the runtime reports it
 
