@@ -1,6 +1,7 @@
-"""Background saves (``--async-save``) and the local tier in real runs: the whole job SIGKILLed while the
-background writer writes checkpoint 8 leaves both tiers resumable, and a resume from either tier repeats the
-killed run's losses; a write still in flight when the run ends is finished and checksummed."""
+"""Background saves (``--async-save``) and the local tier in real runs: the whole job SIGKILLed as checkpoint
+8's background save starts, or once its writer has begun the data files, leaves both tiers resumable, and a
+resume from either tier repeats the killed run's losses; a write still in flight when the run ends is finished
+and checksummed."""
 
 from __future__ import annotations
 
@@ -22,23 +23,28 @@ TIERS = ["--async-save", "--save-interval", "4", "--save", "ck", "--load", "ck",
 FLAGS = QUICK + ["--train-iters", "400"]
 
 
-@pytest.fixture(scope="module")
-def killed(tmp_path_factory):
-    """A run with both tiers, its process group SIGKILLed the moment the directory of checkpoint 8 appears (its
-    background write starting, local checkpoints of 6 and 7 written or being written); its losses."""
-    directory = tmp_path_factory.mktemp("killed")
+def _killed_when(directory, ready) -> dict[int, float]:
+    """A run with both tiers, its process group SIGKILLed the moment ``ready()`` holds; its losses."""
     with (directory / "killed.log").open("w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "megatron_zaya.pretrain", *FLAGS, *TIERS], cwd=directory,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    target, deadline = directory / "ck" / "iter_0000008", time.time() + 400
-    while not target.exists() and proc.poll() is None and time.time() < deadline:
+    deadline = time.time() + 400
+    while not ready() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.001)
     os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its background writer, as a node failure would
     proc.wait(timeout=60)
     output = (directory / "killed.log").read_text()
-    assert target.exists() and "Traceback" not in output, output[-3000:]
-    return directory, losses(output)
+    assert ready() and "Traceback" not in output, output[-3000:]
+    return losses(output)
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """A run with both tiers, killed the moment the directory of checkpoint 8 appears (its background write
+    starting, local checkpoints of 6 and 7 written or being written); its losses."""
+    directory = tmp_path_factory.mktemp("killed")
+    return directory, _killed_when(directory, (directory / "ck" / "iter_0000008").exists)
 
 
 def _copy(killed, tmp_path):
@@ -88,3 +94,16 @@ def test_a_resume_from_the_background_save_repeats_the_losses(killed, tmp_path):
     resumed = losses(run.stdout)
     assert min(resumed) == 5  # (Megatron's second log line after a resume averages two steps)
     assert [resumed[i] for i in (5, 7)] == [killed[1][i] for i in (5, 7)]
+
+
+def test_a_kill_while_the_writer_writes_leaves_a_resumable_state(tmp_path):
+    """Killed the moment the writer has created the first data file of checkpoint 8 (mid-write): ``latest``
+    names an intact checkpoint, and the resume, from whichever tier is newest, repeats the killed run's loss."""
+    ck = tmp_path / "ck"
+    first = _killed_when(tmp_path, lambda: any((ck / "iter_0000008").glob("*.distcp")))
+    assert newest_intact_checkpoint(str(ck)) == (ck / TRACKER).read_text() in ("4", "8")
+    run = pretrain(FLAGS + TIERS + ["--exit-interval", "10"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    resumed = losses(run.stdout)
+    start = min(resumed) - 1
+    assert start >= 4 and resumed[start + 1] == first[start + 1], (start, resumed, first)
