@@ -19,6 +19,10 @@ from pathlib import Path
 
 APPLIED = ("applied", "already applied")  # apply_patches() reports of a patch in effect
 
+# The peak learning rate of a run that gives no --lr (Megatron has no default; its optimizers fail without one):
+# ZAYA1's default recipe, docs/architecture.md ("learning-rate schedule").
+DEFAULT_LR = "2e-3"
+
 EMBEDDED_RUN_DIR = "runs/zaya-tiny"
 EMBEDDED_DATA_DIR = "runs/embedded-data"  # the embedded corpus tokenised, once
 
@@ -64,6 +68,7 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
     flags += ["--no-check-for-nan-in-loss-and-grad"]
     flags += [] if cuda else ["--distributed-backend", "gloo", "--use-cpu-initialization"]
     flags += implied_flags(argv)  # --async-save alone: a background save
+    flags += ["--lr", DEFAULT_LR]
 
     if _has(argv, "-h", "--help"):
         pass  # only the flags are printed: no embedded corpus to build
@@ -228,9 +233,6 @@ def run(argv: list[str]) -> None:
 
         print(memory_plan.report(*memory_plan.from_args(args)), flush=True)
         return
-    if args.lr is None:  # (the plan needs none; Megatron's optimizers fail on it with a traceback)
-        raise UsageError("--lr is missing: give the peak learning rate, e.g. --lr 3e-4 (--min-lr and "
-                         "--lr-warmup-iters shape its schedule)")
     _check_checkpoint_matches(args)
     if args.save:
         reliability.check_save_dir(args.save)

@@ -78,7 +78,6 @@ def results(tmp_path_factory):
     mock = ["--mock-data", "--zaya-preset", "test"]
     cases.update({
         "negative learning rate": [*mock, "--lr", "-0.001"],
-        "no learning rate": [*mock, "--save-interval", "5"],
         "micro-batch size 0": [*mock, "--micro-batch-size", "0"],
         "bf16 and fp16": [*mock, "--bf16", "--fp16"],
         "CUDA graphs on CPU": [*mock, "--zaya-cuda-graphs"],
@@ -136,7 +135,6 @@ EXPECTED = {  # case -> words the one error line must hold
     "a tokenizer path that does not exist": ["--tokenizer-model ./my-tokenizer: no such directory"],
     "a tokenizer that does not load": ["does not load", "give the tokenizer's directory"],
     "negative learning rate": ["--lr -0.001 is negative"],
-    "no learning rate": ["--lr is missing", "--lr 3e-4"],
     "micro-batch size 0": ["--micro-batch-size 0: must be at least 1"],
     "bf16 and fp16": ["--bf16 and --fp16", "choose one"],
     "mock data and a data path": ["--mock-data and --data-path", "drop --mock-data"],

@@ -1,4 +1,5 @@
-"""The embedded main job's defaults: a run resumes from the directory it saves to."""
+"""The command line's defaults: the embedded main job resumes from the directory it saves to; a run without
+--lr trains at ZAYA1's default peak learning rate."""
 
 from megatron_zaya.pretrain import EMBEDDED_RUN_DIR, _flag_value, build_argv
 
@@ -33,3 +34,10 @@ def test_a_shorter_main_job_gets_a_warmup_that_fits():
     assert _resolved(["--train-iters", "20"], "--lr-warmup-iters") == "2"
     assert _resolved(["--train-iters", "1000"], "--lr-warmup-iters") == "20"
     assert _resolved(["--train-iters", "20", "--lr-warmup-iters", "5"], "--lr-warmup-iters") == "5"
+
+
+def test_a_run_without_lr_takes_the_default_peak_and_an_explicit_one_wins():
+    mock = ["--mock-data", "--zaya-preset", "zaya1-8b", "--train-iters", "8"]
+    assert _resolved(mock, "--lr") == "2e-3"  # docs/architecture.md's recipe
+    assert _resolved([*mock, "--lr", "1e-4"], "--lr") == "1e-4"
+    assert _resolved([], "--lr") == "3e-3"  # the main job's own
