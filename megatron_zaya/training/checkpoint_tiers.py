@@ -99,9 +99,8 @@ def device_copies(tensors: list[torch.Tensor], budget: float) -> tuple[list[torc
     among them, which the writer stages while training waits (:func:`stage`)."""
     saved, originals = [], set()
     for index, tensor in enumerate(tensors):
-        size = tensor.numel() * tensor.element_size()
-        if size <= budget:
-            budget -= size
+        if tensor.nbytes <= budget:
+            budget -= tensor.nbytes
             saved.append(tensor.detach().clone())
         else:
             saved.append(tensor)
@@ -117,8 +116,8 @@ def take_copies(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], frozen
     start = time.perf_counter()
     saved, originals = device_copies(tensors, copy_budget())
     if torch.distributed.get_rank() == 0:
-        left = sum(tensors[i].numel() * tensors[i].element_size() for i in originals)
-        copied = sum(tensor.numel() * tensor.element_size() for tensor in tensors) - left
+        left = sum(tensors[i].nbytes for i in originals)
+        copied = sum(tensor.nbytes for tensor in tensors) - left
         beyond = f"; {left / GIB:.2f} GiB beyond the budget go to host memory while training waits" if left else ""
         print(f"[zaya] background save: {copied / GIB:.2f} GiB copied on the device in "
               f"{time.perf_counter() - start:.2f} s{beyond}", flush=True)
