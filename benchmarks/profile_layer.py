@@ -8,8 +8,9 @@
 Builds layer 0 of a one-layer ``zaya1-8b-shallow`` model as training builds it (the kernel patches that apply
 on the device), runs forward + backward on the fp32 residual stream as ``inprocess.py eager`` does, and prints
 (``--as-trained``: the model wrapped in Megatron's DDP, whose hooks add each gradient to its fp32 ``main_grad``,
-and ``--recompute-granularity selective``'s default pieces recomputed, as the 40-layer runs of
-docs/benchmarks.md train; without it the layer's gradients accumulate in ``.grad`` and nothing is recomputed)
+Megatron's linears accumulating theirs there directly where the CLI would, and ``--recompute-granularity
+selective``'s default pieces recomputed, as the 40-layer runs of docs/benchmarks.md train; without it the
+layer's gradients accumulate in ``.grad`` and nothing is recomputed)
 
 * wall time per step (CUDA events, no profiler) and the device's busy time per step (the union of kernel
   intervals under ``torch.profiler``): wall well above busy means the step waits on the host (launches);
@@ -35,7 +36,13 @@ def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False, as_
     from megatron_zaya.pretrained import build_single_process_model
 
     setup_single_process()
-    cfg = zaya_cfg(smoke, 1, seq, **({"recompute_granularity": "selective"} if as_trained else {}))
+    trained = {}
+    if as_trained:  # as the CLI configures it: Megatron's linears add weight gradients into main_grad where they can
+        from megatron_zaya.training.arguments import weight_gradient_fusion_available
+
+        trained = {"recompute_granularity": "selective",
+                   "gradient_accumulation_fusion": weight_gradient_fusion_available()}
+    cfg = zaya_cfg(smoke, 1, seq, **trained)
     model = build_single_process_model(cfg).to(DEVICE).train()
     if as_trained:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

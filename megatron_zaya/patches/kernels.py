@@ -131,3 +131,54 @@ def use_triton_cross_entropy() -> None:
     replace_attr(tensor_parallel, "vocab_parallel_cross_entropy", plain)
     fused = _triton_fused_vocab_parallel_cross_entropy(language_module.fused_vocab_parallel_cross_entropy)
     replace_attr(language_module, "fused_vocab_parallel_cross_entropy", fused)
+
+
+class _WeightGradientAccumulation:
+    """What Megatron calls as apex's ``fused_weight_gradient_mlp_cuda``: ``main_grad += grad_outputᵀ · input`` for
+    2-D ``input [T, in]`` and ``grad_output [T, out]``, accumulated in ``main_grad``'s dtype."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
+        from megatron_zaya.kernels.utils import matmul_fp32_into
+
+        matmul_fp32_into(main_grad, grad_output.t(), total_input, accumulate=True)
+
+    @staticmethod
+    def wgrad_gemm_accum_fp16(total_input, grad_output, main_grad):
+        main_grad.addmm_(grad_output.t(), total_input)
+
+
+def _apex_weight_gradient_present() -> str | None:
+    import importlib.util
+
+    if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None:
+        return "apex provides fused_weight_gradient_mlp_cuda, which Megatron uses"
+    return None
+
+
+@register(
+    "kernels.weight_gradient_accumulation",
+    target="megatron.core.tensor_parallel.layers.fused_weight_gradient_mlp_cuda",
+    platforms=GPU,
+    kernel=True,
+    requires=_apex_weight_gradient_present,
+)
+def use_torch_weight_gradient_accumulation() -> None:
+    """Let Megatron's linear layers add their weight gradients straight into ``main_grad`` without apex.
+
+    With ``gradient_accumulation_fusion`` (Megatron's default; ``--no-gradient-accumulation-fusion`` turns it
+    off) a ``ColumnParallelLinear``/``RowParallelLinear`` under Megatron's DDP computes its weight gradient as one
+    GEMM accumulating into the fp32 ``main_grad``, through apex's ``fused_weight_gradient_mlp_cuda``; Megatron
+    refuses the setting where apex is missing (ROCm images and pip installs). Unfused, each such layer writes a
+    bf16 weight gradient that DDP's hook then adds to ``main_grad``: one more kernel, one more allocation and a
+    bf16 rounding per layer and micro-batch (CCA's four projections in every ZAYA1 layer). The stand-in makes
+    the same accumulation with torch's GEMM with fp32 output (``kernels.utils.matmul_fp32_into``).
+    Replaced: ``megatron.core.tensor_parallel.layers.fused_weight_gradient_mlp_cuda`` (absent without apex) and
+    its ``_grad_accum_fusion_available`` flag; skipped where apex provides the module. Off: leave
+    ``kernels.weight_gradient_accumulation`` out of ``--zaya-patches`` / ``ZAYA_PATCHES``; the layers then
+    return bf16 weight gradients.
+    """
+    from megatron.core.tensor_parallel import layers
+
+    replace_attr(layers, "_grad_accum_fusion_available", True)
+    layers.fused_weight_gradient_mlp_cuda = _WeightGradientAccumulation

@@ -104,6 +104,14 @@ def expand_attention_types(spec: str | None, num_layers: int) -> list[str] | Non
     return [pattern[i % len(pattern)] for i in range(num_layers)]
 
 
+def weight_gradient_fusion_available() -> bool:
+    """Whether Megatron's linear layers can accumulate weight gradients into ``main_grad``: apex's
+    ``fused_weight_gradient_mlp_cuda``, or the ``kernels.weight_gradient_accumulation`` patch's stand-in (GPUs)."""
+    from megatron.core.tensor_parallel import layers
+
+    return layers._grad_accum_fusion_available
+
+
 def zaya_config_from_args(args) -> ZayaConfig:
     """The model config of a (validated) Megatron args namespace."""
     from megatron.training.argument_utils import core_transformer_config_from_args
@@ -114,7 +122,8 @@ def zaya_config_from_args(args) -> ZayaConfig:
         tie_embeddings=not args.untie_embeddings_and_output_weights, rotary_percent=args.rotary_percent,
         rotary_base=float(args.rotary_base),
         attention_types=expand_attention_types(args.zaya_attention_types, args.num_layers), apply_rope_fusion=False,
-        bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion and weight_gradient_fusion_available(),
         pipeline_dtype=torch.float32,  # pipeline stages exchange the fp32 residual stream and router state
         # ZAYA1's residual stream is fp32 (residual_in_fp32). Not Megatron's --fp32-residual-connection flag:
         # Megatron refuses it without --bf16/--fp16, and with fp32 parameters the setting changes nothing.

@@ -1,11 +1,12 @@
 """The ``kernels`` patch group: registration, and that each patch wires its kernel where Megatron looks."""
 
+import pytest
 import torch
 
 import megatron_zaya.patches.kernels  # noqa: F401  (registers the group, whichever test runs first)
 from megatron_zaya.patches.registry import REGISTRY, skip_reason
 
-KERNEL_PATCHES = ["kernels.swiglu", "kernels.cross_entropy"]
+KERNEL_PATCHES = ["kernels.swiglu", "kernels.cross_entropy", "kernels.weight_gradient_accumulation"]
 
 
 def test_kernel_patches_are_registered_for_gpus_only_with_an_off_switch():
@@ -95,3 +96,39 @@ def test_cross_entropy_patch_takes_the_tp1_loss_and_leaves_the_rest_to_megatron(
     torch.testing.assert_close(language_module.fused_vocab_parallel_cross_entropy(logits, labels, None), expected)
     assert calls == []
     assert tensor_parallel.vocab_parallel_cross_entropy(logits, labels, 0.1) == "megatron"  # label smoothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_gradient_patch_accumulates_megatron_linear_gradients_into_main_grad(monkeypatch, dtype):
+    """Megatron's ``ColumnParallelLinear`` with gradient-accumulation fusion on the stand-in: two micro-batches
+    leave the sum of their weight gradients in ``main_grad`` (float64 reference), and the layer tells DDP's hook
+    so; fp32 ``main_grad`` for bf16 weights, ``main_grad`` in the weights' dtype for fp32 ones."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import ColumnParallelLinear, layers
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_zaya.runtime import ensure_single_process_parallel_state
+
+    ensure_single_process_parallel_state()
+    for name in ("_grad_accum_fusion_available", "fused_weight_gradient_mlp_cuda"):
+        monkeypatch.setattr(layers, name, getattr(layers, name, None), raising=False)  # restored after the test
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))  # Megatron's dummy gradient
+    REGISTRY["kernels.weight_gradient_accumulation"].fn()
+
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, gradient_accumulation_fusion=True,
+                               params_dtype=dtype, use_cpu_initialization=True)
+    linear = ColumnParallelLinear(32, 24, config=config, init_method=torch.nn.init.normal_, bias=False,
+                                  gather_output=False, tp_group=parallel_state.get_tensor_model_parallel_group())
+    weight = linear.weight
+    weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32 if dtype == torch.bfloat16 else dtype)
+    weight.grad_added_to_main_grad = False
+    generator = torch.Generator().manual_seed(0)
+    expected = torch.zeros(weight.shape, dtype=torch.float64)
+    for _ in range(2):
+        x = torch.randn(5, 3, 32, generator=generator).to(dtype).requires_grad_()
+        grad = torch.randn(5, 3, 24, generator=generator).to(dtype)
+        out, _ = linear(x)
+        out.backward(grad)
+        expected += grad.double().reshape(-1, 24).t() @ x.detach().double().reshape(-1, 32)
+    assert weight.grad_added_to_main_grad
+    torch.testing.assert_close(weight.main_grad.double(), expected, rtol=1e-5, atol=1e-5)
