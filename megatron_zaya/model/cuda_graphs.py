@@ -12,9 +12,14 @@ block's layers on a side stream (kernel compilation, library workspaces), then c
 forward graph and a backward graph in the order they will replay (forwards in layer order, backwards in
 reverse), in one memory pool. Layer i+1's static inputs *are* layer i's static outputs, and layer i's
 backward reads its output gradients where layer i+1's backward wrote its input gradients, so a replay copies
-only what enters the block. Each layer is one autograd node whose backward replays its graph and hands the
-parameter gradients to autograd: Megatron's gradient hooks (``main_grad`` accumulation, overlapped
-reduction) run exactly as in eager mode. Evaluation and no-grad forwards run eagerly.
+only what enters the block. Each layer is one autograd node whose backward replays its graph. Under Megatron's
+DDP the graph also adds each parameter gradient to its ``main_grad`` (what DDP's gradient hook would do after
+the replay: the same addition, so the same bits), and the node hands autograd empty placeholders, as
+Megatron's own gradient-accumulation fusion does: the hooks then skip the addition and only do their
+bookkeeping (overlapped reduction). Handing autograd the graph's own gradient tensors instead would make it
+copy each one before the hook adds it, two kernels per parameter outside the graph (64 parameters per layer,
+every micro-batch). Without ``main_grad`` (no DDP) the gradients go to autograd as in eager mode. Evaluation
+and no-grad forwards run eagerly.
 
 A replay repeats the kernels, not the Python: what a layer's forward does to state outside its tensors is not
 redone, and module hooks do not run. The one such effect in ZAYA1 is the router's in-place token count, which
@@ -75,9 +80,10 @@ class _CapturedLayer:
         self.outputs: tuple[torch.Tensor, ...] = ()
         self.grad_outputs: list[torch.Tensor] = []
         self.grads: tuple[torch.Tensor | None, ...] = ()  # of inputs, then of params
-        # Parameters whose backward adds its gradient to Megatron's main_grad itself (the grouped experts):
-        # a replay does not rerun the Python that tells Megatron's gradient hooks so.
+        # Parameters whose gradient the backward graph adds to Megatron's main_grad (the grouped experts' kernel,
+        # or the graph's own addition): a replay does not rerun the Python that tells Megatron's hooks so.
         self.grads_in_main_grad: list[torch.nn.Parameter] = []
+        self.param_in_main_grad: list[bool] = []  # per parameter of ``params``
 
 
 class _ReplayLayer(torch.autograd.Function):
@@ -103,13 +109,47 @@ class _ReplayLayer(torch.autograd.Function):
         captured.backward_graph.replay()
         for param in captured.grads_in_main_grad:
             param.grad_added_to_main_grad = True
-        return (None, *captured.grads)
+        inputs = len(captured.inputs)
+        # Fresh placeholders, which autograd takes as they are; the graph's own tensors it would copy.
+        placeholders = [torch.empty_like(p) if in_main else g
+                        for p, g, in_main in zip(captured.params, captured.grads[inputs:], captured.param_in_main_grad)]
+        return (None, *captured.grads[:inputs], *placeholders)
 
 
 def _load(static: torch.Tensor, given: torch.Tensor) -> None:
     """Copy ``given`` into the static buffer unless it already is that buffer (chained layers)."""
     if given.data_ptr() != static.data_ptr():
         static.copy_(given)
+
+
+@contextmanager
+def _flags_cleared(params):
+    """Megatron's ``grad_added_to_main_grad`` off during a backward capture and restored after it: what sets it
+    there (the grouped experts' kernel) is told apart from replays earlier in the step."""
+    saved = [getattr(p, "grad_added_to_main_grad", None) for p in params]
+    for param, flag in zip(params, saved):
+        if flag is not None:
+            param.grad_added_to_main_grad = False
+    try:
+        yield
+    finally:
+        for param, flag in zip(params, saved):
+            if flag is not None:
+                param.grad_added_to_main_grad = flag
+
+
+def _add_to_main_grads(params, grads) -> list[torch.nn.Parameter]:
+    """Captured in a backward graph: each gradient added to its Megatron ``main_grad`` (DDP's hook's addition).
+    Returns the parameters whose gradients are then in ``main_grad``, the experts' own included."""
+    in_main_grad = []
+    for param, grad in zip(params, grads):
+        if getattr(param, "grad_added_to_main_grad", False):  # the kernel added it
+            in_main_grad.append(param)
+        elif grad is not None and getattr(param, "main_grad", None) is not None \
+                and hasattr(param, "grad_added_to_main_grad"):
+            param.main_grad.add_(grad)
+            in_main_grad.append(param)
+    return in_main_grad
 
 
 @contextmanager
@@ -204,10 +244,13 @@ class LayerGraphs:
                 next_grads[i] if i < len(next_grads) and next_grads[i] is not None else torch.zeros_like(out)
                 for i, out in enumerate(captured.outputs)
             ]
-            with torch.cuda.graph(captured.backward_graph, pool=pool, capture_error_mode="thread_local"):
+            with _flags_cleared(captured.params), torch.cuda.graph(captured.backward_graph, pool=pool,
+                                                                    capture_error_mode="thread_local"):
                 captured.grads = torch.autograd.grad(captured.outputs, captured.inputs + list(captured.params),
                                                      grad_outputs=captured.grad_outputs, allow_unused=True)
-            captured.grads_in_main_grad = [p for p in captured.params if getattr(p, "grad_added_to_main_grad", False)]
+                captured.grads_in_main_grad = _add_to_main_grads(captured.params, captured.grads[len(captured.inputs):])
+            in_main = set(captured.grads_in_main_grad)
+            captured.param_in_main_grad = [p in in_main for p in captured.params]
             next_grads = captured.grads[:len(captured.inputs)]
         torch.cuda.synchronize()
         return chain, constants
