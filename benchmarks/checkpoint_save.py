@@ -130,17 +130,18 @@ def run(mode: str, args) -> dict:
     if code:
         sys.stderr.write(text[-5000:])
         raise SystemExit(f"{mode}: zaya-pretrain exited {code} (log: {log})")
-    result = dict(summarize(text, args.iters), writer_mib=peak.get("writer"))
+    result = dict(summarize(text, args.interval), writer_mib=peak.get("writer"))
     shutil.rmtree(Path(args.dir) / mode, ignore_errors=True)  # the next mode gets the storage to itself
     shutil.rmtree(args.local_dir, ignore_errors=True)
     return result
 
 
-def summarize(text: str, iters: int) -> dict:
-    """What a run's log says about the saves of its tier during training (not the save after the last step)."""
+def summarize(text: str, interval: int) -> dict:
+    """What a run's log says about the saves of its tier at the save interval (not the extra save that Megatron
+    makes after a last step off the interval: ``--iters`` equal to ``--interval`` measures one save without it)."""
     starts = [(int(i), _time(t), where) for t, i, where in STARTED.findall(text)]
     tier = starts[0][2] if starts else None  # (the save after the last step of a local run goes to --save)
-    started = {i: t for i, t, where in starts if where == tier and i < iters}
+    started = {i: t for i, t, where in starts if where == tier and i % interval == 0}
     done = {int(i): _time(t) for t, i in DONE.findall(text)}
     kept = [Path(tier) / f"iter_{i:07d}" for i, _, where in reversed(starts)
             if where == tier and (Path(tier) / f"iter_{i:07d}").is_dir()]  # older ones are deleted as it goes
