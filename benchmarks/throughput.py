@@ -108,7 +108,7 @@ def common_flags(args, world: int = 1) -> list[str]:
              "--train-iters", str(args.iters), "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "5",
              "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "1",
              "--log-throughput", "--eval-iters", "0", "--eval-interval", "1000", "--mock-data",
-             "--tokenizer-type", "NullTokenizer", "--transformer-impl", "local", "--no-gradient-accumulation-fusion"]
+             "--tokenizer-type", "NullTokenizer", "--transformer-impl", "local"]
     return flags + ([] if args.smoke else ["--bf16"])
 
 

@@ -31,7 +31,7 @@ ZAYA_FLAGS = [
     "--moe-router-topk", "1", "--moe-router-pre-softmax", "--moe-router-load-balancing-type", "none",
     "--moe-aux-loss-coeff", "0", "--moe-token-dispatcher-type", "alltoall",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--transformer-impl", "local",
-    "--ckpt-format", "torch_dist", "--no-gradient-accumulation-fusion",
+    "--ckpt-format", "torch_dist",
     "--eval-interval", "1000",  # Megatron leaves it unset and then fails on the first step; any flag overrides it
 ]
 
