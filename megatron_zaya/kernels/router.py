@@ -201,11 +201,11 @@ def route_top1(
 #: "tf32x3" on CUDA (three TF32 products, ~fp32 accuracy, on tensor cores; ``tests/gpu/test_kernels_gpu.py``
 #: holds it to the fp32 reference's error), "ieee" elsewhere (the interpreter; MI300X: not measured yet).
 ROUTER_HEAD_TUNING = {  # not tuned yet: benchmarks/tune_launch.py has no router head entry
-    "cuda": {"tokens": 32, "warps": 8, "backward_tokens": 16, "backward_warps": 8, "chunk": 64,
+    "cuda": {"tokens": 32, "warps": 8, "backward_tokens": 16, "backward_warps": 8, "chunk": 64, "stages": 1,
              "precision": "tf32x3"},
-    "rocm": {"tokens": 32, "warps": 8, "backward_tokens": 16, "backward_warps": 8, "chunk": 64,
+    "rocm": {"tokens": 32, "warps": 8, "backward_tokens": 16, "backward_warps": 4, "chunk": 16, "stages": 1,
              "precision": "ieee"},
-    "cpu": {"tokens": 16, "warps": 4, "backward_tokens": 16, "backward_warps": 4, "chunk": 16,
+    "cpu": {"tokens": 16, "warps": 4, "backward_tokens": 16, "backward_warps": 4, "chunk": 16, "stages": 1,
             "precision": "ieee"},
 }  # fmt: skip
 #: The widest router (R) the fused head keeps in registers (ZAYA1-8B: 256); wider ones run the reference head.
@@ -258,7 +258,8 @@ def _head_forward_kernel(
     biases_ptr,  # [C] fp32
     state_ptr,  # [T, R] fp32: r
     probs_ptr, routing_map_ptr, skip_gate_ptr, choice_ptr, counts_ptr,  # as _router_forward_kernel's
-    n_tokens, width, n_classes, eps,
+    n_tokens, eps,
+    width: tl.constexpr, n_classes: tl.constexpr,  # model constants: folded into the address arithmetic
     HAS_STATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     CHUNK: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -291,13 +292,13 @@ def _head_backward_kernel(
     u_ptr, state_in_ptr, eda_ptr, norm_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, w3_ptr,  # as the forward's
     choice_ptr,  # [T] int32 from the forward
     grad_probs_ptr, grad_skip_ptr, grad_state_ptr,  # [T, E], [T] (or unused), [T, R] (or unused)
-    grad_u_ptr, grad_state_in_ptr,  # [T, R] fp32 each (the second unused without an incoming state)
     acts_ptr,  # [3, T, R] fp32: z0 (fc1's input), h1 (fc2's), h2 (out_proj's), for the weight gradients
-    grads_ptr,  # [2, T, R] fp32: d a1, d a2 (fc1's, fc2's pre-activation gradients)
+    grads_ptr,  # [4, T, R] fp32: d a1, d a2 (fc1's, fc2's pre-activations), d u, d state_in (with a state)
     grad_logits_ptr,  # [T, C] fp32
     partials_ptr,  # [programs, 4, R] fp32: this program's sums of d norm_weight, d eda_scale, d b1, d b2
-    n_tokens, width, n_classes, eps,
+    n_tokens, eps,
     plane,  # T * R: the stride of acts' and grads' slices
+    width: tl.constexpr, n_classes: tl.constexpr,
     HAS_STATE: tl.constexpr, HAS_GRAD_SKIP: tl.constexpr, HAS_GRAD_STATE: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -350,16 +351,17 @@ def _head_backward_kernel(
                  mask=row_mask[:, None] & (c < width)[None, :])  # fmt: skip
         tl.store(partials_ptr + 2 * width + c, tl.sum(grad_a1, axis=0), mask=c < width)
         grad_z0 = tl.dot(grad_a1, w1, grad_z0, input_precision=PRECISION)
-    normed = r * rstd[:, None]
+    # r again from memory: holding it through both loops costs registers
+    normed = _router_state(u_ptr, state_in_ptr, eda_ptr, offsets, mask, k, k_mask, HAS_STATE) * rstd[:, None]
     tl.store(partials_ptr + k, tl.sum(grad_z0 * normed, axis=0), mask=k_mask)
     grad_normed = grad_z0 * norm[None, :]
     grad_r = rstd[:, None] * (grad_normed - normed * (tl.sum(grad_normed * normed, axis=1) / width)[:, None])
     if HAS_GRAD_STATE:
         grad_r += tl.load(grad_state_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(grad_u_ptr + offsets, grad_r, mask=mask)
+    tl.store(grads_ptr + 2 * plane + offsets, grad_r, mask=mask)
     if HAS_STATE:
         eda = tl.load(eda_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-        tl.store(grad_state_in_ptr + offsets, grad_r * eda[None, :], mask=mask)
+        tl.store(grads_ptr + 3 * plane + offsets, grad_r * eda[None, :], mask=mask)
         state_in = tl.load(state_in_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         tl.store(partials_ptr + width + k, tl.sum(grad_r * state_in, axis=0), mask=k_mask)
     else:
@@ -373,6 +375,7 @@ def _head_launch(device: torch.device, n_tokens: int, width: int, n_classes: int
     return (triton.cdiv(n_tokens, tokens),), {
         "BLOCK_T": tokens, "BLOCK_R": block_r, "BLOCK_C": max(16, triton.next_power_of_2(n_classes)),
         "CHUNK": min(tuning["chunk"], block_r), "PRECISION": tuning["precision"], "num_warps": tuning[prefix + "warps"],
+        "num_stages": tuning["stages"],
     }  # fmt: skip
 
 
@@ -395,7 +398,7 @@ class _RouteHead(torch.autograd.Function):
         _head_forward_kernel[grid](
             u2d, state_in2d if has_state else u2d, eda_scale if has_state else norm_weight, norm_weight, w1, b1, w2,
             b2, w3, biases, state, probs, routing_map.view(torch.uint8), skip_gate, choice, counts,
-            n_tokens, width, n_classes, eps, HAS_STATE=has_state, **launch,
+            n_tokens, eps, width, n_classes, HAS_STATE=has_state, **launch,
         )  # fmt: skip
         ctx.save_for_backward(u2d, state_in2d, eda_scale, norm_weight, w1, b1, w2, b2, w3, choice)
         ctx.eps = eps
@@ -411,27 +414,23 @@ class _RouteHead(torch.autograd.Function):
         if grad_probs is None:
             grad_probs = torch.zeros((n_tokens, n_classes - 1), dtype=torch.float32, device=device)
         fp32 = {"dtype": torch.float32, "device": device}
-        grad_u = torch.empty((n_tokens, width), **fp32)
-        grad_state_in = torch.empty((n_tokens, width), **fp32) if has_state else None
-        acts, grads = torch.empty((3, n_tokens, width), **fp32), torch.empty((2, n_tokens, width), **fp32)
+        acts, grads = torch.empty((3, n_tokens, width), **fp32), torch.empty((4, n_tokens, width), **fp32)
         grad_logits = torch.empty((n_tokens, n_classes), **fp32)
         grid, launch = _head_launch(device, n_tokens, width, n_classes, backward=True)
         partials = torch.empty((grid[0], 4, width), **fp32)
         _head_backward_kernel[grid](
             u2d, state_in2d if has_state else u2d, eda_scale if has_state else norm_weight, norm_weight, w1, b1, w2,
-            b2, w3, choice, grad_probs.contiguous(), grad_u if grad_skip is None else grad_skip.contiguous(),
-            grad_u if grad_state is None else grad_state.contiguous(), grad_u,
-            grad_u if grad_state_in is None else grad_state_in, acts, grads, grad_logits, partials,
-            n_tokens, width, n_classes, ctx.eps, n_tokens * width, HAS_STATE=has_state, HAS_GRAD_SKIP=grad_skip is not None,
+            b2, w3, choice, grad_probs.contiguous(), grads if grad_skip is None else grad_skip.contiguous(),
+            grads if grad_state is None else grad_state.contiguous(), acts, grads, grad_logits, partials,
+            n_tokens, ctx.eps, n_tokens * width, width, n_classes, HAS_STATE=has_state, HAS_GRAD_SKIP=grad_skip is not None,
             HAS_GRAD_STATE=grad_state is not None, **launch,
         )  # fmt: skip
         # Vectors: norm_weight, eda_scale, b1, b2 (the parameters share one dtype: one cast).
         d_norm, d_eda, d_b1, d_b2 = partials.sum(0).to(norm_weight.dtype)
-        d_w1, d_w2 = torch.bmm(grads.transpose(1, 2), acts[:2]).to(w1.dtype)  # d a1ᵀ z0, d a2ᵀ h1
+        d_w1, d_w2 = torch.bmm(grads[:2].transpose(1, 2), acts[:2]).to(w1.dtype)  # d a1ᵀ z0, d a2ᵀ h1
         d_w3 = (grad_logits.t() @ acts[2]).to(w3.dtype)
-        if state_in2d is not None and state_in2d.dtype != torch.float32:
-            grad_state_in = grad_state_in.to(state_in2d.dtype)
-        return (grad_u.to(u2d.dtype), grad_state_in, d_eda if eda_scale is not None else None, d_norm, d_w1, d_b1,
+        grad_state_in = grads[3].to(state_in2d.dtype) if has_state else None
+        return (grads[2].to(u2d.dtype), grad_state_in, d_eda if eda_scale is not None else None, d_norm, d_w1, d_b1,
                 d_w2, d_b2, d_w3, None, None)  # fmt: skip
 
 
