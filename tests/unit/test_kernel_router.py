@@ -154,3 +154,35 @@ def test_route_head_forward_backward(width, param_dtype, with_state):
     for name, k, r, o in zip(names, kernel, reference, oracle, strict=True):
         if name not in ("map", "counts"):
             assert_matches_oracle(name, k, o, r)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "router-recomputed"])
+def test_fused_head_in_the_model_equals_the_reference(recompute):
+    """The interpreted fused head in every router of the test model: its arguments, the EDA state passed from layer
+    to layer (and its gradient back), selective recomputation around it: same loss and gradients."""
+    from megatron_zaya.config import zaya_config
+    from megatron_zaya.pretrained import build_single_process_model
+
+    extra = dict(recompute_granularity="selective", recompute_modules=["router"]) if recompute else {}
+    cfg = zaya_config("test", use_cpu_initialization=True, params_dtype=torch.float32,
+                      moe_token_dispatcher_type="allgather", **extra)  # fmt: skip
+    plain, fused = build_single_process_model(cfg), build_single_process_model(cfg)
+    fused.load_state_dict(plain.state_dict())
+    calls = []
+    for layer in fused.decoder.layers:
+        layer.mlp.router.route_head = lambda *args: calls.append(args[1] is not None) or kernels.route_head(*args)
+    ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
+
+    def run(net):
+        net.train().zero_grad(set_to_none=True)
+        loss = net(ids, labels=ids)
+        loss.sum().backward()
+        return loss.detach(), {k: p.grad.clone() for k, p in net.named_parameters() if p.grad is not None}
+
+    (ref_loss, ref_grads), (loss, grads) = run(plain), run(fused)
+    forward = [False] + [True] * (len(fused.decoder.layers) - 1)  # the first MoE layer has no incoming state
+    assert calls == forward + (forward[::-1] if recompute else [])  # the backward recomputes the last layer first
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert set(grads) == set(ref_grads) and any(".router.eda_scale" in key for key in grads)
+    for key, grad in ref_grads.items():
+        torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-6, msg=key)
