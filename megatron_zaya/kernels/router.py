@@ -1,4 +1,4 @@
-"""ZAYA router epilogue: softmax, biased top-1, gate, skip class and expert counts (Triton, forward and backward).
+"""ZAYA router kernels (Triton, forward and backward): the fused router head, its top-1 epilogue, the projection.
 
 The ZAYA router MLP emits logits over E experts + 1 "MoD skip" class (docs/architecture.md §4.4-4.8):
 
@@ -9,8 +9,22 @@ The ZAYA router MLP emits logits over E experts + 1 "MoD skip" class (docs/archi
 and the epilogue hands Megatron's MoE layer ``probs`` [T, E] (gate at the chosen real expert, 0 elsewhere),
 ``routing_map`` [T, E] (bool), plus ``skip_gate`` [T] (p_skip where the skip class won, else 0: the caller
 applies identity x p_skip or drops the token) and per-class token counts [E+1] (int64) for the bias
-balancing. Unfused this is a dozen small kernels; fused, one pass over the [T, E+1] logits. The backward
-(w.r.t. logits, through the gate only) recomputes the softmax from the saved logits and choices.
+balancing. Unfused this is a dozen small kernels; fused (``route_top1``), one pass over the [T, E+1] logits.
+The backward (w.r.t. logits, through the gate only) recomputes the softmax from the saved logits and choices.
+
+``route_head`` fuses everything after the projection: EDA (r = u + s ⊙ r_prev), RMSNorm, fc1 + GELU,
+fc2 + GELU, out_proj and the epilogue above. An eager ZAYA1 layer is host-bound on GPUs (~340 launches per
+forward + backward), and torch spends ~100 of them on this head (weight casts to fp32, a 7-op RMSNorm, three
+fp32 linears and GELUs, their backward). Fused: forward one kernel (+ the counts' zero fill); backward one
+kernel, one reduction of its per-program vector-gradient partial sums, one batched GEMM (d W1, d W2), one
+GEMM (d W3), plus three casts when the parameters are bf16. Each program takes a block of tokens; fc1's
+outputs come a chunk at a time and feed fc2's accumulator at once, so no [T, R] activation is written in the
+forward but the state r. The backward saves only the inputs and recomputes the forward in its kernel (fc1
+twice: it needs fc2's full gradient before fc1's); it writes the [T, R] operands of the weight GEMMs (fp32,
+freed once they are done) instead of the seven [T, R] fp32 activations torch keeps from forward to backward.
+Weights are read in their dtype and upcast in registers; all math is fp32. No float atomics: the parameter
+gradients are reproducible bit for bit. The fp32 ``tl.dot`` precision is per platform
+(``ROUTER_HEAD_TUNING``): "tf32x3" (about fp32 accuracy on tensor cores) on CUDA, "ieee" elsewhere.
 
 ``router_projection`` is the router's first linear layer (D -> R) on bf16 activations: ZAYA1 runs the router
 in fp32, and upcasting the [T, D] activations and the weight makes that an fp32 (SIMT) GEMM, ~15x slower than
@@ -197,16 +211,19 @@ def route_top1(
 
 #: Launch settings of the fused head per platform: ``tokens`` (``backward_tokens``) tokens per program with
 #: ``warps`` (``backward_warps``) warps; ``chunk``: fc1's outputs taken ``chunk`` at a time (fc1's activation then
-#: never exists whole: each chunk feeds fc2's accumulator); ``precision``: of the fp32 ``tl.dot``s.
+#: never exists whole: each chunk feeds fc2's accumulator); ``stages``: software pipelining of the chunk loop
+#: (each stage holds a chunk of W1 and of W2 in shared memory); ``precision``: of the fp32 ``tl.dot``s.
 #: "tf32x3" on CUDA (three TF32 products, ~fp32 accuracy, on tensor cores; ``tests/gpu/test_kernels_gpu.py``
 #: holds it to the fp32 reference's error), "ieee" elsewhere (the interpreter; MI300X: not measured yet).
-ROUTER_HEAD_TUNING = {  # not tuned yet: benchmarks/tune_launch.py has no router head entry
+#: Not tuned yet, only compiled (tests/unit/test_kernel_compile.py): on sm_90 96 KB of shared memory per program;
+#: on gfx942 chunks of 16 and a 4-warp backward are what fit in 64 KB of LDS without spills at R = 256.
+ROUTER_HEAD_TUNING = {
     "cuda": {"tokens": 32, "warps": 8, "backward_tokens": 16, "backward_warps": 8, "chunk": 64, "stages": 1,
              "precision": "tf32x3"},
     "rocm": {"tokens": 32, "warps": 8, "backward_tokens": 16, "backward_warps": 4, "chunk": 16, "stages": 1,
              "precision": "ieee"},
     "cpu": {"tokens": 16, "warps": 4, "backward_tokens": 16, "backward_warps": 4, "chunk": 16, "stages": 1,
-            "precision": "ieee"},
+            "precision": "ieee"},  # the interpreter: several programs and chunks at the tests' shapes
 }  # fmt: skip
 #: The widest router (R) the fused head keeps in registers (ZAYA1-8B: 256); wider ones run the reference head.
 HEAD_MAX_WIDTH = 256
@@ -422,8 +439,8 @@ class _RouteHead(torch.autograd.Function):
             u2d, state_in2d if has_state else u2d, eda_scale if has_state else norm_weight, norm_weight, w1, b1, w2,
             b2, w3, choice, grad_probs.contiguous(), grads if grad_skip is None else grad_skip.contiguous(),
             grads if grad_state is None else grad_state.contiguous(), acts, grads, grad_logits, partials,
-            n_tokens, ctx.eps, n_tokens * width, width, n_classes, HAS_STATE=has_state, HAS_GRAD_SKIP=grad_skip is not None,
-            HAS_GRAD_STATE=grad_state is not None, **launch,
+            n_tokens, ctx.eps, n_tokens * width, width, n_classes, HAS_STATE=has_state,
+            HAS_GRAD_SKIP=grad_skip is not None, HAS_GRAD_STATE=grad_state is not None, **launch,
         )  # fmt: skip
         # Vectors: norm_weight, eda_scale, b1, b2 (the parameters share one dtype: one cast).
         d_norm, d_eda, d_b1, d_b2 = partials.sum(0).to(norm_weight.dtype)

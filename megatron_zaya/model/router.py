@@ -11,7 +11,8 @@ For the tokens x̂ of one MoE layer l (after its pre-MoE RMSNorm):
 
 A token whose choice is the skip class goes to no expert; its MoE output is 0 (ZAYA1-8B) or p_skip · x̂
 (``skip_mode="identity"``, the ZAYA1-base fork), which ``ZayaMoELayer`` adds.
-The whole router runs in fp32 whatever the parameter dtype.
+The whole router runs in fp32 whatever the parameter dtype. :func:`route_head` is everything after the
+projection (EDA to top-1); ``kernels/router.py`` fuses it into one kernel each way.
 
 Balancing (§4.8): the router counts the tokens each class receives over all micro-batches of a step;
 once per optimizer step :meth:`ZayaRouter.update_balancing_biases` takes an Adam step on the biases with
