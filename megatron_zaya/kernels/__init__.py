@@ -7,7 +7,8 @@ merge, the CCA convolutions); the model picks the kernel or its reference when i
 
 * ``residual_rmsnorm``: ``residual_rms_norm`` (ZAYA residual scaling + RMSNorm), ``rms_norm``, ``TritonRMSNorm``
 * ``swiglu``: ``swiglu`` (packed gate|up, optional per-token weights / bias)
-* ``router``: ``route_top1`` (softmax, biased top-1, gate, MoD skip class, expert counts)
+* ``router``: ``route_head`` (EDA, RMSNorm, router MLP and top-1 in one kernel each way), ``route_top1``
+  (softmax, biased top-1, gate, MoD skip class, expert counts), ``router_projection``
 * ``cross_entropy``: ``cross_entropy``, ``linear_cross_entropy`` (LM head + loss without [T, V] logits)
 * ``cca``: ``cca_qk`` (CCA convolutions + skip terms + QK norm + temperature + partial RoPE)
 * ``grouped_gemm``: ``grouped_gemm`` (top-1 experts, tokens sorted by expert)

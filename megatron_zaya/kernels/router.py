@@ -1,4 +1,4 @@
-"""ZAYA router epilogue: softmax, biased top-1, gate, skip class and expert counts (Triton, forward and backward).
+"""ZAYA router kernels (Triton, forward and backward): the fused router head, its top-1 epilogue, the projection.
 
 The ZAYA router MLP emits logits over E experts + 1 "MoD skip" class (docs/architecture.md §4.4-4.8):
 
@@ -9,8 +9,22 @@ The ZAYA router MLP emits logits over E experts + 1 "MoD skip" class (docs/archi
 and the epilogue hands Megatron's MoE layer ``probs`` [T, E] (gate at the chosen real expert, 0 elsewhere),
 ``routing_map`` [T, E] (bool), plus ``skip_gate`` [T] (p_skip where the skip class won, else 0: the caller
 applies identity x p_skip or drops the token) and per-class token counts [E+1] (int64) for the bias
-balancing. Unfused this is a dozen small kernels; fused, one pass over the [T, E+1] logits. The backward
-(w.r.t. logits, through the gate only) recomputes the softmax from the saved logits and choices.
+balancing. Unfused this is a dozen small kernels; fused (``route_top1``), one pass over the [T, E+1] logits.
+The backward (w.r.t. logits, through the gate only) recomputes the softmax from the saved logits and choices.
+
+``route_head`` fuses everything after the projection: EDA (r = u + s ⊙ r_prev), RMSNorm, fc1 + GELU,
+fc2 + GELU, out_proj and the epilogue above. An eager ZAYA1 layer is host-bound on GPUs (~340 launches per
+forward + backward), and torch spends ~100 of them on this head (weight casts to fp32, a 7-op RMSNorm, three
+fp32 linears and GELUs, their backward). Fused: forward one kernel (+ the counts' zero fill); backward one
+kernel, one reduction of its per-program vector-gradient partial sums, one batched GEMM (d W1, d W2), one
+GEMM (d W3), plus three casts when the parameters are bf16. Each program takes a block of tokens; fc1's
+outputs come a chunk at a time and feed fc2's accumulator at once, so no [T, R] activation is written in the
+forward but the state r. The backward saves only the inputs and recomputes the forward in its kernel (fc1
+twice: it needs fc2's full gradient before fc1's); it writes the [T, R] operands of the weight GEMMs (fp32,
+freed once they are done) instead of the seven [T, R] fp32 activations torch keeps from forward to backward.
+Weights are read in their dtype and upcast in registers; all math is fp32. No float atomics: the parameter
+gradients are reproducible bit for bit. The fp32 ``tl.dot`` precision is per platform
+(``ROUTER_HEAD_TUNING``): "tf32x3" (about fp32 accuracy on tensor cores) on CUDA, "ieee" elsewhere.
 
 ``router_projection`` is the router's first linear layer (D -> R) on bf16 activations: ZAYA1 runs the router
 in fp32, and upcasting the [T, D] activations and the weight makes that an fp32 (SIMT) GEMM, ~15x slower than
@@ -25,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..model.router import route_head as route_head_reference
 from ..model.router import route_top1 as route_top1_reference
 from ..model.router import router_projection as router_projection_reference
 from .utils import matmul_fp32, platform, triton_runs
@@ -39,26 +54,15 @@ ROUTER_TUNING = {  # H200, 40 settings, T = 8192: forward 4.6 µs, + backward 8.
 
 
 @triton.jit
-def _router_forward_kernel(
-    logits_ptr,  # [T, C] (C = E + 1 classes)
-    biases_ptr,  # [C] fp32
-    probs_ptr,  # [T, E] fp32
-    routing_map_ptr,  # [T, E] uint8 (a bool tensor's storage)
-    skip_gate_ptr,  # [T] fp32
-    choice_ptr,  # [T] int32, saved for the backward
-    counts_ptr,  # [C] int64, zero-initialised
-    n_tokens,
-    n_classes,
-    BLOCK_T: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+def _route_top1_block(
+    logits,  # [BLOCK_T, BLOCK_C] fp32; columns from n_classes on are ignored
+    rows, cols, n_tokens, n_classes,
+    biases_ptr, probs_ptr, routing_map_ptr, skip_gate_ptr, choice_ptr, counts_ptr,
 ):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_C)
+    """The routing outputs of one block of tokens from its logits (see the module docstring)."""
     row_mask = rows < n_tokens
     col_mask = cols < n_classes
     rows64 = tl.cast(rows, tl.int64)
-    logits = tl.load(logits_ptr + rows64[:, None] * n_classes + cols[None, :],
-                     mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)  # fmt: skip
     logits = tl.where(col_mask[None, :], logits, float("-inf"))
     exp = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     probs = exp / tl.sum(exp, axis=1)[:, None]
@@ -79,6 +83,54 @@ def _router_forward_kernel(
 
 
 @triton.jit
+def _route_top1_grad(
+    logits,  # [BLOCK_T, BLOCK_C] fp32; columns from n_classes on are ignored
+    rows, cols, n_tokens, n_classes,
+    grad_probs_ptr, grad_skip_ptr, choice_ptr,
+    HAS_GRAD_SKIP: tl.constexpr,
+):
+    """d loss / d logits [BLOCK_T, BLOCK_C] fp32 of one block of tokens, through the gate only."""
+    row_mask = rows < n_tokens
+    rows64 = tl.cast(rows, tl.int64)
+    logits = tl.where((cols < n_classes)[None, :], logits, float("-inf"))
+    exp = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = exp / tl.sum(exp, axis=1)[:, None]
+    choice = tl.load(choice_ptr + rows, mask=row_mask, other=0)
+    n_experts = n_classes - 1
+    grad_gate = tl.load(grad_probs_ptr + rows64 * n_experts + choice, mask=row_mask & (choice < n_experts),
+                        other=0.0).to(tl.float32)  # fmt: skip
+    if HAS_GRAD_SKIP:
+        grad_gate += tl.load(grad_skip_ptr + rows, mask=row_mask & (choice == n_experts), other=0.0).to(tl.float32)
+    chosen = cols[None, :] == choice[:, None]
+    gate = tl.sum(tl.where(chosen, probs, 0.0), axis=1)
+    grad_gate *= gate  # d gate / d logit_j = gate * (1[j = c] - p_j)
+    return grad_gate[:, None] * (chosen.to(tl.float32) - probs)
+
+
+@triton.jit
+def _router_forward_kernel(
+    logits_ptr,  # [T, C] (C = E + 1 classes)
+    biases_ptr,  # [C] fp32
+    probs_ptr,  # [T, E] fp32
+    routing_map_ptr,  # [T, E] uint8 (a bool tensor's storage)
+    skip_gate_ptr,  # [T] fp32
+    choice_ptr,  # [T] int32, saved for the backward
+    counts_ptr,  # [C] int64, zero-initialised
+    n_tokens,
+    n_classes,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_C)
+    rows64 = tl.cast(rows, tl.int64)
+    logits = tl.load(logits_ptr + rows64[:, None] * n_classes + cols[None, :],
+                     mask=(rows < n_tokens)[:, None] & (cols < n_classes)[None, :], other=0.0).to(tl.float32)
+    _route_top1_block(logits, rows, cols, n_tokens, n_classes, biases_ptr, probs_ptr, routing_map_ptr,
+                      skip_gate_ptr, choice_ptr, counts_ptr)  # fmt: skip
+
+
+@triton.jit
 def _router_backward_kernel(
     grad_probs_ptr,  # [T, E]
     grad_skip_ptr,  # [T]
@@ -92,24 +144,12 @@ def _router_backward_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_C)
-    row_mask = rows < n_tokens
-    col_mask = cols < n_classes
     rows64 = tl.cast(rows, tl.int64)
     offsets = rows64[:, None] * n_classes + cols[None, :]
-    mask = row_mask[:, None] & col_mask[None, :]
+    mask = (rows < n_tokens)[:, None] & (cols < n_classes)[None, :]
     logits = tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    logits = tl.where(col_mask[None, :], logits, float("-inf"))
-    exp = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    probs = exp / tl.sum(exp, axis=1)[:, None]
-    choice = tl.load(choice_ptr + rows, mask=row_mask, other=0)
-    n_experts = n_classes - 1
-    expert_chosen = row_mask & (choice < n_experts)
-    grad_expert = tl.load(grad_probs_ptr + rows64 * n_experts + choice, mask=expert_chosen, other=0.0)
-    grad_skip = tl.load(grad_skip_ptr + rows, mask=row_mask & (choice == n_experts), other=0.0)
-    chosen = cols[None, :] == choice[:, None]
-    gate = tl.sum(tl.where(chosen, probs, 0.0), axis=1)
-    grad_gate = (grad_expert + grad_skip).to(tl.float32) * gate  # d gate / d logit_j = gate * (1[j = c] - p_j)
-    grad_logits = grad_gate[:, None] * (chosen.to(tl.float32) - probs)
+    grad_logits = _route_top1_grad(logits, rows, cols, n_tokens, n_classes, grad_probs_ptr, grad_skip_ptr,
+                                   choice_ptr, HAS_GRAD_SKIP=True)  # fmt: skip
     tl.store(grad_logits_ptr + offsets, grad_logits.to(grad_logits_ptr.dtype.element_ty), mask=mask)
 
 
@@ -167,6 +207,272 @@ def route_top1(
     if not triton_runs(_router_forward_kernel, logits, biases):
         return route_top1_reference(logits, biases, num_experts)
     return _RouteTop1.apply(logits.reshape(-1, num_experts + 1).contiguous(), biases.detach())
+
+
+#: Launch settings of the fused head per platform: ``tokens`` (``backward_tokens``) tokens per program with
+#: ``warps`` (``backward_warps``) warps; ``chunk``: fc1's outputs taken ``chunk`` at a time (fc1's activation then
+#: never exists whole: each chunk feeds fc2's accumulator); ``stages``: software pipelining of the chunk loop
+#: (each stage holds a chunk of W1 and of W2 in shared memory); ``precision``: of the fp32 ``tl.dot``s.
+#: "tf32x3" on CUDA (three TF32 products, ~fp32 accuracy, on tensor cores; ``tests/gpu/test_kernels_gpu.py``
+#: holds it to the fp32 reference's error), "ieee" elsewhere (the interpreter; MI300X: not measured yet).
+#: Not tuned yet, only compiled (tests/unit/test_kernel_compile.py): on sm_90 96 KB of shared memory per program;
+#: on gfx942 chunks of 16 and a 4-warp backward are what fit in 64 KB of LDS without spills at R = 256.
+ROUTER_HEAD_TUNING = {
+    "cuda": {"tokens": 32, "warps": 8, "backward_tokens": 16, "backward_warps": 8, "chunk": 64, "stages": 1,
+             "precision": "tf32x3"},
+    "rocm": {"tokens": 32, "warps": 8, "backward_tokens": 16, "backward_warps": 4, "chunk": 16, "stages": 1,
+             "precision": "ieee"},
+    "cpu": {"tokens": 16, "warps": 4, "backward_tokens": 16, "backward_warps": 4, "chunk": 16, "stages": 1,
+            "precision": "ieee"},  # the interpreter: several programs and chunks at the tests' shapes
+}  # fmt: skip
+#: The widest router (R) the fused head keeps in registers (ZAYA1-8B: 256); wider ones run the reference head.
+HEAD_MAX_WIDTH = 256
+
+
+@triton.jit
+def _gelu(x):
+    return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))  # exact (erf) GELU, F.gelu's default
+
+
+@triton.jit
+def _gelu_grad(x):
+    return 0.5 * (1.0 + tl.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+
+
+@triton.jit
+def _router_state(u_ptr, state_in_ptr, eda_ptr, offsets, mask, k, k_mask, HAS_STATE: tl.constexpr):
+    """r = u + state_in * eda_scale (EDA; r = u without an incoming state) of one block, fp32."""
+    r = tl.load(u_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_STATE:
+        eda = tl.load(eda_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        r += tl.load(state_in_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * eda[None, :]
+    return r
+
+
+@triton.jit
+def _fc1_chunk(z0, w1_ptr, b1_ptr, c0, width, k, k_mask, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+    """fc1's pre-activations for outputs c0 .. c0 + CHUNK: [BLOCK_T, CHUNK], and that slice of W1 [CHUNK, BLOCK_R]."""
+    c = c0 + tl.arange(0, CHUNK)
+    c_mask = c < width
+    w1 = tl.load(w1_ptr + c[:, None] * width + k[None, :], mask=c_mask[:, None] & k_mask[None, :],
+                 other=0.0).to(tl.float32)  # fmt: skip
+    b1 = tl.load(b1_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+    return tl.dot(z0, tl.trans(w1), input_precision=PRECISION) + b1[None, :], w1
+
+
+@triton.jit
+def _fc2_chunk(w2_ptr, c0, width, k, k_mask, CHUNK: tl.constexpr):
+    """W2's inputs c0 .. c0 + CHUNK: [BLOCK_R, CHUNK] (outputs by rows), fp32."""
+    c = c0 + tl.arange(0, CHUNK)
+    return tl.load(w2_ptr + k[:, None] * width + c[None, :], mask=k_mask[:, None] & (c < width)[None, :],
+                   other=0.0).to(tl.float32)  # fmt: skip
+
+
+@triton.jit
+def _head_forward_kernel(
+    u_ptr, state_in_ptr, eda_ptr,  # [T, R] fp32, [T, R] (or unused), [R]
+    norm_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, w3_ptr,  # [R], [R, R], [R], [R, R], [R], [C, R]: any float dtype
+    biases_ptr,  # [C] fp32
+    state_ptr,  # [T, R] fp32: r
+    probs_ptr, routing_map_ptr, skip_gate_ptr, choice_ptr, counts_ptr,  # as _router_forward_kernel's
+    n_tokens, eps,
+    width: tl.constexpr, n_classes: tl.constexpr,  # model constants: folded into the address arithmetic
+    HAS_STATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    k = tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
+    row_mask, k_mask = rows < n_tokens, k < width
+    offsets = tl.cast(rows, tl.int64)[:, None] * width + k[None, :]
+    mask = row_mask[:, None] & k_mask[None, :]
+
+    r = _router_state(u_ptr, state_in_ptr, eda_ptr, offsets, mask, k, k_mask, HAS_STATE)
+    tl.store(state_ptr + offsets, r, mask=mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=1) / width + eps)
+    z0 = tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :] * (r * rstd[:, None])
+    a2 = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    for c0 in range(0, BLOCK_R, CHUNK):
+        a1, _ = _fc1_chunk(z0, w1_ptr, b1_ptr, c0, width, k, k_mask, CHUNK, PRECISION)
+        a2 = tl.dot(_gelu(a1), tl.trans(_fc2_chunk(w2_ptr, c0, width, k, k_mask, CHUNK)), a2,
+                    input_precision=PRECISION)  # fmt: skip
+    h2 = _gelu(a2 + tl.load(b2_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :])
+    w3 = tl.load(w3_ptr + cols[:, None] * width + k[None, :], mask=(cols < n_classes)[:, None] & k_mask[None, :],
+                 other=0.0).to(tl.float32)  # fmt: skip
+    logits = tl.dot(h2, tl.trans(w3), input_precision=PRECISION)
+    _route_top1_block(logits, rows, cols, n_tokens, n_classes, biases_ptr, probs_ptr, routing_map_ptr,
+                      skip_gate_ptr, choice_ptr, counts_ptr)  # fmt: skip
+
+
+@triton.jit
+def _head_backward_kernel(
+    u_ptr, state_in_ptr, eda_ptr, norm_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, w3_ptr,  # as the forward's
+    choice_ptr,  # [T] int32 from the forward
+    grad_probs_ptr, grad_skip_ptr, grad_state_ptr,  # [T, E], [T] (or unused), [T, R] (or unused)
+    acts_ptr,  # [3, T, R] fp32: z0 (fc1's input), h1 (fc2's), h2 (out_proj's), for the weight gradients
+    grads_ptr,  # [4, T, R] fp32: d a1, d a2 (fc1's, fc2's pre-activations), d u, d state_in (with a state)
+    grad_logits_ptr,  # [T, C] fp32
+    partials_ptr,  # [programs, 4, R] fp32: this program's sums of d norm_weight, d eda_scale, d b1, d b2
+    n_tokens, eps,
+    plane,  # T * R: the stride of acts' and grads' slices
+    width: tl.constexpr, n_classes: tl.constexpr,
+    HAS_STATE: tl.constexpr, HAS_GRAD_SKIP: tl.constexpr, HAS_GRAD_STATE: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    k = tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
+    row_mask, k_mask, col_mask = rows < n_tokens, k < width, cols < n_classes
+    rows64 = tl.cast(rows, tl.int64)
+    offsets = rows64[:, None] * width + k[None, :]
+    mask = row_mask[:, None] & k_mask[None, :]
+    partials_ptr += pid * 4 * width
+
+    # The forward again, keeping what the weight gradients need.
+    r = _router_state(u_ptr, state_in_ptr, eda_ptr, offsets, mask, k, k_mask, HAS_STATE)
+    rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=1) / width + eps)
+    norm = tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+    z0 = norm[None, :] * (r * rstd[:, None])
+    tl.store(acts_ptr + offsets, z0, mask=mask)
+    a2 = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    for c0 in range(0, BLOCK_R, CHUNK):
+        a1, _ = _fc1_chunk(z0, w1_ptr, b1_ptr, c0, width, k, k_mask, CHUNK, PRECISION)
+        h1 = _gelu(a1)
+        c = c0 + tl.arange(0, CHUNK)
+        tl.store(acts_ptr + plane + rows64[:, None] * width + c[None, :], h1,
+                 mask=row_mask[:, None] & (c < width)[None, :])  # fmt: skip
+        a2 = tl.dot(h1, tl.trans(_fc2_chunk(w2_ptr, c0, width, k, k_mask, CHUNK)), a2, input_precision=PRECISION)
+    a2 += tl.load(b2_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+    h2 = _gelu(a2)
+    tl.store(acts_ptr + 2 * plane + offsets, h2, mask=mask)
+    w3 = tl.load(w3_ptr + cols[:, None] * width + k[None, :], mask=col_mask[:, None] & k_mask[None, :],
+                 other=0.0).to(tl.float32)  # fmt: skip
+    logits = tl.dot(h2, tl.trans(w3), input_precision=PRECISION)
+
+    # Backward: logits, out_proj, GELU, fc2, GELU, fc1 (by chunks again), RMSNorm, EDA.
+    grad_logits = _route_top1_grad(logits, rows, cols, n_tokens, n_classes, grad_probs_ptr, grad_skip_ptr,
+                                   choice_ptr, HAS_GRAD_SKIP)  # fmt: skip
+    tl.store(grad_logits_ptr + rows64[:, None] * n_classes + cols[None, :], grad_logits,
+             mask=row_mask[:, None] & col_mask[None, :])  # fmt: skip
+    grad_a2 = tl.dot(grad_logits, w3, input_precision=PRECISION) * _gelu_grad(a2)
+    tl.store(grads_ptr + plane + offsets, grad_a2, mask=mask)
+    tl.store(partials_ptr + 3 * width + k, tl.sum(grad_a2, axis=0), mask=k_mask)
+    grad_z0 = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    for c0 in range(0, BLOCK_R, CHUNK):
+        a1, w1 = _fc1_chunk(z0, w1_ptr, b1_ptr, c0, width, k, k_mask, CHUNK, PRECISION)
+        w2 = _fc2_chunk(w2_ptr, c0, width, k, k_mask, CHUNK)
+        grad_a1 = tl.dot(grad_a2, w2, input_precision=PRECISION) * _gelu_grad(a1)
+        c = c0 + tl.arange(0, CHUNK)
+        tl.store(grads_ptr + rows64[:, None] * width + c[None, :], grad_a1,
+                 mask=row_mask[:, None] & (c < width)[None, :])  # fmt: skip
+        tl.store(partials_ptr + 2 * width + c, tl.sum(grad_a1, axis=0), mask=c < width)
+        grad_z0 = tl.dot(grad_a1, w1, grad_z0, input_precision=PRECISION)
+    # r again from memory: holding it through both loops costs registers
+    normed = _router_state(u_ptr, state_in_ptr, eda_ptr, offsets, mask, k, k_mask, HAS_STATE) * rstd[:, None]
+    tl.store(partials_ptr + k, tl.sum(grad_z0 * normed, axis=0), mask=k_mask)
+    grad_normed = grad_z0 * norm[None, :]
+    grad_r = rstd[:, None] * (grad_normed - normed * (tl.sum(grad_normed * normed, axis=1) / width)[:, None])
+    if HAS_GRAD_STATE:
+        grad_r += tl.load(grad_state_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(grads_ptr + 2 * plane + offsets, grad_r, mask=mask)
+    if HAS_STATE:
+        eda = tl.load(eda_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        tl.store(grads_ptr + 3 * plane + offsets, grad_r * eda[None, :], mask=mask)
+        state_in = tl.load(state_in_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(partials_ptr + width + k, tl.sum(grad_r * state_in, axis=0), mask=k_mask)
+    else:
+        tl.store(partials_ptr + width + k, tl.zeros((BLOCK_R,), dtype=tl.float32), mask=k_mask)
+
+
+def _head_launch(device: torch.device, n_tokens: int, width: int, n_classes: int, backward: bool):
+    """(grid, launch kwargs) of the fused head's forward or backward kernel from this platform's tuning row."""
+    tuning, prefix = ROUTER_HEAD_TUNING[platform(device)], "backward_" if backward else ""
+    tokens, block_r = tuning[prefix + "tokens"], max(16, triton.next_power_of_2(width))  # tl.dot: sizes >= 16
+    return (triton.cdiv(n_tokens, tokens),), {
+        "BLOCK_T": tokens, "BLOCK_R": block_r, "BLOCK_C": max(16, triton.next_power_of_2(n_classes)),
+        "CHUNK": min(tuning["chunk"], block_r), "PRECISION": tuning["precision"], "num_warps": tuning[prefix + "warps"],
+        "num_stages": tuning["stages"],
+    }  # fmt: skip
+
+
+class _RouteHead(torch.autograd.Function):
+    """:func:`route_head` by one kernel forward; backward one kernel (which recomputes the forward) and the
+    weight gradients' GEMMs over its [T, R] intermediates."""
+
+    @staticmethod
+    def forward(ctx, u2d, state_in2d, eda_scale, norm_weight, w1, b1, w2, b2, w3, biases, eps):
+        n_tokens, width = u2d.shape
+        n_classes, device = w3.shape[0], u2d.device
+        state = torch.empty((n_tokens, width), dtype=torch.float32, device=device)
+        probs = torch.empty((n_tokens, n_classes - 1), dtype=torch.float32, device=device)
+        routing_map = torch.empty((n_tokens, n_classes - 1), dtype=torch.bool, device=device)
+        skip_gate = torch.empty(n_tokens, dtype=torch.float32, device=device)
+        choice = torch.empty(n_tokens, dtype=torch.int32, device=device)
+        counts = torch.zeros(n_classes, dtype=torch.int64, device=device)
+        has_state = state_in2d is not None
+        grid, launch = _head_launch(device, n_tokens, width, n_classes, backward=False)
+        _head_forward_kernel[grid](
+            u2d, state_in2d if has_state else u2d, eda_scale if has_state else norm_weight, norm_weight, w1, b1, w2,
+            b2, w3, biases, state, probs, routing_map.view(torch.uint8), skip_gate, choice, counts,
+            n_tokens, eps, width, n_classes, HAS_STATE=has_state, **launch,
+        )  # fmt: skip
+        ctx.save_for_backward(u2d, state_in2d, eda_scale, norm_weight, w1, b1, w2, b2, w3, choice)
+        ctx.eps = eps
+        ctx.mark_non_differentiable(routing_map, counts)
+        ctx.set_materialize_grads(False)
+        return probs, routing_map, state, skip_gate, counts
+
+    @staticmethod
+    def backward(ctx, grad_probs, _grad_map, grad_state, grad_skip, _grad_counts):
+        u2d, state_in2d, eda_scale, norm_weight, w1, b1, w2, b2, w3, choice = ctx.saved_tensors
+        n_tokens, width = u2d.shape
+        n_classes, device, has_state = w3.shape[0], u2d.device, state_in2d is not None
+        if grad_probs is None:
+            grad_probs = torch.zeros((n_tokens, n_classes - 1), dtype=torch.float32, device=device)
+        fp32 = {"dtype": torch.float32, "device": device}
+        acts, grads = torch.empty((3, n_tokens, width), **fp32), torch.empty((4, n_tokens, width), **fp32)
+        grad_logits = torch.empty((n_tokens, n_classes), **fp32)
+        grid, launch = _head_launch(device, n_tokens, width, n_classes, backward=True)
+        partials = torch.empty((grid[0], 4, width), **fp32)
+        _head_backward_kernel[grid](
+            u2d, state_in2d if has_state else u2d, eda_scale if has_state else norm_weight, norm_weight, w1, b1, w2,
+            b2, w3, choice, grad_probs.contiguous(), grads if grad_skip is None else grad_skip.contiguous(),
+            grads if grad_state is None else grad_state.contiguous(), acts, grads, grad_logits, partials,
+            n_tokens, ctx.eps, n_tokens * width, width, n_classes, HAS_STATE=has_state,
+            HAS_GRAD_SKIP=grad_skip is not None, HAS_GRAD_STATE=grad_state is not None, **launch,
+        )  # fmt: skip
+        # Vectors: norm_weight, eda_scale, b1, b2 (the parameters share one dtype: one cast).
+        d_norm, d_eda, d_b1, d_b2 = partials.sum(0).to(norm_weight.dtype)
+        d_w1, d_w2 = torch.bmm(grads[:2].transpose(1, 2), acts[:2]).to(w1.dtype)  # d a1ᵀ z0, d a2ᵀ h1
+        d_w3 = (grad_logits.t() @ acts[2]).to(w3.dtype)
+        grad_state_in = grads[3].to(state_in2d.dtype) if has_state else None
+        return (grads[2].to(u2d.dtype), grad_state_in, d_eda if eda_scale is not None else None, d_norm, d_w1, d_b1,
+                d_w2, d_b2, d_w3, None, None)  # fmt: skip
+
+
+def route_head(u, state_in, eda_scale, norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight,
+               biases, eps: float, num_experts: int):
+    """The fused router head; same contract as :func:`route_head_reference` (its ``route_top1`` the fused one).
+
+    The reference where the kernels cannot run, or for routers wider than ``HEAD_MAX_WIDTH``."""
+    n_classes, width = out_weight.shape
+    if n_classes != num_experts + 1:
+        raise ValueError(
+            f"the router's out_proj has {n_classes} classes; expected num_experts + 1 = {num_experts + 1} "
+            "(the last class is the MoD skip)"
+        )
+    if biases.shape != (n_classes,):
+        raise ValueError(f"balancing biases must have shape [{n_classes}], got {list(biases.shape)}")
+    params = [norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight]
+    if width > HEAD_MAX_WIDTH or not triton_runs(_head_forward_kernel, u, *params):
+        return route_head_reference(u, state_in, eda_scale, *params, biases, eps, num_experts, route_top1=route_top1)
+    with_state = state_in is not None and eda_scale is not None
+    probs, routing_map, state, skip_gate, counts = _RouteHead.apply(
+        u.reshape(-1, width).contiguous(), state_in.reshape(-1, width).contiguous() if with_state else None,
+        eda_scale, *(p.contiguous() for p in params), biases.detach().float().contiguous(), float(eps),
+    )  # fmt: skip
+    return probs, routing_map, state.view(*u.shape[:-1], width), skip_gate, counts
 
 
 class _RouterProjection(torch.autograd.Function):

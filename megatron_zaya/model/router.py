@@ -11,7 +11,8 @@ For the tokens x̂ of one MoE layer l (after its pre-MoE RMSNorm):
 
 A token whose choice is the skip class goes to no expert; its MoE output is 0 (ZAYA1-8B) or p_skip · x̂
 (``skip_mode="identity"``, the ZAYA1-base fork), which ``ZayaMoELayer`` adds.
-The whole router runs in fp32 whatever the parameter dtype.
+The whole router runs in fp32 whatever the parameter dtype. :func:`route_head` is everything after the
+projection (EDA to top-1); ``kernels/router.py`` fuses it into one kernel each way.
 
 Balancing (§4.8): the router counts the tokens each class receives over all micro-batches of a step;
 once per optimizer step :meth:`ZayaRouter.update_balancing_biases` takes an Adam step on the biases with
@@ -30,6 +31,11 @@ from .norm import rms_norm
 from .recompute import Recompute, recomputes
 
 
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t.float()``, except that float64 stays float64: the tests' oracle is this reference run in float64."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def router_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """The router's first layer in fp32, ``x.float() Wᵀ + b``: x [..., D], weight [R, D], bias [R] -> [..., R]."""
     return F.linear(x.float(), weight.float(), bias.float())
@@ -42,7 +48,7 @@ def route_top1(logits: torch.Tensor, biases: torch.Tensor, num_experts: int):
     Returns: probs ``[T, E]`` fp32 (the unbiased gate at the chosen expert, 0 elsewhere), routing_map
     ``[T, E]`` bool, skip_gate ``[T]`` fp32 (p_skip where the skip class won, else 0), counts ``[C]`` int64.
     """
-    probs_all = torch.softmax(logits.reshape(-1, biases.numel()).float(), dim=-1)
+    probs_all = torch.softmax(_fp32(logits.reshape(-1, biases.numel())), dim=-1)
     choice = torch.argmax(probs_all.detach() + biases, dim=-1)
     gate = probs_all.gather(1, choice[:, None]).squeeze(1)
     # a comparison and a scatter-add, not one_hot and bincount: those copy to the host on GPUs (no graph capture)
@@ -53,15 +59,39 @@ def route_top1(logits: torch.Tensor, biases: torch.Tensor, num_experts: int):
     return probs, routing_map, skip_gate, counts.scatter_add_(0, choice, torch.ones_like(choice))
 
 
+def route_head(u, state_in, eda_scale, norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight,
+               biases, eps: float, num_experts: int, route_top1=route_top1):
+    """The router after its projection, in fp32: EDA, RMSNorm, the MLP to logits, top-1 routing.
+
+    Args: u ``[..., R]`` (the projection), state_in ``[..., R]`` (the previous MoE layer's router state, None on
+    the first) and the router's parameters (``eda_scale`` None without EDA; weights ``[out, in]``), the balancing
+    biases ``[C]``, the RMSNorm epsilon; ``route_top1`` as :func:`route_top1`.
+    Returns: probs, routing_map, the router state r_l ``[..., R]`` fp32 (the next MoE layer's router receives it),
+    skip_gate, counts (see :func:`route_top1`).
+    """
+    if eda_scale is not None:
+        # The first MoE layer's incoming state is zero. Its scale still joins the graph (zero gradient): Megatron's
+        # overlapped gradient reduction waits for every trainable parameter, and its optimizer checkpoints
+        # stack the layers' states, so every layer must look alike.
+        previous = state_in if state_in is not None else u.new_zeros(())
+        u = u + previous * _fp32(eda_scale)
+    z = rms_norm(u, _fp32(norm_weight), eps)
+    z = F.gelu(F.linear(z, _fp32(fc1_weight), _fp32(fc1_bias)))
+    z = F.gelu(F.linear(z, _fp32(fc2_weight), _fp32(fc2_bias)))
+    logits = F.linear(z, _fp32(out_weight)).reshape(-1, out_weight.shape[0])
+    probs, routing_map, skip_gate, counts = route_top1(logits, biases, num_experts)
+    return probs, routing_map, u, skip_gate, counts
+
+
 def router_ops(config):
-    """``(router_projection, route_top1)`` for a router of ``config``: the Triton kernels of ``kernels/router.py``
-    (a bf16 GEMM with fp32 output: the same products; softmax, biased argmax, gate and counts in one pass), or
-    the references above. The fused top-1 needs the skip class."""
+    """``(router_projection, route_head)`` for a router of ``config``: the Triton kernels of ``kernels/router.py``
+    (a bf16 GEMM with fp32 output: the same products; the whole head in one kernel each way), or the
+    references above. The fused head needs the skip class."""
     if not config.uses_kernel("router"):
-        return router_projection, route_top1
+        return router_projection, route_head
     from ..kernels import router as kernels
 
-    return kernels.router_projection, (kernels.route_top1 if config.skip_class else route_top1)
+    return kernels.router_projection, (kernels.route_head if config.skip_class else route_head)
 
 
 class ZayaRouter(MegatronModule):
@@ -96,7 +126,7 @@ class ZayaRouter(MegatronModule):
         self.register_buffer("balancing_step", torch.zeros((), dtype=torch.float32))
         # Tokens per class since the last bias update (all micro-batches of this step, this rank).
         self.register_buffer("tokens_per_class", torch.zeros(classes, dtype=torch.float32), persistent=False)
-        self.project, self.route_top1 = router_ops(config)
+        self.project, self.route_head = router_ops(config)
         self.count_tokens = True  # off while a layer is recomputed for the backward pass
         self.state_in: torch.Tensor | None = None
         self.state_out: torch.Tensor | None = None
@@ -129,18 +159,9 @@ class ZayaRouter(MegatronModule):
     def _route(self, hidden_states: torch.Tensor, state_in: torch.Tensor | None):
         """-> probs, routing map, router state r_l, skip gate, tokens per class (see the module docstring)."""
         u = self.project(hidden_states, self.down_proj.weight, self.down_proj.bias)
-        if self.eda_scale is not None:
-            # The first MoE layer's incoming state is zero. Its scale still joins the graph (zero gradient): Megatron's
-            # overlapped gradient reduction waits for every trainable parameter, and its optimizer checkpoints
-            # stack the layers' states, so every layer must look alike.
-            previous = state_in if state_in is not None else u.new_zeros(())
-            u = u + previous * self.eda_scale.float()
-        z = rms_norm(u, self.norm_weight.float(), self.config.layernorm_epsilon)
-        z = F.gelu(F.linear(z, self.fc1.weight.float(), self.fc1.bias.float()))
-        z = F.gelu(F.linear(z, self.fc2.weight.float(), self.fc2.bias.float()))
-        logits = F.linear(z, self.out_proj.weight.float()).reshape(-1, self.out_proj.out_features)
-        probs, routing_map, skip_gate, counts = self.route_top1(logits, self.balancing_biases, self.num_experts)
-        return probs, routing_map, u, skip_gate, counts
+        return self.route_head(u, state_in, self.eda_scale, self.norm_weight, self.fc1.weight, self.fc1.bias,
+                               self.fc2.weight, self.fc2.bias, self.out_proj.weight, self.balancing_biases,
+                               self.config.layernorm_epsilon, self.num_experts)
 
     @torch.no_grad()
     def update_balancing_biases(self, tokens_per_class: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ chunks r and 2·cp-1-r of every sequence and compares against the same positions
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -101,26 +102,26 @@ def live_balancing_state(model, tokens: torch.Tensor) -> None:
     """Make the reference's balancing state non-trivial: biases ``-mean(p)`` over the batch put every class,
     the skip class too, on an equal footing, so each gets tokens (set layer by layer, since each layer's biases
     change what the next one sees); Adam moments mid-run make the bias step depend on the shares' sizes."""
-    routers = [layer.mlp.router for layer in model.decoder.layers]
-    routes, logits = [router.route_top1 for router in routers], []
+    from megatron_zaya.model.router import route_head, route_top1
 
-    def recording(route):
-        def record(scores, *args):
-            logits.append(scores.detach())
-            return route(scores, *args)
-        return record
+    routers = [layer.mlp.router for layer in model.decoder.layers]
+    heads, logits = [router.route_head for router in routers], []
+
+    def record(scores, *args):
+        logits.append(scores.detach())
+        return route_top1(scores, *args)
 
     generator = torch.Generator().manual_seed(1)
     model.eval()  # no token counting
     for index, layer in enumerate(model.decoder.layers):
         logits.clear()
-        for router, route in zip(routers, routes):
-            router.route_top1 = recording(route)
+        for router in routers:
+            router.route_head = functools.partial(route_head, route_top1=record)
         try:
             model(tokens)
         finally:
-            for router, route in zip(routers, routes):
-                router.route_top1 = route
+            for router, head in zip(routers, heads):
+                router.route_head = head
         router = layer.mlp.router
         router.balancing_biases.copy_(-logits[index].softmax(dim=-1).mean(dim=0))
         router.balancing_exp_avg.copy_(0.05 * torch.randn(router.balancing_exp_avg.shape, generator=generator))

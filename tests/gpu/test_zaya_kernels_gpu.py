@@ -24,14 +24,15 @@ def _record_choices(model) -> list[list[torch.Tensor]]:
     choices = []
     for layer in model.decoder.layers:
         router, made = layer.mlp.router, []
-        route = router.route_top1
+        route = router.route_head
 
-        def recording(logits, biases, num_experts, route=route, made=made):
-            out = route(logits, biases, num_experts)
+        def recording(*args, route=route, made=made):
+            out = route(*args)
+            num_experts = out[1].shape[-1]
             made.append(out[1].float().argmax(-1) + num_experts * ~out[1].any(-1))  # the skip class as E
             return out
 
-        router.route_top1 = recording
+        router.route_head = recording
         choices.append(made)
     return choices
 

@@ -11,7 +11,7 @@ import torch
 
 from megatron_zaya.kernels.testing import SHARED_LIMIT, compile_only, gpu_target, load_kernel_module, register_spills
 
-TOKENS, HIDDEN, FFN, EXPERTS, VOCAB = 8192, 2048, 2048, 16, 262272
+TOKENS, HIDDEN, FFN, EXPERTS, VOCAB, ROUTER = 8192, 2048, 2048, 16, 262272, 256
 BF16, FP32 = torch.bfloat16, torch.float32
 
 
@@ -43,6 +43,11 @@ def _router(k):
     logits, biases = _meta(TOKENS, EXPERTS + 1, dtype=FP32), _meta(EXPERTS + 1, dtype=FP32).detach()
     probs, _, skip_gate, _ = k.route_top1(logits, biases, EXPERTS)
     _backward([probs, skip_gate])
+    u, state_in = _meta(TOKENS, ROUTER, dtype=FP32), _meta(TOKENS, ROUTER, dtype=FP32)
+    params = [_meta(ROUTER), _meta(ROUTER), _meta(ROUTER, ROUTER), _meta(ROUTER), _meta(ROUTER, ROUTER), _meta(ROUTER),
+              _meta(EXPERTS + 1, ROUTER)]  # fmt: skip
+    probs, _, state, skip_gate, _ = k.route_head(u, state_in, *params, biases, 1e-5, EXPERTS)
+    _backward([probs, state, skip_gate])
 
 
 def _cross_entropy(k):
@@ -73,7 +78,8 @@ def _grouped_gemm(k):
 CASES = {
     "residual_rmsnorm": (_rmsnorm, {"_norm_forward_kernel", "_norm_backward_kernel", "_norm_sum_partials_kernel"}),
     "swiglu": (_swiglu, {"_swiglu_forward_kernel", "_swiglu_backward_kernel"}),
-    "router": (_router, {"_router_forward_kernel", "_router_backward_kernel"}),
+    "router": (_router, {"_router_forward_kernel", "_router_backward_kernel", "_head_forward_kernel",
+                         "_head_backward_kernel"}),
     "cross_entropy": (_cross_entropy, {"_logsumexp_kernel", "_cross_entropy_grad_kernel"}),
     "cca": (_cca, {"_qk_epilogue_forward_kernel", "_qk_epilogue_backward_kernel", "_conv_forward_kernel",
                    "_conv_grouped_grad_kernel", "_conv_depthwise_grad_kernel", "_conv_weight_grad_kernel"}),

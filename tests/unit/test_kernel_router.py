@@ -91,3 +91,98 @@ def test_router_projection_is_the_fp32_linear_of_bf16_inputs():
     torch.testing.assert_close(kernel[0], runs["oracle"][0].float(), rtol=1e-6, atol=1e-6)  # exact products
     for i, what in enumerate(["out", "d_x", "d_weight", "d_bias"]):
         assert_matches_oracle(what, kernel[i], runs["oracle"][i], runs["reference"][i])
+
+
+def _head_inputs(tokens, width, param_dtype, with_state, seed=0):
+    """u, state_in and the head's parameters, scaled so every layer's activations are O(1); the skip class wins for
+    some tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    classes = HEAD_EXPERTS + 1
+
+    def param(*shape, scale=1.0, offset=0.0):
+        return (offset + scale * torch.randn(*shape, generator=gen)).to(param_dtype)
+
+    u = 2 * torch.randn(2, tokens // 2, width, generator=gen)
+    state_in = torch.randn(2, tokens // 2, width, generator=gen) if with_state else None
+    params = [param(width, scale=0.3, offset=1), param(width, scale=0.2, offset=1),  # eda_scale, norm_weight
+              param(width, width, scale=2 / width**0.5), param(width, scale=0.3),  # fc1
+              param(width, width, scale=2 / width**0.5), param(width, scale=0.3),  # fc2
+              param(classes, width, scale=2 / width**0.5)]  # fmt: skip
+    biases = 0.2 * torch.randn(classes, generator=gen)
+    biases[-1] = 0.6
+    return u, state_in, params, biases
+
+
+HEAD_EXPERTS = 4
+
+
+@pytest.mark.parametrize("width", [32, 64])
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_state", [False, True], ids=["first-layer", "eda-state-and-its-gradient"])
+def test_route_head_forward_backward(width, param_dtype, with_state):
+    """The fused head against the reference head in float64: outputs, and the gradients of u, state_in and every
+    parameter (eda_scale's is zero on the first MoE layer), from gradients on probs, skip_gate and the state."""
+    tokens = 40  # three programs of 16 tokens, the last one partial
+    u, state_in, params, biases = _head_inputs(tokens, width, param_dtype, with_state)
+    gen = torch.Generator().manual_seed(1)
+    grad_probs, grad_skip = torch.randn(tokens, HEAD_EXPERTS, generator=gen), torch.randn(tokens, generator=gen)
+    grad_state = torch.randn(u.shape, generator=gen) if with_state else None  # the last MoE layer's state: unused
+
+    runs = {}
+    for name, fn, cast in [("kernel", kernels.route_head, None), ("reference", kernels.route_head_reference, None),
+                           ("oracle", kernels.route_head_reference, torch.float64)]:  # fmt: skip
+        leaves = [t.detach().to(cast or t.dtype).requires_grad_() for t in [u, *params]]
+        state = None if state_in is None else state_in.to(cast or state_in.dtype).requires_grad_()
+        if state is not None:
+            leaves.insert(1, state)
+        u_leaf, eda, norm, *weights = leaves[:1] + leaves[1 + with_state:]
+        probs, routing_map, state_out, skip_gate, counts = fn(u_leaf, state, eda, norm, *weights,
+                                                              biases.to(cast or biases.dtype), 1e-5, HEAD_EXPERTS)
+        outputs, grads = [probs, skip_gate], [grad_probs, grad_skip]
+        if grad_state is not None:
+            outputs.append(state_out)
+            grads.append(grad_state)
+        runs[name] = [probs, routing_map, state_out, skip_gate, counts, *torch.autograd.grad(
+            outputs, leaves, [g.to(o.dtype) for o, g in zip(outputs, grads)])]  # fmt: skip
+
+    kernel, reference, oracle = runs["kernel"], runs["reference"], runs["oracle"]
+    assert torch.equal(kernel[1], oracle[1]) and torch.equal(kernel[4], oracle[4])  # same choices as float64
+    assert 0 < kernel[4][-1] < tokens and kernel[4].sum() == tokens  # some tokens skip
+    assert [t.dtype for t in kernel[5:]] == [t.dtype for t in reference[5:]]  # params' grads in their dtype
+    names = ["probs", "map", "state", "skip_gate", "counts", "d_u", *["d_state_in"] * with_state, "d_eda_scale",
+             "d_norm_weight", "d_fc1_weight", "d_fc1_bias", "d_fc2_weight", "d_fc2_bias", "d_out_weight"]  # fmt: skip
+    for name, k, r, o in zip(names, kernel, reference, oracle, strict=True):
+        if name not in ("map", "counts"):
+            assert_matches_oracle(name, k, o, r)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "router-recomputed"])
+def test_fused_head_in_the_model_equals_the_reference(recompute):
+    """The interpreted fused head in every router of the test model: its arguments, the EDA state passed from layer
+    to layer (and its gradient back), selective recomputation around it: same loss and gradients."""
+    from megatron_zaya.config import zaya_config
+    from megatron_zaya.pretrained import build_single_process_model
+
+    extra = dict(recompute_granularity="selective", recompute_modules=["router"]) if recompute else {}
+    cfg = zaya_config("test", use_cpu_initialization=True, params_dtype=torch.float32,
+                      moe_token_dispatcher_type="allgather", **extra)  # fmt: skip
+    plain, fused = build_single_process_model(cfg), build_single_process_model(cfg)
+    fused.load_state_dict(plain.state_dict())
+    calls = []
+    for layer in fused.decoder.layers:
+        layer.mlp.router.route_head = lambda *args: calls.append(args[1] is not None) or kernels.route_head(*args)
+    ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
+
+    def run(net):
+        net.train().zero_grad(set_to_none=True)
+        loss = net(ids, labels=ids)
+        loss.sum().backward()
+        return loss.detach(), {k: p.grad.clone() for k, p in net.named_parameters() if p.grad is not None}
+
+    (ref_loss, ref_grads), (loss, grads) = run(plain), run(fused)
+    forward = [False] + [True] * (len(fused.decoder.layers) - 1)  # the first MoE layer has no incoming state
+    assert calls == forward + (forward[::-1] if recompute else [])  # the backward recomputes the last layer first
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert set(grads) == set(ref_grads) and any(".router.eda_scale" in key for key in grads)
+    for key, grad in ref_grads.items():
+        torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-6, msg=key)

@@ -27,7 +27,7 @@ def test_kernel_choice_is_made_when_the_model_is_built():
     assert not plain.fused_lm_head and fused.fused_lm_head
     assert not layer.mlp.experts.grouped and fused_layer.mlp.experts.grouped
     assert layer.self_attention.qk is not fused_layer.self_attention.qk
-    assert layer.mlp.router.route_top1 is not fused_layer.mlp.router.route_top1
+    assert layer.mlp.router.route_head is not fused_layer.mlp.router.route_head
     assert layer.merge_and_norm is not fused_layer.merge_and_norm
     assert not zaya_config("test").uses_kernel("cca")  # "all" on a CPU: the references
 
