@@ -3,6 +3,7 @@
     python -m benchmarks.profile_layer                 # S=4096, B=2, ZAYA1-8B width, one GPU
     python -m benchmarks.profile_layer --cuda-graphs   # the layer as --zaya-cuda-graphs replays it
     python -m benchmarks.profile_layer --as-trained    # under Megatron's DDP, with selective recomputation
+    python -m benchmarks.profile_layer --kernels router,residual,cca,lm_head,experts   # a kernel set (--zaya-kernels)
     python -m benchmarks.profile_layer --smoke         # tiny widths on any device: checks the script
 
 Builds layer 0 of a one-layer ``zaya1-8b-shallow`` model as training builds it (the kernel patches that apply
@@ -32,7 +33,8 @@ from .probe import busy_ms
 from .timing import call_times
 
 
-def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False, as_trained: bool = False):
+def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False, as_trained: bool = False,
+               kernels: str = "all"):
     from megatron_zaya.pretrained import build_single_process_model
 
     setup_single_process()
@@ -42,12 +44,13 @@ def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False, as_
 
         trained = {"recompute_granularity": "selective",
                    "gradient_accumulation_fusion": weight_gradient_fusion_available()}
-    cfg = zaya_cfg(smoke, 1, seq, **trained)
+    cfg = zaya_cfg(smoke, 1, seq, cuda_graphs=cuda_graphs, kernels=kernels, **trained)
     model = build_single_process_model(cfg).to(DEVICE).train()
+    ddp = None
     if as_trained:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)  # its hooks
+        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     layer, rotary = model.decoder.layers[0], model.rotary_pos_emb["global"](seq)
     x = torch.randn(seq, batch, cfg.hidden_size, device=DEVICE, requires_grad=True)  # the fp32 residual stream
     grad = torch.randn_like(x)
@@ -55,6 +58,10 @@ def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False, as_
     def step():
         out, _ = layer(x, rotary_pos_emb=rotary)
         out.backward(grad)
+
+    # DDP's gradient hooks hang on the parameters' AccumulateGrad nodes, which only DDP keeps alive: the step
+    # holds it, or a garbage collection drops the hooks and the gradients pile up in .grad again.
+    step.ddp = ddp
 
     if not cuda_graphs:
         return step
@@ -65,6 +72,8 @@ def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False, as_
     def graphed_step():
         out, _ = graphs(x, None, None, {"global": rotary})
         out.backward(grad)
+
+    graphed_step.ddp = ddp
 
     return graphed_step
 
@@ -79,6 +88,7 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", action="store_true", help="the layer replayed as CUDA graphs")
     parser.add_argument("--as-trained", action="store_true",
                         help="under Megatron's DDP (main_grad accumulation), with selective recomputation")
+    parser.add_argument("--kernels", default="all", help="--zaya-kernels: all (as the CLI chooses) or a list of ops")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     if args.cuda_graphs and not GPU:
@@ -86,7 +96,7 @@ def main() -> None:
     if not GPU and not args.smoke:
         raise SystemExit("profile_layer.py needs a CUDA or ROCm GPU; use --smoke to check the script on CPU")
     seq, batch = (64, 2) if args.smoke else (args.seq, args.batch)
-    step = layer_step(args.smoke, seq, batch, args.cuda_graphs, args.as_trained)
+    step = layer_step(args.smoke, seq, batch, args.cuda_graphs, args.as_trained, args.kernels)
     wall = statistics.median(call_times(step, warmup=3, iters=10))
 
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if GPU else [])
