@@ -21,7 +21,7 @@ from .settings import setting
 ATTENTION_TYPES = ("global", "sliding")
 SKIP_MODES = ("zero", "identity")
 # The model's ops that have a Triton kernel in megatron_zaya/kernels beside their torch reference in model/.
-KERNEL_OPS = ("router", "residual", "cca", "lm_head", "experts")
+KERNEL_OPS = ("router", "router_head", "residual", "cca", "lm_head", "experts")
 # ``--recompute-granularity selective --recompute-modules ...``: what each name recomputes in every ZAYA1 layer
 # (model/recompute.py). The default set is the cheap one: elementwise work and the small router MLP.
 RECOMPUTE_MODULES = {
@@ -199,12 +199,14 @@ class ZayaConfig(TransformerConfig):
 
         Chosen when a module is built. ``all`` takes every kernel on a GPU (CUDA or ROCm) and the references on a
         CPU, where they are faster; a named op takes its kernel on any device (off a GPU a kernel function falls
-        back to its reference, or runs in Triton's interpreter under ``TRITON_INTERPRET=1``).
+        back to its reference, or runs in Triton's interpreter under ``TRITON_INTERPRET=1``). ``router_head``, the
+        router after its projection as one kernel each way, saves launches at the cost of device time, so ``all``
+        leaves it out under CUDA graphs, whose replays launch for free (``model/router.py``'s ``router_ops``).
         """
         if op not in KERNEL_OPS:
             raise ValueError(f"unknown kernel op {op!r}; one of {KERNEL_OPS}")
         if self.kernels == "all":
-            return torch.cuda.is_available()
+            return torch.cuda.is_available() and not (op == "router_head" and self.cuda_graphs)
         return op in kernel_selection(self.kernels)
 
     @property

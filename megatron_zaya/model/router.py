@@ -22,6 +22,8 @@ persistent fp32 buffers, so they are checkpointed and survive ``Float16Module``'
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
@@ -84,14 +86,20 @@ def route_head(u, state_in, eda_scale, norm_weight, fc1_weight, fc1_bias, fc2_we
 
 
 def router_ops(config):
-    """``(router_projection, route_head)`` for a router of ``config``: the Triton kernels of ``kernels/router.py``
-    (a bf16 GEMM with fp32 output: the same products; the whole head in one kernel each way), or the
-    references above. The fused head needs the skip class."""
+    """``(router_projection, route_head)`` for a router of ``config``: with the ``router`` kernel op, the Triton
+    kernels of ``kernels/router.py`` for the projection (a bf16 GEMM with fp32 output: the same products) and the
+    top-1 (one pass over the logits); with ``router_head`` too, the whole head in one kernel each way: ~100
+    fewer launches per layer step, more device time (docs/benchmarks.md, "One layer's launches"). Else the
+    references above. The fused top-1 and head need the skip class."""
     if not config.uses_kernel("router"):
         return router_projection, route_head
     from ..kernels import router as kernels
 
-    return kernels.router_projection, (kernels.route_head if config.skip_class else route_head)
+    if not config.skip_class:
+        return kernels.router_projection, route_head
+    if config.uses_kernel("router_head"):
+        return kernels.router_projection, kernels.route_head
+    return kernels.router_projection, partial(route_head, route_top1=kernels.route_top1)
 
 
 class ZayaRouter(MegatronModule):

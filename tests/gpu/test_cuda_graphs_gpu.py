@@ -18,9 +18,13 @@ import pytest
 import torch
 from zaya_cli import QUICK, losses, pretrain
 
+from megatron_zaya.config import KERNEL_OPS
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 
 GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?grad norm: ([0-9.E+-]+)")
+# What ``all`` takes under --zaya-cuda-graphs, named, so that the eager runs compute with the same kernels.
+GRAPHED_KERNELS = ",".join(op for op in KERNEL_OPS if op != "router_head")
 
 
 def _model(cuda_graphs: bool):
@@ -30,7 +34,7 @@ def _model(cuda_graphs: bool):
     cfg = zaya_config("test", num_layers=3, hidden_size=256, num_attention_heads=8, num_query_groups=2,
                       kv_channels=64, ffn_hidden_size=512, num_moe_experts=8, vocab_size=8192,
                       max_position_embeddings=1024, use_cpu_initialization=True, params_dtype=torch.bfloat16,
-                      bf16=True, cuda_graphs=cuda_graphs)
+                      bf16=True, cuda_graphs=cuda_graphs, kernels=GRAPHED_KERNELS)
     torch.manual_seed(0)
     return build_single_process_model(cfg).cuda().train()
 
@@ -112,7 +116,7 @@ def test_cli_with_graphs_repeats_the_eager_run(gpus, recompute, tmp_path):
     # DP2: Megatron's gradient hooks (overlapped reduce-scatter into the distributed optimizer's shards) fire
     # from the graphed layers' backward. Selective recomputation runs inside the captured backward.
     common = QUICK + ["--train-iters", "6", "--use-distributed-optimizer", "--bf16", "--lr", "3e-3",
-                      "--deterministic-mode", "--save", "", *recompute]
+                      "--deterministic-mode", "--save", "", "--zaya-kernels", GRAPHED_KERNELS, *recompute]
     common += ["--overlap-grad-reduce"] if gpus > 1 else []
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(gpus)))}
     runs = {}

@@ -79,3 +79,13 @@ def test_checkpoints_interchange_with_and_without_kernels(tmp_path):
     for key, tensor in plain.state_dict().items():
         if isinstance(tensor, torch.Tensor):
             assert torch.equal(again.state_dict()[key], tensor), key
+
+
+def test_all_leaves_the_fused_router_head_out_under_cuda_graphs(monkeypatch):
+    """``all`` on a GPU: the fused router head in eager layers; under CUDA graphs (launches are free there, its
+    extra device time is not) the reference head with the fused top-1; named, the head is taken either way."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    eager, graphed = zaya_config("test"), zaya_config("test", cuda_graphs=True)
+    assert eager.uses_kernel("router_head") and eager.uses_kernel("router")
+    assert not graphed.uses_kernel("router_head") and graphed.uses_kernel("router")
+    assert zaya_config("test", cuda_graphs=True, kernels="router,router_head").uses_kernel("router_head")
