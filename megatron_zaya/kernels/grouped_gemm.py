@@ -120,6 +120,7 @@ def _grouped_weight_grad_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,  # rows (tokens) per contraction step
     W_TABLE: tl.constexpr,  # each expert's gradient at grad_w_ptr + grad_w_table[e] (the experts' own main_grads)
+    W_ALIGNED: tl.constexpr,  # the table's offsets are multiples of 16 elements (checked on the host)
     ACCUMULATE: tl.constexpr,  # add to the gradient there instead of overwriting it
 ):
     expert = tl.program_id(0)
@@ -138,7 +139,10 @@ def _grouped_weight_grad_kernel(
                     mask=row_mask[:, None] & (ks[None, :] < k_dim), other=0.0)  # fmt: skip
         acc = tl.dot(grad_t, x, acc, input_precision="ieee")
     if W_TABLE:
-        w_base = grad_w_ptr + tl.load(grad_w_table_ptr + expert)
+        offset = tl.load(grad_w_table_ptr + expert)
+        if W_ALIGNED:  # as for the forward's weights: wide vector loads and stores of the fp32 main_grad
+            offset = tl.multiple_of(offset, 16)
+        w_base = grad_w_ptr + offset
     else:
         w_base = grad_w_ptr + tl.cast(expert, tl.int64) * m_dim * k_dim
     w_ptrs = w_base + ms[:, None] * k_dim + ks[None, :]
@@ -256,15 +260,15 @@ class _GroupedGemm(torch.autograd.Function):
         grad_x = _grouped_matmul(grad_out, operand, False, operand.k_dim, tiles, tuning)
         n_experts = tokens_per_expert.numel()
         grad_w = torch.empty((n_experts, operand.m_dim, operand.k_dim), dtype=x.dtype, device=x.device)
-        target, table = grad_w, None
+        target, table, aligned = grad_w, None, False
         if ctx.main_grads is not None:
-            target, table = ctx.main_grads[0], ctx.main_grads[1]
+            target, table, aligned = ctx.main_grads
         block_m, block_n = tuning["wgrad_block_m"], tuning["wgrad_block_n"]
         grid = (n_experts, triton.cdiv(operand.m_dim, block_m), triton.cdiv(operand.k_dim, block_n))
         _grouped_weight_grad_kernel[grid](grad_out, x, target, target if table is None else table, tiles[3],
                                           tokens_per_expert, operand.m_dim, operand.k_dim, BLOCK_M=block_m,
                                           BLOCK_N=block_n, BLOCK_R=tuning["wgrad_block_r"], W_TABLE=table is not None,
-                                          ACCUMULATE=table is not None, num_warps=tuning["wgrad_warps"],
+                                          W_ALIGNED=aligned, ACCUMULATE=table is not None, num_warps=tuning["wgrad_warps"],
                                           num_stages=tuning["wgrad_stages"])  # fmt: skip
         if ctx.main_grads is not None:  # grad_w is a placeholder: Megatron's gradient hooks skip it, as for its
             for weight in ctx.weights:  # own layers with gradient-accumulation fusion, but need a gradient to fire
@@ -279,16 +283,18 @@ class _GroupedGemm(torch.autograd.Function):
 ACCUMULATE_INTO_MAIN_GRAD = {"enabled": True}
 
 
-def _main_grads(weights) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(expert 0's main_grad, offsets of every expert's main_grad)`` when each of the separate expert weights
-    has a Megatron ``main_grad`` of its shape (one dtype), else None."""
+def _main_grads(weights) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+    """``(expert 0's main_grad, offsets of every expert's main_grad, whether they are multiples of 16 elements)``
+    when each of the separate expert weights has a Megatron ``main_grad`` of its shape (one dtype), else None."""
     grads = [getattr(w, "main_grad", None) for w in weights]
     if len(weights) < 2 or not hasattr(weights[0], "grad_added_to_main_grad"):
         return None
     if any(g is None or g.shape != w.shape or g.dtype != grads[0].dtype or not g.is_contiguous()
            for g, w in zip(grads, weights)):
         return None
-    return grads[0], _offset_table(grads, grads[0].device, align=1)
+    aligned = _offset_table(grads, grads[0].device)
+    return grads[0], (aligned if aligned is not None else _offset_table(grads, grads[0].device, align=1)), \
+        aligned is not None
 
 
 def grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padded_rows: bool = False) -> torch.Tensor:

@@ -109,25 +109,28 @@ def test_gemms_sharing_one_counts_tensor_each_get_their_own_rows():
             assert_matches_oracle(f"{name} (tail {tail})", g, o)
 
 
-@pytest.mark.parametrize("enabled", [True, False])
-def test_weight_gradients_accumulate_into_megatron_main_grad(enabled, monkeypatch):
-    """Experts under Megatron's DDP (a ``main_grad`` per weight, views into one fp32 buffer at uneven offsets):
-    the kernel adds each expert's gradient to what ``main_grad`` holds and tells Megatron's hooks so; switched
-    off, ``main_grad`` is untouched and the gradients come back as tensors."""
+@pytest.mark.parametrize("enabled, gap", [(True, 3), (True, 16), (False, 3)],
+                         ids=["uneven-offsets", "aligned-offsets", "off"])
+def test_weight_gradients_accumulate_into_megatron_main_grad(enabled, gap, monkeypatch):
+    """Experts under Megatron's DDP (a ``main_grad`` per weight, views into one fp32 buffer, at offsets that are
+    or are not multiples of 16 elements): the kernel adds each expert's gradient to what ``main_grad`` holds and
+    tells Megatron's hooks so; switched off, ``main_grad`` is untouched and the gradients come back as tensors."""
     monkeypatch.setitem(kernels.ACCUMULATE_INTO_MAIN_GRAD, "enabled", enabled)
     gen = torch.Generator().manual_seed(3)
     counts = torch.tensor([5, 0, 23, 9])
     rows, k_dim, m_dim = int(counts.sum()), 40, 24
     x = torch.randn(rows, k_dim, generator=gen, requires_grad=True)
     weights = [(0.2 * torch.randn(m_dim, k_dim, generator=gen)).requires_grad_() for _ in counts]
-    buffer = torch.randn(len(counts) * (m_dim * k_dim + 3), generator=gen)  # gaps of 3 between the experts
+    buffer = torch.randn(len(counts) * (m_dim * k_dim + gap), generator=gen)  # gaps between the experts
     for e, weight in enumerate(weights):
-        start = e * (m_dim * k_dim + 3)
+        start = e * (m_dim * k_dim + gap)
         weight.main_grad = buffer[start : start + m_dim * k_dim].view(m_dim, k_dim)
         weight.grad_added_to_main_grad = False
     before = [w.main_grad.clone() for w in weights]
     grad = torch.randn(rows, m_dim, generator=gen)
 
+    if enabled:
+        assert kernels._main_grads(weights)[2] == (gap % 16 == 0)
     out = kernels.grouped_gemm(x, weights, counts)
     got = torch.autograd.grad(out, weights, grad)
     stacked = torch.stack([w.detach() for w in weights])
