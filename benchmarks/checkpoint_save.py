@@ -28,8 +28,11 @@ written`` lines); an interval shorter than that measures the wait for the previo
     python -m benchmarks.checkpoint_save --modes none,async,local --iters 60 --interval 25 \\
         --extra "--dist-ckpt-workers 8" --dir /dev/shm/ckpt-bench --local-dir /dev/shm/ckpt-local
     python -m benchmarks.checkpoint_save --modes none,async --iters 300 --interval 130 --dir /dev/shm/ckpt-bench
-    python -m benchmarks.checkpoint_save --num-layers 12 --modes none,local --local-dir /dev/shm/ckpt-bench \\
-        --dir /tmp/ckpt-bench
+    python -m benchmarks.checkpoint_save --num-layers 12 --modes async,local,sync --iters 20 --interval 20 \\
+        --extra "--dist-ckpt-workers 8" --dir /dev/shm/ckpt-bench --local-dir /dev/shm/ckpt-local
+
+The last one saves once per mode, at the last step (``--iters`` equal to ``--interval``: Megatron then makes no
+extra save after it): 4 minutes for ``async`` and 5 for ``local`` on one H200 (``sync``: not measured yet).
 
 ``--smoke`` runs the ``test`` preset on any device (CPU: fp32, gloo) to check the script.
 """
