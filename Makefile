@@ -9,4 +9,4 @@ train:
 # The test suite (CPU; GPU tests run only where CUDA is present).
 test:
 	scripts/venv.sh
-	.venv/bin/python -m pytest -n 2 --timeout 900 tests
+	.venv/bin/python -m pytest -n 2 --timeout 900 --durations 25 tests
