@@ -1,6 +1,6 @@
 """Background saves (``--async-save``) and the local tier in real runs: the whole job SIGKILLed as checkpoint
 8's background save starts leaves both tiers resumable, and a resume from either tier repeats the killed run's
-losses; killed once its writer has begun the data files, ``latest`` stays intact; a write still in flight when
+losses; killed once its writer has begun the data files of a checkpoint, ``latest`` stays intact; a write still in flight when
 the run ends is finished and checksummed."""
 
 from __future__ import annotations
@@ -18,15 +18,17 @@ from zaya_cli import QUICK, losses, pretrain
 from megatron_zaya.checkpoint import CHECKSUMS, TRACKER
 from megatron_zaya.training.reliability import newest_intact_checkpoint
 
-TIERS = ["--async-save", "--save-interval", "4", "--save", "ck", "--load", "ck", "--non-persistent-ckpt-type", "local",
-         "--non-persistent-local-ckpt-dir", "local", "--non-persistent-save-interval", "1"]
+PERSISTENT = ["--async-save", "--save-interval", "4", "--save", "ck", "--load", "ck"]
+TIERS = PERSISTENT + ["--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", "local",
+                      "--non-persistent-save-interval", "1"]
 FLAGS = QUICK + ["--train-iters", "400"]
 
 
-def _killed_when(directory, ready) -> dict[int, float]:
-    """A run with both tiers, its process group SIGKILLed the moment ``ready()`` holds; its losses."""
+def _killed_when(directory, ready, tiers=TIERS) -> dict[int, float]:
+    """A run with ``tiers`` (both by default), its process group SIGKILLed the moment ``ready()`` holds; its
+    losses."""
     with (directory / "killed.log").open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "megatron_zaya.pretrain", *FLAGS, *TIERS], cwd=directory,
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_zaya.pretrain", *FLAGS, *tiers], cwd=directory,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.time() + 400
@@ -88,8 +90,7 @@ def test_a_resume_from_the_background_save_repeats_the_losses(killed, tmp_path):
     """Without the local tier the resume starts at the persistent checkpoint 4 that the background writer
     wrote while steps 5 and on trained: losses 5 and 7 equal the killed run's."""
     _copy(killed, tmp_path)
-    run = pretrain(FLAGS + ["--async-save", "--save-interval", "4", "--save", "ck", "--load", "ck",
-                            "--exit-interval", "7"], cwd=tmp_path)
+    run = pretrain(FLAGS + PERSISTENT + ["--exit-interval", "7"], cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     resumed = losses(run.stdout)
     assert min(resumed) == 5  # (Megatron's second log line after a resume averages two steps)
@@ -97,8 +98,9 @@ def test_a_resume_from_the_background_save_repeats_the_losses(killed, tmp_path):
 
 
 def test_a_kill_while_the_writer_writes_leaves_an_intact_latest(tmp_path):
-    """Killed the moment the writer has created the first data file of checkpoint 8 (mid-write): ``latest``
-    names a checkpoint whose every file matches its checksums (what a resume loads, as the tests above show)."""
+    """Killed the moment the background writer has created the first data file of checkpoint 8 (mid-write; the
+    persistent tier alone): ``latest`` names a checkpoint whose every file matches its checksums (what a resume
+    loads, as the tests above show)."""
     ck = tmp_path / "ck"
-    _killed_when(tmp_path, lambda: any((ck / "iter_0000008").glob("*.distcp")))
+    _killed_when(tmp_path, lambda: any((ck / "iter_0000008").glob("*.distcp")), PERSISTENT)
     assert newest_intact_checkpoint(str(ck)) == (ck / TRACKER).read_text() in ("4", "8")
