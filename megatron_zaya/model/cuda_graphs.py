@@ -80,10 +80,10 @@ class _CapturedLayer:
         self.outputs: tuple[torch.Tensor, ...] = ()
         self.grad_outputs: list[torch.Tensor] = []
         self.grads: tuple[torch.Tensor | None, ...] = ()  # of inputs, then of params
-        # Parameters whose gradient the backward graph adds to Megatron's main_grad (the grouped experts' kernel,
-        # or the graph's own addition): a replay does not rerun the Python that tells Megatron's hooks so.
-        self.grads_in_main_grad: list[torch.nn.Parameter] = []
-        self.param_in_main_grad: list[bool] = []  # per parameter of ``params``
+        # Per parameter of ``params``: whether the backward graph adds its gradient to Megatron's main_grad (the
+        # grouped experts' kernel, or the graph's own addition); a replay does not rerun the Python that tells
+        # Megatron's hooks so.
+        self.in_main_grad: list[bool] = []
 
 
 class _ReplayLayer(torch.autograd.Function):
@@ -107,13 +107,14 @@ class _ReplayLayer(torch.autograd.Function):
             else:
                 _load(static, given)
         captured.backward_graph.replay()
-        for param in captured.grads_in_main_grad:
-            param.grad_added_to_main_grad = True
         inputs = len(captured.inputs)
-        # Fresh placeholders, which autograd takes as they are; the graph's own tensors it would copy.
-        placeholders = [torch.empty_like(p) if in_main else g
-                        for p, g, in_main in zip(captured.params, captured.grads[inputs:], captured.param_in_main_grad)]
-        return (None, *captured.grads[:inputs], *placeholders)
+        param_grads = []
+        for param, grad, in_main in zip(captured.params, captured.grads[inputs:], captured.in_main_grad):
+            if in_main:  # a fresh placeholder, which autograd takes as it is; the graph's own tensor it would copy
+                param.grad_added_to_main_grad = True
+                grad = torch.empty_like(param)
+            param_grads.append(grad)
+        return (None, *captured.grads[:inputs], *param_grads)
 
 
 def _load(static: torch.Tensor, given: torch.Tensor) -> None:
@@ -138,17 +139,17 @@ def _flags_cleared(params):
                 param.grad_added_to_main_grad = flag
 
 
-def _add_to_main_grads(params, grads) -> list[torch.nn.Parameter]:
+def _add_to_main_grads(params, grads) -> list[bool]:
     """Captured in a backward graph: each gradient added to its Megatron ``main_grad`` (DDP's hook's addition).
-    Returns the parameters whose gradients are then in ``main_grad``, the experts' own included."""
+    Returns, per parameter, whether its gradient is then in ``main_grad`` (the experts' own included)."""
     in_main_grad = []
     for param, grad in zip(params, grads):
-        if getattr(param, "grad_added_to_main_grad", False):  # the kernel added it
-            in_main_grad.append(param)
-        elif grad is not None and getattr(param, "main_grad", None) is not None \
-                and hasattr(param, "grad_added_to_main_grad"):
+        added_by_kernel = getattr(param, "grad_added_to_main_grad", False)
+        add_here = not added_by_kernel and grad is not None and getattr(param, "main_grad", None) is not None \
+            and hasattr(param, "grad_added_to_main_grad")
+        if add_here:
             param.main_grad.add_(grad)
-            in_main_grad.append(param)
+        in_main_grad.append(added_by_kernel or add_here)
     return in_main_grad
 
 
@@ -254,9 +255,7 @@ class LayerGraphs:
                                                                     capture_error_mode="thread_local"):
                 captured.grads = torch.autograd.grad(captured.outputs, captured.inputs + list(captured.params),
                                                      grad_outputs=captured.grad_outputs, allow_unused=True)
-                captured.grads_in_main_grad = _add_to_main_grads(captured.params, captured.grads[len(captured.inputs):])
-            in_main = set(captured.grads_in_main_grad)
-            captured.param_in_main_grad = [p in in_main for p in captured.params]
+                captured.in_main_grad = _add_to_main_grads(captured.params, captured.grads[len(captured.inputs):])
             next_grads = captured.grads[:len(captured.inputs)]
         torch.cuda.synchronize()
         return chain, constants
