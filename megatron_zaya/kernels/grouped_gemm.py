@@ -268,8 +268,8 @@ class _GroupedGemm(torch.autograd.Function):
         _grouped_weight_grad_kernel[grid](grad_out, x, target, target if table is None else table, tiles[3],
                                           tokens_per_expert, operand.m_dim, operand.k_dim, BLOCK_M=block_m,
                                           BLOCK_N=block_n, BLOCK_R=tuning["wgrad_block_r"], W_TABLE=table is not None,
-                                          W_ALIGNED=aligned, ACCUMULATE=table is not None, num_warps=tuning["wgrad_warps"],
-                                          num_stages=tuning["wgrad_stages"])  # fmt: skip
+                                          W_ALIGNED=aligned, ACCUMULATE=table is not None,
+                                          num_warps=tuning["wgrad_warps"], num_stages=tuning["wgrad_stages"])  # fmt: skip
         if ctx.main_grads is not None:  # grad_w is a placeholder: Megatron's gradient hooks skip it, as for its
             for weight in ctx.weights:  # own layers with gradient-accumulation fusion, but need a gradient to fire
                 weight.grad_added_to_main_grad = True
@@ -292,9 +292,11 @@ def _main_grads(weights) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
     if any(g is None or g.shape != w.shape or g.dtype != grads[0].dtype or not g.is_contiguous()
            for g, w in zip(grads, weights)):
         return None
-    aligned = _offset_table(grads, grads[0].device)
-    return grads[0], (aligned if aligned is not None else _offset_table(grads, grads[0].device, align=1)), \
-        aligned is not None
+    table = _offset_table(grads, grads[0].device)  # None unless every offset is a multiple of 16 elements
+    aligned = table is not None
+    if not aligned:
+        table = _offset_table(grads, grads[0].device, align=1)
+    return grads[0], table, aligned
 
 
 def grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padded_rows: bool = False) -> torch.Tensor:
