@@ -108,6 +108,16 @@ def _route_top1_grad(
 
 
 @triton.jit
+def _logits_block(logits_ptr, n_tokens, n_classes, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's block of the [T, C] logits in fp32: rows, cols, offsets, mask, logits."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_C)
+    offsets = tl.cast(rows, tl.int64)[:, None] * n_classes + cols[None, :]
+    mask = (rows < n_tokens)[:, None] & (cols < n_classes)[None, :]
+    return rows, cols, offsets, mask, tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _router_forward_kernel(
     logits_ptr,  # [T, C] (C = E + 1 classes)
     biases_ptr,  # [C] fp32
@@ -121,11 +131,7 @@ def _router_forward_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_C)
-    rows64 = tl.cast(rows, tl.int64)
-    logits = tl.load(logits_ptr + rows64[:, None] * n_classes + cols[None, :],
-                     mask=(rows < n_tokens)[:, None] & (cols < n_classes)[None, :], other=0.0).to(tl.float32)
+    rows, cols, _, _, logits = _logits_block(logits_ptr, n_tokens, n_classes, BLOCK_T, BLOCK_C)
     _route_top1_block(logits, rows, cols, n_tokens, n_classes, biases_ptr, probs_ptr, routing_map_ptr,
                       skip_gate_ptr, choice_ptr, counts_ptr)  # fmt: skip
 
@@ -142,12 +148,7 @@ def _router_backward_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_C)
-    rows64 = tl.cast(rows, tl.int64)
-    offsets = rows64[:, None] * n_classes + cols[None, :]
-    mask = (rows < n_tokens)[:, None] & (cols < n_classes)[None, :]
-    logits = tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    rows, cols, offsets, mask, logits = _logits_block(logits_ptr, n_tokens, n_classes, BLOCK_T, BLOCK_C)
     grad_logits = _route_top1_grad(logits, rows, cols, n_tokens, n_classes, grad_probs_ptr, grad_skip_ptr,
                                    choice_ptr, HAS_GRAD_SKIP=True)  # fmt: skip
     tl.store(grad_logits_ptr + offsets, grad_logits.to(grad_logits_ptr.dtype.element_ty), mask=mask)
