@@ -1,7 +1,7 @@
 """Background saves (``--async-save``) and the local tier in real runs: the whole job SIGKILLed as checkpoint
 8's background save starts leaves both tiers resumable, and a resume from either tier repeats the killed run's
-losses; killed once its writer has begun the data files of a checkpoint, ``latest`` stays intact; a write still in flight when
-the run ends is finished and checksummed."""
+losses; killed once its writer has begun the data files of a checkpoint, ``latest`` stays intact; a write still
+in flight when the run ends is finished and checksummed."""
 
 from __future__ import annotations
 
