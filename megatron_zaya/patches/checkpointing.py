@@ -49,6 +49,38 @@ def background_saves() -> None:
     replace_attr(checkpointing, "schedule_async_save", schedule_async_save)
 
 
+@register("checkpointing.one_write_in_flight", target="megatron.training.training.save_checkpoint")
+def one_write_in_flight() -> None:
+    """With ``--async-save``, a save first waits for the background saves in flight and finalizes them, so that
+    the checkpoint before it is named (tracker and ``zaya_checksums.json``) before the next one's directory
+    and files appear.
+
+    Megatron finalizes a finished background save from the training loop, at the step after the writer reports
+    it (``maybe_finalize_async_save``, training.py:3740). The writer takes the next save as soon as it is
+    free, while the loop is still in ``save_checkpoint``, so when the next save came before the previous write
+    ended, a SIGKILL once the next write had begun left the previous checkpoint written but never named: no
+    tracker, and no intact checkpoint to resume from. The loop waited for that write anyway (the next save's
+    preload joins the writer, async_utils.py:421); now it also finalizes it first. Wraps the name
+    ``save_checkpoint`` that ``megatron.training.training`` imported; calls the queue's own
+    ``maybe_finalize_async_calls(blocking=True)`` rather than ``maybe_finalize_async_save``, which prints a line
+    at every save that finds a write in flight (each step, with a local tier saving every step).
+    Off: leave ``checkpointing.one_write_in_flight`` out of ``--zaya-patches`` (a kill can then leave the newest
+    written checkpoint unnamed).
+    """
+    import megatron.training.training as training
+    from megatron.training import async_utils
+
+    original = training.save_checkpoint
+
+    @functools.wraps(original)
+    def save_checkpoint(*args, **kwargs):
+        if training.get_args().async_save and not async_utils.is_empty_async_queue():
+            async_utils._async_calls_queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
+        return original(*args, **kwargs)
+
+    replace_attr(training, "save_checkpoint", save_checkpoint)
+
+
 @register("checkpointing.local_tier", target="megatron.training.training.setup_model_and_optimizer")
 def local_tier() -> None:
     """``--non-persistent-ckpt-type local`` saves through ZAYA1's :class:`~megatron_zaya.training.local_tier.

@@ -9,6 +9,9 @@ imported, its :class:`StepGuard` is wrapped so that the given (1-based) iteratio
 * ``loss_spike``: the losses of that iteration are multiplied by 10;
 * ``nan_grad`` / ``inf_grad``: one gradient element becomes NaN / +Inf after the gradient all-reduce;
 * ``drift``: one weight of this rank changes by +1 (data-parallel replicas disagree from then on).
+
+``slow_write@iteration`` instead delays the background writer (``--async-save``): its write of that checkpoint
+starts :data:`SLOW_WRITE_SECONDS` late, so that the steps after it reach the next save while it is in flight.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import sys
 
 ENV_VAR = "ZAYA_FAULT_INJECT"
 STEP_KINDS = ("nan_loss", "inf_loss", "loss_spike", "nan_grad", "inf_grad", "drift")
-TARGET = "megatron_zaya.training.reliability"
+WRITE_KINDS = ("slow_write",)
+SLOW_WRITE_SECONDS = 5.0
 
 
 @functools.cache
@@ -31,9 +35,9 @@ def _plan() -> tuple[tuple[str, int, int | None], ...]:
     for item in (s.strip() for s in os.environ.get(ENV_VAR, "").split(",") if s.strip()):
         kind, _, rest = item.partition("@")
         iteration, _, rank = rest.partition("@")
-        if kind not in STEP_KINDS or not iteration.isdigit() or (rank and not rank.isdigit()):
+        if kind not in STEP_KINDS + WRITE_KINDS or not iteration.isdigit() or (rank and not rank.isdigit()):
             raise ValueError(f"{ENV_VAR}: bad entry {item!r}; use kind@iteration[@rank], kind one of "
-                             f"{', '.join(STEP_KINDS)}")
+                             f"{', '.join(STEP_KINDS + WRITE_KINDS)}")
         faults.append((kind, int(iteration), int(rank) if rank else None))
     return tuple(faults)
 
@@ -70,9 +74,10 @@ def _break_grads(optimizer, model_chunks) -> None:
             next(p for chunk in model_chunks for p in chunk.parameters()).view(-1)[0] += 1.0
 
 
-def _wrap(step_guard) -> None:
+def _wrap_step_guard(module) -> None:
     """Loss faults enter through the forward step the guard watches; gradient and weight faults right after
     ``prepare_grads`` (gradients final, before the guard reads the norm and compares replicas)."""
+    step_guard = module.StepGuard
     install, watch = step_guard.install, step_guard.watch
 
     def install_with_faults(self, optimizer, model_chunks, args):
@@ -97,11 +102,34 @@ def _wrap(step_guard) -> None:
     step_guard.install, step_guard.watch = install_with_faults, watch_with_faults
 
 
+def _wrap_writer(module) -> None:
+    """Delay the background writer's write of each ``slow_write`` checkpoint (it runs in the writer process,
+    which imports the module afresh; the replaced name is what the training process pickles for it)."""
+    import time
+
+    from megatron_zaya.checkpoint import step_name
+
+    slow = {step_name(iteration) for kind, iteration, _ in _plan() if kind == "slow_write"}
+    stage_write_record = module.stage_write_record
+
+    @functools.wraps(stage_write_record)
+    def slowed(write, rank, write_buckets, results_queue):
+        if any(part in slow for part in os.path.normpath(write_buckets[0][0]).split(os.sep)):
+            time.sleep(SLOW_WRITE_SECONDS)
+        return stage_write_record(write, rank, write_buckets, results_queue)
+
+    module.stage_write_record = slowed
+
+
 class _WrapOnImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: hands the target module's spec on with a loader that wraps it once executed."""
+    """Finds nothing itself: hands the ``target`` module's spec on with a loader that applies ``wrap`` to it once
+    executed."""
+
+    def __init__(self, target: str, wrap) -> None:
+        self.target, self.wrap = target, wrap
 
     def find_spec(self, name, path, target=None):
-        if name != TARGET:
+        if name != self.target:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -109,11 +137,13 @@ class _WrapOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             execute(module)
-            _wrap(module.StepGuard)
+            self.wrap(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
 if any(kind in STEP_KINDS for kind, _, _ in _plan()):
-    sys.meta_path.insert(0, _WrapOnImport())
+    sys.meta_path.insert(0, _WrapOnImport("megatron_zaya.training.reliability", _wrap_step_guard))
+if any(kind in WRITE_KINDS for kind, _, _ in _plan()):
+    sys.meta_path.insert(0, _WrapOnImport("megatron_zaya.training.checkpoint_tiers", _wrap_writer))

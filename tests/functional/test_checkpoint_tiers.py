@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from zaya_cli import QUICK, losses, pretrain
+from zaya_cli import QUICK, losses, pretrain, with_faults
 
 from megatron_zaya.checkpoint import CHECKSUMS, TRACKER
 from megatron_zaya.training.reliability import newest_intact_checkpoint
@@ -24,13 +24,13 @@ TIERS = PERSISTENT + ["--non-persistent-ckpt-type", "local", "--non-persistent-l
 FLAGS = QUICK + ["--train-iters", "400"]
 
 
-def _killed_when(directory, ready, tiers=TIERS) -> dict[int, float]:
-    """A run with ``tiers`` (both by default), its process group SIGKILLed the moment ``ready()`` holds; its
-    losses."""
+def _killed_when(directory, ready, tiers=TIERS, faults: str = "") -> dict[int, float]:
+    """A run with ``tiers`` (both by default) and the injected ``faults``, its process group SIGKILLed the moment
+    ``ready()`` holds; its losses."""
     with (directory / "killed.log").open("w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "megatron_zaya.pretrain", *FLAGS, *tiers], cwd=directory,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(with_faults(faults) if faults else {})})
     deadline = time.time() + 400
     while not ready() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.001)
@@ -99,8 +99,8 @@ def test_a_resume_from_the_background_save_repeats_the_losses(killed, tmp_path):
 
 def test_a_kill_while_the_writer_writes_leaves_an_intact_latest(tmp_path):
     """Killed the moment the background writer has created the first data file of checkpoint 8 (mid-write; the
-    persistent tier alone): ``latest`` names a checkpoint whose every file matches its checksums (what a resume
-    loads, as the tests above show)."""
+    persistent tier alone), its write of 4 slowed so that it ends only as the save of 8 begins: ``latest`` names
+    4, whose every file matches its checksums (what a resume loads, as the tests above show)."""
     ck = tmp_path / "ck"
-    _killed_when(tmp_path, lambda: any((ck / "iter_0000008").glob("*.distcp")), PERSISTENT)
-    assert newest_intact_checkpoint(str(ck)) == (ck / TRACKER).read_text() in ("4", "8")
+    _killed_when(tmp_path, lambda: any((ck / "iter_0000008").glob("*.distcp")), PERSISTENT, "slow_write@4")
+    assert newest_intact_checkpoint(str(ck)) == (ck / TRACKER).read_text() == "4"
