@@ -81,6 +81,36 @@ def one_write_in_flight() -> None:
     replace_attr(training, "save_checkpoint", save_checkpoint)
 
 
+@register("checkpointing.in_process_write_results",
+          target="megatron.core.dist_checkpointing.strategies.filesystem_async.get_write_results_queue")
+def in_process_write_results() -> None:
+    """A synchronous ``torch_dist`` save hands its write results back through a ``queue.Queue`` of the training
+    process, not through a multiprocessing manager.
+
+    Such a save writes in threads of the training process (``write_preloaded_data_multithread``), yet Megatron
+    collects their results through a ``Manager().Queue()`` that it creates with ``spawn`` at the first save
+    (filesystem_async.py:65): a server process that re-imports the training script, torch and Megatron. That
+    costs 4-5 s and a CPU core at the first save of every run, and about 1 s at exit, when the manager is shut
+    down. A background writer needs the cross-process queue, which Megatron creates with ``fork`` when it starts
+    the writer (async_utils.py:104); that call, and any later one while that queue exists, are unchanged.
+    Off: leave ``checkpointing.in_process_write_results`` out of ``--zaya-patches``.
+    """
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    original = filesystem_async.get_write_results_queue
+    in_process: queue.Queue = queue.Queue()
+
+    @functools.wraps(original)
+    def get_write_results_queue(mp_mode: str | None = None):
+        if mp_mode is None and filesystem_async._results_queue is None:
+            return in_process
+        return original(mp_mode or "spawn")
+
+    replace_attr(filesystem_async, "get_write_results_queue", get_write_results_queue)
+
+
 @register("checkpointing.local_tier", target="megatron.training.training.setup_model_and_optimizer")
 def local_tier() -> None:
     """``--non-persistent-ckpt-type local`` saves through ZAYA1's :class:`~megatron_zaya.training.local_tier.
