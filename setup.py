@@ -41,7 +41,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "zaya-pretrain=megatron_zaya.pretrain:main",
+            "zaya-pretrain=megatron_zaya.pretrain:cli",
             "zaya-convert=megatron_zaya.convert.cli:main",
             "zaya-preprocess=megatron_zaya.data.preprocess:main",
             "zaya-patches=megatron_zaya.patches.cli:main",
