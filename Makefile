@@ -6,7 +6,8 @@ train:
 	scripts/venv.sh
 	.venv/bin/zaya-pretrain
 
-# The test suite (CPU; GPU tests run only where CUDA is present).
+# The test suite (CPU; GPU tests run only where CUDA is present). Work stealing: otherwise one worker is
+# handed the long CLI tests at the end of the collection while the other idles.
 test:
 	scripts/venv.sh
-	.venv/bin/python -m pytest -n 2 --timeout 900 --durations 25 tests
+	.venv/bin/python -m pytest -n 2 --dist worksteal --timeout 900 --durations 25 tests
