@@ -1,6 +1,7 @@
-"""Start-up time of the command-line tools: ``zaya-convert --help``, ``zaya-preprocess --help``, and
-``zaya-pretrain`` up to its first iteration (the tiny preset on the embedded corpus, CPU or GPU), with the time
-at which each stage of the start is reached.
+"""Start-up time of the command-line tools: ``zaya-convert --help``, ``zaya-preprocess --help``, and a
+two-step ``zaya-pretrain`` run that saves a checkpoint (the tiny preset on the embedded corpus, CPU or GPU),
+with Adam and with Muon, with the time at which each stage of its start, its steps, its save and its exit is
+reached.
 
 With ``--baseline DIR`` (a copy of another version's ``megatron_zaya`` package, e.g. from
 ``git archive REV megatron_zaya | tar -x -C DIR``) the same commands run against it too, alternating with this
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
+import shutil
 import statistics
 import subprocess
 import sys
@@ -30,7 +31,12 @@ STAGES = {
     "model and optimizer built": "[after model, optimizer, and learning rate scheduler are built]",
     "data loaders built": "[after dataloaders are built]",
     "first iteration": " iteration        1/",
+    "second iteration": " iteration        2/",
+    "checkpoint saved": "successfully saved checkpoint",
 }
+# The runs timed, by their optimizer flags: Adam (the main job's) and Muon (whose step is the second iteration's
+# difference between them).
+OPTIMIZERS = {"zaya-pretrain": [], "zaya-pretrain --optimizer zaya_muon": ["--optimizer", "zaya_muon"]}
 PRETRAIN_FLAGS = ["--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "2",
                   "--eval-iters", "0", "--log-interval", "1", "--lr-warmup-iters", "1"]
 TOOLS = {
@@ -41,7 +47,7 @@ TOOLS = {
 
 def _env(tree: Path) -> dict[str, str]:
     """``tree``'s megatron_zaya first on the path (the commands run outside it: ``python -c`` puts the working
-    directory first)."""
+    directory first, and so does ``-m``)."""
     return {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
 
 
@@ -51,22 +57,24 @@ def tool_seconds(tree: Path, code: str, cwd: Path) -> float:
     return time.perf_counter() - start
 
 
-def pretrain_stages(tree: Path, cwd: Path) -> dict[str, float]:
-    """Seconds from launch to each stage of STAGES; the run is ended at its first iteration."""
-    code = "import sys; from megatron_zaya.pretrain import main; sys.exit(main(sys.argv[1:]))"
+def pretrain_stages(tree: Path, cwd: Path, flags: list[str]) -> dict[str, float]:
+    """Seconds from launch to each stage of STAGES, and to the exit of the command as users run it (a fresh
+    run: no checkpoint to resume)."""
+    ckpt = cwd / "ckpt"
+    shutil.rmtree(ckpt, ignore_errors=True)
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", code, *PRETRAIN_FLAGS, "--save", str(cwd / "ckpt")], cwd=cwd,
-                            env=_env(tree), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    command = [sys.executable, "-m", "megatron_zaya.pretrain", *PRETRAIN_FLAGS, *flags, "--save", str(ckpt)]
+    proc = subprocess.Popen(command, cwd=cwd, env=_env(tree), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     reached = {}
     for line in proc.stdout:
         for stage, marker in STAGES.items():
             if stage not in reached and marker in line:
                 reached[stage] = time.perf_counter() - start
-        if "first iteration" in reached:
-            break
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    code = proc.wait()
+    reached["exited"] = time.perf_counter() - start
+    if code:
+        raise SystemExit(f"zaya-pretrain from {tree} exited with {code}")
     missing = [stage for stage in STAGES if stage not in reached]
     if missing:
         raise SystemExit(f"zaya-pretrain from {tree} ended before: {', '.join(missing)}")
@@ -78,15 +86,14 @@ def measure(trees: dict[str, Path], repeats: int) -> dict[str, dict[str, list[fl
     results = {name: {} for name in trees}
     with tempfile.TemporaryDirectory() as scratch:
         for name, tree in trees.items():  # untimed: builds the embedded dataset's cache, warms the file cache
-            pretrain_stages(tree, Path(scratch))
+            pretrain_stages(tree, Path(scratch), [])
         for _ in range(repeats):
             for name, tree in trees.items():
                 for tool, code in TOOLS.items():
                     results[name].setdefault(tool, []).append(tool_seconds(tree, code, Path(scratch)))
-                for stage, seconds in pretrain_stages(tree, Path(scratch)).items():
-                    results[name].setdefault(f"zaya-pretrain: {stage}", []).append(seconds)
-                for ckpt in Path(scratch).glob("ckpt"):
-                    subprocess.run(["rm", "-rf", str(ckpt)], check=True)
+                for run, flags in OPTIMIZERS.items():
+                    for stage, seconds in pretrain_stages(tree, Path(scratch), flags).items():
+                        results[name].setdefault(f"{run}: {stage}", []).append(seconds)
     return results
 
 
