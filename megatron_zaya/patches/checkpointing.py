@@ -104,9 +104,9 @@ def in_process_write_results() -> None:
 
     @functools.wraps(original)
     def get_write_results_queue(mp_mode: str | None = None):
-        if mp_mode is None and filesystem_async._results_queue is None:
-            return in_process
-        return original(mp_mode or "spawn")
+        if mp_mode is not None:
+            return original(mp_mode)
+        return in_process if filesystem_async._results_queue is None else original()
 
     replace_attr(filesystem_async, "get_write_results_queue", get_write_results_queue)
 
