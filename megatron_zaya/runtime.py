@@ -124,6 +124,12 @@ def _is_rank_0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def print_rank_0(message: str, file=None) -> None:
+    """``print`` on global rank 0 only (every process when torch.distributed is not initialised), flushed."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, file=file or sys.stdout, flush=True)
+
+
 @contextlib.contextmanager
 def one_line_for_missing_packages():
     """Importing Megatron without Transformer Engine, Apex or absl-py raises a dozen warnings (and torch logs

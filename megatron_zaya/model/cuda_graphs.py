@@ -47,6 +47,7 @@ from functools import partial
 import torch
 
 from ..config import ZayaConfigError
+from ..runtime import print_rank_0
 
 WARMUP_PASSES = 2
 MASK = "attention_mask"  # among the constants, next to the RoPE tables keyed by attention type
@@ -209,15 +210,22 @@ class LayerGraphs:
             hidden, router_state = _ReplayLayer.apply(captured, *inputs, *captured.params)
         return hidden, router_state
 
+    @property
+    def captured_signatures(self) -> int:
+        """How many input signatures replay as graphs (a failed capture's signature runs eagerly)."""
+        return sum(chain is not None for chain in self._chains.values())
+
     def _capture_or_none(self, hidden, router_state, constants):
         try:
-            return self._capture(hidden, router_state, constants)
+            chain = self._capture(hidden, router_state, constants)
         except RuntimeError as error:
             torch.cuda.synchronize()
-            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-                print(f"[zaya] warning: CUDA graph capture failed ({str(error).strip().splitlines()[0][:160]}); "
-                      "these layers run eagerly", file=sys.stderr, flush=True)
+            print_rank_0(f"[zaya] warning: CUDA graph capture failed ({str(error).strip().splitlines()[0][:160]}); "
+                         "these layers run eagerly", file=sys.stderr)
             return None
+        print_rank_0(f"[zaya] CUDA graphs: captured the forward and backward of {len(self.layers)} layers "
+                     f"for input {list(hidden.shape)}", file=sys.stderr)
+        return chain
 
     def _capture(self, hidden, router_state, constants):
         constants = {name: table.detach().clone() for name, table in constants.items()}
@@ -269,3 +277,4 @@ class LayerGraphs:
         torch.autograd.grad((hidden, router_state), inputs + params,
                             grad_outputs=(torch.ones_like(hidden), torch.zeros_like(router_state)),
                             allow_unused=True)
+

@@ -25,6 +25,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?grad norm: ([0-9.E+-]+)")
 # What ``all`` takes under --zaya-cuda-graphs, named, so that the eager runs compute with the same kernels.
 GRAPHED_KERNELS = ",".join(op for op in KERNEL_OPS if op != "router_head")
+# The tiny preset's 4 layers at the CLI tests' micro-batch: [sequence, micro-batch, hidden].
+CAPTURED = "[zaya] CUDA graphs: captured the forward and backward of 4 layers for input [64, 4, 128]"
 
 
 def _model(cuda_graphs: bool):
@@ -68,14 +70,30 @@ def _steps_agree(eager, graphed, batches, step: int) -> torch.Tensor:
     return want_counts
 
 
-def test_graphed_layers_equal_eager_layers():
+def _count_replays(monkeypatch) -> list[int]:
+    """A counter of CUDA graph replays in this process (the layers' forward and backward graphs)."""
+    replays, replay = [0], torch.cuda.CUDAGraph.replay
+
+    def counted(graph):
+        replays[0] += 1
+        return replay(graph)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counted)
+    return replays
+
+
+def test_graphed_layers_equal_eager_layers(monkeypatch):
     eager, graphed = _model(False), _model(True)
     graphed.load_state_dict(eager.state_dict())
     assert graphed.decoder.cuda_graphs is not None and eager.decoder.cuda_graphs is None
+    replays = _count_replays(monkeypatch)
     generator = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randint(0, 8192, (2, 512), device="cuda", generator=generator) for _ in range(2)]
     for step in range(2):
         assert _steps_agree(eager, graphed, batches, step).sum() == 3 * 2 * 2 * 512, step
+        # every micro-batch replays each of the 3 layers' forward and backward graphs: nothing ran eagerly
+        assert graphed.decoder.cuda_graphs.captured_signatures == 1
+        assert replays[0] == (step + 1) * 2 * 3 * 2, (step, replays)
         with torch.no_grad():  # the same in-place update on both: step 1 must see the new weights
             for model in (eager, graphed):
                 for param in model.parameters():
@@ -106,6 +124,7 @@ def test_a_failed_capture_runs_the_layers_eagerly(capfd):
         _steps_agree(eager, graphed, batches, step)
     warnings = [line for line in capfd.readouterr().err.splitlines() if "CUDA graph capture failed" in line]
     assert len(warnings) == 1 and warnings[0].startswith("[zaya] warning:"), warnings
+    assert graphed.decoder.cuda_graphs.captured_signatures == 0
 
 
 @pytest.mark.parametrize("gpus, recompute", [(1, []), (2, []), (1, ["--recompute-granularity", "selective"])],
@@ -124,5 +143,8 @@ def test_cli_with_graphs_repeats_the_eager_run(gpus, recompute, tmp_path):
         run = pretrain(common + flags, cwd=tmp_path, extra_env=env)
         assert run.returncode == 0, run.stderr[-3000:]
         runs[name] = (losses(run.stdout), {int(i): v for i, v in GRAD_NORM.findall(run.stdout)})
+        captures = [line for line in run.stderr.splitlines() if line.startswith("[zaya] CUDA graph")]
+        # graphed: one capture (every micro-batch has the same shape), then replays; a failed capture would warn
+        assert captures == ([CAPTURED] if flags else []), captures
     assert sorted(runs["eager"][0]) == list(range(1, 7)), runs["eager"]
     assert runs["graphs"] == runs["eager"]
