@@ -8,6 +8,8 @@ band the coefficients promise.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -134,15 +136,20 @@ def test_fp32_newton_schulz_is_accurate():
 
 
 @pytest.mark.parametrize("shape", [(1024, 2048), (3, 256, 2048), (2048, 1024)])
-def test_graphed_newton_schulz_equals_launches(shape):
-    """CUDA-graph replays run the same kernels: equal results, fresh ones per call, earlier results kept."""
-    from megatron_zaya.kernels.newton_schulz import QUINTIC_COEFFICIENTS, newton_schulz
-
+def test_graphed_newton_schulz_equals_launches(shape, monkeypatch):
+    """CUDA-graph replays run the same kernels: equal results, fresh ones per call, earlier results kept. Each
+    graphed call is one replay (a failed capture would launch the kernels one by one, with a warning)."""
     coefficients = (QUINTIC_COEFFICIENTS,) * 5
     gen = torch.Generator(device="cuda").manual_seed(0)
     inputs = [torch.randn(shape, device="cuda", generator=gen) for _ in range(3)]
     eager = [newton_schulz(g, coefficients) for g in inputs]
-    graphed = [newton_schulz(g, coefficients, graphed=True) for g in inputs]
+    replays, replay = [], torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: replays.append(graph) or replay(graph))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphed = [newton_schulz(g, coefficients, graphed=True) for g in inputs]
+    assert not [w for w in caught if "CUDA graph" in str(w.message)], [str(w.message) for w in caught]
+    assert len(replays) == 3 and len(set(map(id, replays))) == 1, replays
     for ours, ref in zip(graphed, eager):  # equal up to cuBLAS picking another algorithm inside the capture
         assert ((ours.float() - ref.float()).norm() / ref.float().norm()).item() <= 1e-2
     assert not torch.equal(graphed[0], graphed[1])
