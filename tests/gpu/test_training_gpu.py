@@ -1,0 +1,112 @@
+"""On GPUs, through the CLI in bf16 under ``--deterministic-mode`` (GPU runs repeat bit for bit): exact resume with
+Megatron's distributed optimizer, Adam and Muon's ZeRO-1; a background save, written while training went on,
+resumed exactly; a NaN on one rank skipped on every rank; the fused weight gradients against the unfused ones.
+
+Two uninterrupted runs (one per optimizer, module fixtures) serve every test of their optimizer: each is a
+reference that a test repeats from its checkpoint of step 5. Up to two GPUs (data parallel; the CLI relaunches
+itself under torchrun on every visible GPU).
+
+Without the ``megatron_fixes.distopt_*`` patches every parameter shares one Adam step counter after the resume,
+reset to the fresh optimizer's value: step 6 still matches and steps 7-10 drift by about 1e-2.
+
+    python -m pytest -q tests/gpu/test_training_gpu.py
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from zaya_cli import QUICK, losses, pretrain, with_faults
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+
+GPUS = min(torch.cuda.device_count(), 2) if torch.cuda.is_available() else 0
+ENV = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(GPUS)))}
+COMMON = QUICK + ["--train-iters", "10", "--bf16", "--use-distributed-optimizer", "--deterministic-mode",
+                  "--lr", "3e-3"]
+OPTIMIZER = {"adam": ["--optimizer", "adam"], "zaya_muon": ["--optimizer", "zaya_muon", "--lr", "0.02"]}
+NAN_STEP = 3  # the uninterrupted Muon run's injected NaN gradient, on the last rank only
+
+
+def _loss_csv(path: Path) -> dict[int, float]:
+    rows = path.read_text().splitlines()[1:]
+    return {int(i): float(v) for i, v in (row.split(",") for row in rows)}
+
+
+def _uninterrupted(optimizer: str, root: Path, flags: list[str], env: dict) -> tuple[Path, str]:
+    run_dir = root / optimizer
+    run = pretrain(COMMON + OPTIMIZER[optimizer] + ["--save", str(run_dir), "--load", str(run_dir),
+                                                    "--save-interval", "5", *flags],
+                   cwd=root, extra_env={**ENV, **env})  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run_dir, run.stdout + run.stderr
+
+
+@pytest.fixture(scope="module")
+def muon_run(tmp_path_factory):
+    """ZeRO-1 Muon with background saves (the writer reads the device copies while training goes on), a NaN
+    gradient on one rank at step 3 and the replica check every 5 steps: (checkpoint dir, console output)."""
+    flags = ["--async-save", "--zaya-replica-check-interval", "5"]
+    faults = with_faults(f"nan_grad@{NAN_STEP}@{GPUS - 1}")
+    return _uninterrupted("zaya_muon", tmp_path_factory.mktemp("muon"), flags, faults)
+
+
+@pytest.fixture(scope="module")
+def adam_run(tmp_path_factory):
+    """Megatron's sharded Adam with synchronous saves, the weight gradients fused into main_grad (the default)."""
+    return _uninterrupted("adam", tmp_path_factory.mktemp("adam"), [], {})
+
+
+def _resumed_from_step_5(optimizer: str, run_dir: Path, tmp_path: Path) -> dict[int, float]:
+    plot = tmp_path / "resumed" / "loss.png"
+    resumed = pretrain(COMMON + OPTIMIZER[optimizer] + ["--load", str(run_dir), "--ckpt-step", "5", "--save", "",
+                                                        "--zaya-loss-plot", str(plot)],
+                       cwd=tmp_path, extra_env=ENV)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    return _loss_csv(plot.with_suffix(".csv"))
+
+
+@pytest.mark.xdist_group("zaya_muon")
+def test_zero1_muon_resumes_exactly_from_a_background_save(muon_run, tmp_path):
+    run_dir, _ = muon_run
+    expected, got = _loss_csv(run_dir / "loss.csv"), _resumed_from_step_5("zaya_muon", run_dir, tmp_path)
+    assert sorted(expected) == list(range(1, 11)) and sorted(got) == list(range(6, 11)), (expected, got)
+    assert got == {i: expected[i] for i in got}
+
+
+@pytest.mark.xdist_group("zaya_muon")
+def test_nan_on_one_rank_is_skipped_everywhere(muon_run):
+    _, out = muon_run
+    assert re.findall(r"iteration\s+(\d+) \| non-finite step skipped", out) == [str(NAN_STEP)], out[-4000:]
+    # the replicas are checked at every data-parallel size (one replica: its own parameters against themselves)
+    assert re.findall(r"iteration\s+(\d+) \| data-parallel replicas identical", out) == ["5", "10"], out[-4000:]
+    assert all(torch.isfinite(torch.tensor(v)) for v in losses(out).values())
+
+
+@pytest.mark.xdist_group("adam")
+def test_distributed_adam_resumes_exactly(adam_run, tmp_path):
+    run_dir, _ = adam_run
+    expected, got = _loss_csv(run_dir / "loss.csv"), _resumed_from_step_5("adam", run_dir, tmp_path)
+    assert sorted(expected) == list(range(1, 11)) and sorted(got) == list(range(6, 11)), (expected, got)
+    assert got == {i: expected[i] for i in got}
+
+
+@pytest.mark.xdist_group("adam")
+def test_fused_weight_gradients_train_like_unfused(adam_run, tmp_path):
+    """Megatron's gradient-accumulation fusion on the ``kernels.weight_gradient_accumulation`` stand-in (CCA's
+    projections add their weight gradients straight into the fp32 ``main_grad``) against
+    ``--no-gradient-accumulation-fusion`` (bf16 weight gradients that DDP's hooks add)."""
+    run_dir, _ = adam_run
+    fused = _loss_csv(run_dir / "loss.csv")
+    run = pretrain(COMMON + OPTIMIZER["adam"] + ["--save", "", "--no-gradient-accumulation-fusion"], cwd=tmp_path,
+                   extra_env=ENV)
+    assert run.returncode == 0, run.stderr[-4000:]
+    unfused = losses(run.stdout)
+    assert sorted(unfused) == sorted(fused) == list(range(1, 11)), (unfused, fused)
+    # The fused run skips the bf16 rounding of each weight gradient: the losses agree to bf16 training noise.
+    for step, want in unfused.items():
+        assert abs(fused[step] - want) <= 2e-3 * abs(want), (step, fused, unfused)
+    assert any(abs(fused[s] - unfused[s]) > 1e-6 * abs(unfused[s]) for s in unfused), "the fusion did not run"
