@@ -159,15 +159,40 @@ def one_line_for_missing_packages():
 
 def write_start_log(run_dir: str | None, applied: int, patches: int) -> None:
     """On rank 0, append :data:`START_LOG` to ``run_dir``'s :data:`START_LOG_NAME` (one section per launch)
-    and print the one console line that names it."""
+    and print the one console line that names it. From then on, on every rank, Megatron's set-up detail
+    (:data:`SET_UP_DETAIL_LOGGERS`) goes to that file too, not to the console."""
+    path = Path(run_dir) / START_LOG_NAME if run_dir and _is_rank_0() else None
+    root = logging.getLogger()  # its handler: Megatron's console handler, installed when Megatron is imported
+    root.handlers = [_SetUpDetailToFile(handler, path) for handler in root.handlers]
     if not _is_rank_0():
         return
     summary = f"{applied} of {patches} patches applied"
-    if run_dir is None:
+    if path is None:
         print(f"[zaya] {summary}; the argument dump and patch lines are not kept (no --save directory)", flush=True)
         return
-    path = Path(run_dir) / START_LOG_NAME
     with path.open("a") as stream:
         stream.write(f"==================== launch at {time.strftime('%Y-%m-%d %H:%M:%S')}, pid {os.getpid()}\n")
         stream.write("\n".join(START_LOG) + "\n")
     print(f"[zaya] {summary}; the argument dump and patch lines: {path}", flush=True)
+
+
+# Megatron's loggers whose INFO records are set-up detail: the DDP config and every parameter of every gradient
+# bucket (about 60 lines per ZAYA1 layer), the optimizer config, the datasets' configs and index builds.
+SET_UP_DETAIL_LOGGERS = ("megatron.core.distributed", "megatron.core.optimizer", "megatron.core.datasets")
+
+
+class _SetUpDetailToFile(logging.Handler):
+    """Stands in front of a console handler (Megatron's, whose own ``filter`` takes no added filters): the INFO
+    records of :data:`SET_UP_DETAIL_LOGGERS` are appended to ``path`` (None: dropped); the rest go on to it."""
+
+    def __init__(self, console: logging.Handler, path: Path | None):
+        super().__init__(console.level)
+        self.console, self.path = console, path
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING or not record.name.startswith(SET_UP_DETAIL_LOGGERS):
+            return self.console.handle(record)
+        if self.path is not None:
+            with self.path.open("a") as stream:
+                stream.write(f"{record.levelname}:{record.name}:{record.getMessage()}\n")
+        return True
