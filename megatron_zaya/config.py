@@ -97,6 +97,10 @@ class ZayaConfig(TransformerConfig):
     balancing_betas: tuple[float, float] = setting((0.9, 0.999), flag="--zaya-balancing-betas", type=float, nargs=2,
                                                    help="Adam betas of the balancing biases")
     balancing_eps: float = setting(1e-8, flag="--zaya-balancing-eps", help="Adam eps of the balancing biases")
+    balancing_warmup_steps: int = setting(
+        0, flag="--zaya-balancing-warmup-steps",
+        help="ramp the balancing biases' step size linearly from 0 to --zaya-balancing-lr over this many steps "
+             "(ZAYA1's warm-up of the balancing gain); 0: the full step size from the first step")
     balance_skip_class: bool = setting(False, flag="--zaya-balance-skip-class", help="also balance the skip class")
 
     # -- residual path (§2) -----------------------------------------------------------------------------
@@ -166,6 +170,9 @@ class ZayaConfig(TransformerConfig):
                  "the value time-delay splits it in half; use an even kv_channels")
         if self.cca_time0 < 1 or self.cca_time1 < 1:
             fail(f"cca_time0={self.cca_time0}, cca_time1={self.cca_time1}", "both conv sizes must be >= 1")
+        if self.balancing_warmup_steps < 0:
+            fail(f"--zaya-balancing-warmup-steps {self.balancing_warmup_steps} is negative",
+                 "give a number of steps >= 0 (0: no warm-up)")
         if not self.num_moe_experts:
             fail("num_moe_experts is not set", "every ZAYA1 layer is an MoE layer: set --num-experts")
         if self.moe_router_topk != 1:

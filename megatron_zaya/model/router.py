@@ -173,7 +173,9 @@ class ZayaRouter(MegatronModule):
 
     @torch.no_grad()
     def update_balancing_biases(self, tokens_per_class: torch.Tensor) -> None:
-        """One Adam step on the biases with gradient ``share - 1/E`` from global counts ``[C]``."""
+        """One Adam step on the biases with gradient ``share - 1/E`` from global counts ``[C]``, its step size
+        ramped over the first ``balancing_warmup_steps`` steps (counted by ``balancing_step``, which checkpoints
+        keep: a resumed run continues the ramp)."""
         cfg = self.config
         balanced = slice(None) if cfg.balance_skip_class or not cfg.skip_class else slice(0, self.num_experts)
         counts = tokens_per_class[balanced].float()
@@ -194,4 +196,6 @@ class ZayaRouter(MegatronModule):
         m.copy_(torch.where(routed, new_m, m))
         v.copy_(torch.where(routed, new_v, v))
         biases = self.balancing_biases[balanced]
+        if cfg.balancing_warmup_steps > 0:
+            update = update * (step / cfg.balancing_warmup_steps).clamp(max=1.0)
         biases.copy_(torch.where(routed, biases - cfg.balancing_lr * update, biases))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from zaya_cli import pretrain
 
 from megatron_zaya.runtime import START_LOG_NAME
@@ -23,18 +24,35 @@ def _with_layers(flags: list[str], layers: int) -> list[str]:
     return flags[:at + 1] + [str(layers)] + flags[at + 2:]
 
 
-def test_forty_layers_start_in_at_most_60_console_lines(tmp_path):
+@pytest.fixture(scope="module")
+def forty_layers(tmp_path_factory):
+    """One step of a 40-layer model, its balancing step size ramped over 10 steps: (run dir, the run)."""
+    cwd = tmp_path_factory.mktemp("forty")
     flags = _with_layers(preset_flags("test"), 40) + [
         "--mock-data", "--zaya-vocab-size", "512", "--seq-length", "32", "--micro-batch-size", "1",
         "--global-batch-size", "1", "--train-iters", "1", "--eval-iters", "0", "--log-interval", "1",
-        "--save", "run", "--save-interval", "100"]  # fmt: skip
-    run = pretrain(flags, cwd=tmp_path)
+        "--save", "run", "--save-interval", "100", "--zaya-balancing-lr", "1e-2",
+        "--zaya-balancing-warmup-steps", "10"]  # fmt: skip
+    run = pretrain(flags, cwd=cwd)
     assert run.returncode == 0, run.stderr[-3000:]
+    return cwd / "run", run
+
+
+def test_forty_layers_start_in_at_most_60_console_lines(forty_layers):
+    run_dir, run = forty_layers
     # stdout and stderr as a console shows them (interleaving aside, each line is counted once)
     before = run.stdout[:FIRST_ITERATION.search(run.stdout).start()].splitlines() + run.stderr.splitlines()
     assert len(before) <= MAX_LINES, "\n".join(before)
     assert "decoder.layers.39." not in run.stdout + run.stderr
-    start_log = (tmp_path / "run" / START_LOG_NAME).read_text()
+    start_log = (run_dir / START_LOG_NAME).read_text()
     # every parameter of the last layer is listed there, with the configs
     assert start_log.count("decoder.layers.39.") >= 30 and "Setting up DistributedDataParallel" in start_log
     assert "Setting up optimizer with config" in start_log
+
+
+def test_the_balancing_warm_up_through_the_cli(forty_layers):
+    """Adam's first step moves each bias by its step size exactly (m / sqrt(v) = sign of the gradient): a tenth
+    of --zaya-balancing-lr at the first of 10 warm-up steps, in every one of the 40 layers."""
+    _, run = forty_layers
+    assert "iteration        1 | expert share max" in run.stdout
+    assert "bias range: [-0.0010, 0.0010] |" in run.stdout, run.stdout[-2000:]

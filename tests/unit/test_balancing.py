@@ -19,18 +19,20 @@ def _model(**overrides):
     return build_single_process_model(cfg), cfg
 
 
-def _adam_reference(counts_per_step, lr, betas, eps):
-    """Plain float64 Adam on the biases of the real experts, gradient = share - 1/E, from zero state."""
+def _adam_reference(counts_per_step, lr, betas, eps, warmup_steps=0):
+    """Plain float64 Adam on the biases of the real experts, gradient = share - 1/E, from zero state; the step
+    size ramps linearly to ``lr`` over ``warmup_steps`` steps."""
     experts = len(counts_per_step[0])
     bias, m, v = [0.0] * experts, [0.0] * experts, [0.0] * experts
     for step, counts in enumerate(counts_per_step, start=1):
         total = sum(counts)
+        step_lr = lr * min(1.0, step / warmup_steps) if warmup_steps else lr
         for e in range(experts):
             g = counts[e] / total - 1.0 / experts
             m[e] = betas[0] * m[e] + (1 - betas[0]) * g
             v[e] = betas[1] * v[e] + (1 - betas[1]) * g * g
             m_hat, v_hat = m[e] / (1 - betas[0] ** step), v[e] / (1 - betas[1] ** step)
-            bias[e] -= lr * m_hat / (math.sqrt(v_hat) + eps)
+            bias[e] -= step_lr * m_hat / (math.sqrt(v_hat) + eps)
     return bias
 
 
@@ -47,6 +49,34 @@ def test_bias_update_matches_independent_adam():
                                rtol=1e-5, atol=1e-7)
     assert router.balancing_biases[4].item() == cfg.skip_bias_init  # the skip class is not balanced by default
     assert router.balancing_biases.dtype == torch.float32
+
+
+def test_the_balancing_warm_up_ramps_the_step_size_and_continues_after_a_resume():
+    """``balancing_warmup_steps=4``: step sizes lr/4, 2lr/4, 3lr/4, then lr, against float64 Adam; a router
+    rebuilt from the first one's state dict after step 2 (a resume) continues the ramp where it was."""
+    steps = [[70.0, 10.0, 15.0, 5.0, 0.0], [40.0, 20.0, 25.0, 15.0, 3.0], [25.0, 35.0, 25.0, 15.0, 0.0],
+             [10.0, 30.0, 50.0, 10.0, 1.0], [30.0, 20.0, 20.0, 30.0, 0.0], [20.0, 30.0, 30.0, 20.0, 0.0]]
+    settings = dict(balancing_lr=0.01, balancing_betas=(0.8, 0.99), balancing_eps=1e-6, balancing_warmup_steps=4)
+    first, _ = _model(**settings)
+    router = first.decoder.layers[0].mlp.router
+    for counts in steps[:2]:
+        router.update_balancing_biases(torch.tensor(counts))
+    resumed, _ = _model(**settings)
+    resumed.load_state_dict(first.state_dict())
+    router = resumed.decoder.layers[0].mlp.router
+    for counts in steps[2:]:
+        router.update_balancing_biases(torch.tensor(counts))
+    expected = _adam_reference([c[:4] for c in steps], 0.01, (0.8, 0.99), 1e-6, warmup_steps=4)
+    torch.testing.assert_close(router.balancing_biases[:4].double(), torch.tensor(expected, dtype=torch.float64),
+                               rtol=1e-5, atol=1e-7)
+    without_warmup = _adam_reference([c[:4] for c in steps], 0.01, (0.8, 0.99), 1e-6)
+    assert (torch.tensor(expected) - torch.tensor(without_warmup)).abs().max() > 1e-3  # the ramp matters here
+    # the first step moves each bias by a quarter of the full step (Adam's first step is lr * sign(gradient))
+    fresh, _ = _model(**settings)
+    fresh_router = fresh.decoder.layers[0].mlp.router
+    fresh_router.update_balancing_biases(torch.tensor(steps[0]))
+    torch.testing.assert_close(fresh_router.balancing_biases[:4].abs().double(),
+                               torch.full((4,), 0.01 / 4, dtype=torch.float64), rtol=1e-4, atol=0)
 
 
 def test_skip_class_is_balanced_when_asked():
