@@ -217,16 +217,8 @@ class ZayaConfig(TransformerConfig):
         return op in kernel_selection(self.kernels)
 
     @property
-    def head_dim(self) -> int:
-        return self.kv_channels
-
-    @property
     def num_router_classes(self) -> int:
         return self.num_moe_experts + int(self.skip_class)
-
-    @property
-    def params_torch_dtype(self) -> torch.dtype:
-        return self.params_dtype
 
 
 # Named presets: ZayaConfig keyword arguments. The CLI turns them into Megatron flags, explicit flags win.

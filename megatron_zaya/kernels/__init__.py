@@ -12,7 +12,8 @@ merge, the CCA convolutions); the model picks the kernel or its reference when i
 * ``cross_entropy``: ``cross_entropy``, ``linear_cross_entropy`` (LM head + loss without [T, V] logits)
 * ``cca``: ``cca_qk`` (CCA convolutions + skip terms + QK norm + temperature + partial RoPE)
 * ``grouped_gemm``: ``grouped_gemm`` (top-1 experts, tokens sorted by expert)
+* ``newton_schulz``: ``newton_schulz`` (Muon's orthogonalisation: symmetric Gram kernels, CUDA-graph replays)
 
-``megatron_zaya/patches/kernels.py`` swaps RMSNorm, SwiGLU and the cross-entropy in for Megatron-Core's own defaults;
-``testing.py`` runs the kernels on CPU for the tests.
+``megatron_zaya/patches/kernels.py`` swaps SwiGLU, the cross-entropy and the weight-gradient accumulation in for
+Megatron-Core's own; ``testing.py`` runs the kernels on CPU for the tests.
 """
