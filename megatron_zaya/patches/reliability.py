@@ -203,3 +203,26 @@ def save_failure() -> None:
                 f"intact: {describe_latest_checkpoint(save_dir)}") from error
 
     replace_attr(training, "save_checkpoint", save_checkpoint)
+
+
+@register("reliability.watchdog_saves", target="megatron.training.training.save_checkpoint")
+def watchdog_saves() -> None:
+    """Give checkpoint saves their own allowance under ``--zaya-watchdog-seconds``: the progress watchdog declares
+    no hang while a save runs (a save of a large model takes minutes where a step takes seconds).
+
+    Wraps the name ``save_checkpoint`` that ``megatron.training.training`` imported (with the other patches that
+    wrap it, in any order: the pause covers whatever runs inside). Off: leave ``reliability.watchdog_saves``
+    out of ``--zaya-patches`` (a save longer than the watchdog's allowance then counts as a hang).
+    """
+    import megatron.training.training as training
+
+    from megatron_zaya.training.watchdog import WATCHDOG
+
+    original = training.save_checkpoint
+
+    @functools.wraps(original)
+    def save_checkpoint(*args, **kwargs):
+        with WATCHDOG.paused():
+            return original(*args, **kwargs)
+
+    replace_attr(training, "save_checkpoint", save_checkpoint)

@@ -89,6 +89,10 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--zaya-sigterm-deadline", type=float, default=20.0,
                    help="with --save, SIGTERM (pre-emption, scancel) saves at the end of the current step and exits "
                         "0 within this many seconds, else exits 3 without the save; 0: no save on SIGTERM")
+    g.add_argument("--zaya-watchdog-seconds", type=float, default=0.0,
+                   help="a rank that makes no progress for this long (10x before its first step, at least 4x its "
+                        "slowest step, never during a save) dumps every thread's stack and exits 4, for torchrun "
+                        "--max-restarts to restart from the newest checkpoint; 0: off")
     g.add_argument("--zaya-local-ckpt-keep", type=int, default=2,
                    help="with --non-persistent-ckpt-type local: each rank keeps its newest this many local checkpoints")
     return add_muon_args(parser)  # --zaya-muon-* and the --optimizer zaya_muon choice
@@ -157,6 +161,9 @@ def _check_flag_combinations(args) -> None:
     if args.zaya_sigterm_deadline < 0:
         raise UsageError(f"--zaya-sigterm-deadline {args.zaya_sigterm_deadline:g} is negative; give the seconds a save "
                          "on SIGTERM may take, or 0 to turn it off")
+    if args.zaya_watchdog_seconds < 0:
+        raise UsageError(f"--zaya-watchdog-seconds {args.zaya_watchdog_seconds:g} is negative; give the seconds "
+                         "without progress that make a hang, or 0 to turn the watchdog off")
     if args.data_path and args.tokenizer_type is None:
         raise UsageError("--data-path needs the tokenizer the data was built with: add --tokenizer-type "
                          "HuggingFaceTokenizer --tokenizer-model <the directory or name given to zaya-preprocess>")

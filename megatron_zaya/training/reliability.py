@@ -15,6 +15,8 @@ What happens on each fault, how the tests inject it, and the flags, are in ``doc
   ``reliability.verified_load`` patch).
 * :func:`arm_sigterm_deadline` bounds the time between SIGTERM and the exit.
 * :func:`check_save_dir` refuses an unwritable or too-full ``--save`` before training starts.
+* The progress watchdog (``--zaya-watchdog-seconds``, ``watchdog.py``) hears the guard's beats: each micro-batch's
+  forward and each optimizer step.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 
 from ..checkpoint import TRACKER, damage, read_tracker, recorded_files, step_name
 from .arguments import UsageError
+from .watchdog import WATCHDOG
 
 FAULT_EXIT_CODE = 3
 
@@ -97,9 +100,11 @@ class StepGuard:
             router.balancing_biases, router.balancing_exp_avg, router.balancing_exp_avg_sq, router.balancing_step)]
         prepare_grads, get_grad_norm = optimizer.prepare_grads, optimizer.get_grad_norm
         cached_norm = []
+        WATCHDOG.arm(args.zaya_watchdog_seconds, describe=lambda: f" in iteration {_iteration()}")
 
         @functools.wraps(prepare_grads)
         def guarded_prepare_grads() -> bool:
+            WATCHDOG.beat(step_done=True)
             overflow = prepare_grads()  # True: fp16 loss scaling found an overflow and Megatron skips already
             if overflow:
                 return True
@@ -122,6 +127,7 @@ class StepGuard:
 
         @functools.wraps(forward_step)
         def watched_forward_step(data_iterator, model, *args, **kwargs):
+            WATCHDOG.beat()
             if torch.is_grad_enabled() and _iteration() != self._step_iteration:  # not evaluation; every stage
                 self._start_step(_iteration())
             output, loss_func = forward_step(data_iterator, model, *args, **kwargs)

@@ -8,7 +8,8 @@ imported, its :class:`StepGuard` is wrapped so that the given (1-based) iteratio
 * ``nan_loss`` / ``inf_loss``: the micro-batch losses of that iteration become NaN / +Inf (and so do their grads);
 * ``loss_spike``: the losses of that iteration are multiplied by 10;
 * ``nan_grad`` / ``inf_grad``: one gradient element becomes NaN / +Inf after the gradient all-reduce;
-* ``drift``: one weight of this rank changes by +1 (data-parallel replicas disagree from then on).
+* ``drift``: one weight of this rank changes by +1 (data-parallel replicas disagree from then on);
+* ``hang``: the forward of that iteration never returns, in a launch that torchrun has not restarted yet.
 
 ``slow_write@iteration`` instead delays the background writer (``--async-save``): its write of that checkpoint
 starts :data:`SLOW_WRITE_SECONDS` late, so that the steps after it reach the next save while it is in flight.
@@ -24,7 +25,7 @@ import os
 import sys
 
 ENV_VAR = "ZAYA_FAULT_INJECT"
-STEP_KINDS = ("nan_loss", "inf_loss", "loss_spike", "nan_grad", "inf_grad", "drift")
+STEP_KINDS = ("nan_loss", "inf_loss", "loss_spike", "nan_grad", "inf_grad", "drift", "hang")
 WRITE_KINDS = ("slow_write",)
 SLOW_WRITE_SECONDS = 5.0
 
@@ -94,6 +95,10 @@ def _wrap_step_guard(module) -> None:
     def watch_with_faults(self, forward_step):
         @functools.wraps(forward_step)
         def forward_step_with_faults(*args, **kwargs):
+            if _asked("hang") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                import time
+
+                time.sleep(24 * 3600)
             output, loss_func = forward_step(*args, **kwargs)
             return output, functools.partial(_poisoned, loss_func)
 
