@@ -174,25 +174,6 @@ def _failed_check(error: AssertionError) -> str:
     return f"Megatron's check `{traceback.extract_tb(error.__traceback__)[-1].line}` failed"
 
 
-def _check_checkpoint_matches(args) -> None:
-    """Refuse, in one line, to resume (or fine-tune) from a checkpoint of another architecture."""
-    from . import checkpoint
-    from .training.arguments import UsageError, zaya_config_from_args
-
-    marker = checkpoint.read_tracker(args.load) if args.load else None
-    if marker is None:
-        return
-    path = Path(args.load) / checkpoint.step_name(marker)
-    recorded = checkpoint.recorded_files(path) or {}
-    if not (path / "metadata.json").is_file() or checkpoint.damage(
-            path, [name for name in recorded if not name.endswith(".distcp")], recorded):
-        return  # damaged: the load names it and falls back to the newest intact checkpoint
-    differences = checkpoint.architecture_differences(args.load, zaya_config_from_args(args))
-    if differences:
-        raise UsageError(f"--load {args.load} holds a different model ({'; '.join(differences)}); give the flags "
-                         "it was trained with, or another --load")
-
-
 def run(argv: list[str]) -> None:
     import torch
 
@@ -235,7 +216,6 @@ def run(argv: list[str]) -> None:
 
         print(memory_plan.report(*memory_plan.from_args(args)), flush=True)
         return
-    _check_checkpoint_matches(args)
     if args.save:
         reliability.check_save_dir(args.save)
     write_start_log(args.save, sum(state == "applied" for state in patches.values()), len(patches))

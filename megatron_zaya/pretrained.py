@@ -58,12 +58,15 @@ def load_hf(hf_dir: str | os.PathLike, dtype: torch.dtype | None = None):
 
 
 def load_megatron(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = None):
-    """Build a ZayaModel from a megatron-zaya ``torch_dist`` checkpoint; returns ``(model, config)``."""
+    """Build a ZayaModel from the latest step of a megatron-zaya ``torch_dist`` checkpoint, once its files match
+    the checksums recorded at save (:class:`~megatron_zaya.checkpoint.CheckpointError` if not); returns
+    ``(model, config)``."""
     from . import checkpoint
 
-    cfg = checkpoint.read_config(ckpt_dir, **_RUNTIME, **({"params_dtype": dtype} if dtype else {}))
+    step = checkpoint.verified_step(ckpt_dir)
+    cfg = checkpoint.read_config(step, **_RUNTIME, **({"params_dtype": dtype} if dtype else {}))
     model = build_single_process_model(cfg)
-    checkpoint.load(model, ckpt_dir)
+    checkpoint.load(model, step)
     return model, cfg
 
 

@@ -89,6 +89,8 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--zaya-sigterm-deadline", type=float, default=20.0,
                    help="with --save, SIGTERM (pre-emption, scancel) saves at the end of the current step and exits "
                         "0 within this many seconds, else exits 3 without the save; 0: no save on SIGTERM")
+    g.add_argument("--zaya-allow-tokenizer-change", action="store_true",
+                   help="load a checkpoint trained with another tokenizer (each token id keeps its embedding)")
     g.add_argument("--zaya-local-ckpt-keep", type=int, default=2,
                    help="with --non-persistent-ckpt-type local: each rank keeps its newest this many local checkpoints")
     return add_muon_args(parser)  # --zaya-muon-* and the --optimizer zaya_muon choice

@@ -111,6 +111,28 @@ def test_broken_checkpoint_tracker(megatron_dir, tmp_path, capsys):
     _expect_error(capsys, ["export-hf", str(broken), str(tmp_path / "o")], ["iter_0000100"], tmp_path / "o")
 
 
+def _spoil(ckpt, how):
+    """Flip 8 bytes in the middle of the (only) shard of a copy's step, or cut it to 4 KiB (an interrupted copy)."""
+    shard = next(ckpt.glob("*/__0_0.distcp"))
+    data = bytearray(shard.read_bytes())
+    if how == "flipped":
+        middle = len(data) // 2
+        data[middle:middle + 8] = bytes(b ^ 0xFF for b in data[middle:middle + 8])
+    else:
+        del data[4096:]
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+def test_a_damaged_checkpoint_is_not_exported(megatron_dir, tmp_path, capsys):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(megatron_dir, damaged)
+    _spoil(damaged, "flipped")
+    _expect_error(capsys, ["export-hf", str(damaged), str(tmp_path / "o")],
+                  [f"{damaged}/release is damaged (__0_0.distcp differs from its checksum at save)", "from a copy"],
+                  tmp_path / "o")
+
+
 def test_console_script_exit_code(tmp_path):
     """The installed entry point exits 2 with a single line on bad input."""
     result = subprocess.run([sys.executable, "-m", "megatron_zaya.convert.cli", "import-hf", str(tmp_path / "x"),
