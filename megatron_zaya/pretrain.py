@@ -178,7 +178,10 @@ def run(argv: list[str]) -> None:
     import torch
 
     from .patches import apply_patches
+    from .patches.registry import PatchError
+    from .patches.registry import check_selection as check_patch_selection
     from .runtime import START_LOG, end_data_workers_at_exit, end_helpers_with_this_process, write_start_log
+    from .training.arguments import UsageError
 
     end_helpers_with_this_process()  # no helper outlives a killed trainer
     end_data_workers_at_exit()  # nor waits forever on data-loader workers at exit
@@ -188,7 +191,12 @@ def run(argv: list[str]) -> None:
         cuda = True
         os.environ["WORLD_SIZE"] = str(plan_size)
     argv = build_argv(argv, cuda)
-    patches = apply_patches(_flag_value(argv, "--zaya-patches"), log=START_LOG.append)
+    selection = _flag_value(argv, "--zaya-patches")
+    try:  # unknown names, the cpu group left out on a CPU, a kernel patch asked for that cannot apply here
+        check_patch_selection(selection, needs_cpu_group=not cuda)
+        patches = apply_patches(selection, log=START_LOG.append)
+    except PatchError as error:
+        raise UsageError(str(error)) from error
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:  # a single process without a launcher
         from .runtime import free_master_port
@@ -203,7 +211,6 @@ def run(argv: list[str]) -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
     from .training import reliability
-    from .training.arguments import UsageError
     from .training.loss_curve import LOSS_CURVE
     from .training.steps import forward_step, model_provider, train_valid_test_datasets_provider
 

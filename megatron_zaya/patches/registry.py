@@ -146,6 +146,18 @@ def resolve(selection: str | None) -> tuple[list[Patch], set[str]]:
     return chosen, explicit
 
 
+def check_selection(selection: str | None, needs_cpu_group: bool) -> None:
+    """Raise :class:`PatchError` unless ``selection`` names known patches and, where Megatron's training is to
+    run without a GPU (``needs_cpu_group``), every patch of the ``cpu`` group, without which it fails."""
+    chosen, _ = resolve(selection)
+    missing = [p.id for p in REGISTRY.values() if p.group == "cpu" and p not in chosen]
+    if needs_cpu_group and missing:
+        given = f"--zaya-patches {selection}" if selection is not None else f"{ENV_VAR}={os.environ.get(ENV_VAR)}"
+        listed = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise PatchError(f"{given} leaves out {len(missing)} patches of the cpu group ({listed}), which Megatron's "
+                         "training needs on a machine without a GPU; add cpu to the selection, or give all")
+
+
 def skip_reason(patch: Patch, platform: str | None = None) -> str | None:
     platform = platform or current_platform()
     if platform not in patch.platforms:
