@@ -92,6 +92,13 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
         if vocab is None:
             raise UsageError("--mock-data needs a vocabulary: give --zaya-preset, --zaya-vocab-size or a tokenizer")
         flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(int(vocab) - 1)]  # + the EOD token
+    tp = _flag_value(argv, "--tensor-model-parallel-size")
+    if tp and tp.isdigit() and int(tp) > 1 and not _has(argv, "--sequence-parallel"):
+        # Megatron's MoE layer trains under tensor parallelism only with sequence parallelism (moe_layer.py:629)
+        flags += ["--sequence-parallel"]
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[zaya] --tensor-model-parallel-size {tp} with ZAYA1's experts needs sequence parallelism: added "
+                  "--sequence-parallel", flush=True)
     if _saves_on_sigterm(argv, flags):
         flags += ["--exit-signal-handler"]  # Megatron's save-on-SIGTERM; the deadline bounds it
     return flags + argv
