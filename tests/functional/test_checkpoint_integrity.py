@@ -217,8 +217,8 @@ def test_past_a_cut_shard_with_a_fresh_optimizer_and_another_tokenizer(saved, tm
                             "--tokenizer-model", str(tokenizer), "--zaya-allow-tokenizer-change"], cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     warnings = [line for line in run.stderr.splitlines() if line.startswith("zaya-pretrain: warning:")]
-    assert warnings == [f"zaya-pretrain: warning: ck/iter_0000004 ({SHARD} has 4096 bytes, "
-                        f"{(saved[0] / 'iter_0000004' / SHARD).stat().st_size} when saved): damaged; loading the newest "
-                        "intact checkpoint, ck/iter_0000002 (iteration 2)"], warnings
+    size = (saved[0] / "iter_0000004" / SHARD).stat().st_size
+    assert warnings == [f"zaya-pretrain: warning: ck/iter_0000004 ({SHARD} has 4096 bytes, {size} when saved): "
+                        "damaged; loading the newest intact checkpoint, ck/iter_0000002 (iteration 2)"], warnings
     resumed = losses(run.stdout)
     assert sorted(resumed) == [3, 4] and resumed[3] == saved[1][3], (resumed, saved[1])
