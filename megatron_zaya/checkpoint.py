@@ -8,7 +8,9 @@ iteration and the checkpoint version; its sharded state has ``model`` (and, from
 
 Every step directory saved by megatron-zaya (training or conversion) also holds ``zaya_checksums.json``: the
 size and CRC-32 of each of its files, written after all of them and before the tracker names the step
-(:func:`write_checksums`). :func:`damage` compares the files with it.
+(:func:`write_checksums`). :func:`step_damage` compares the files with it; nothing reads a checkpoint's files before
+that check: :func:`verified_step` for the tools that take the tracker's step (``zaya-convert export-hf``,
+``load_pretrained``), ``reliability.newest_intact_checkpoint`` for a resume (the ranks share the reading).
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ def step_name(marker: str | int) -> str:
     return "release" if marker == "release" else f"iter_{int(marker):07d}"
 
 
-def step_dir(ckpt_dir: str | os.PathLike) -> Path:
-    """The directory of the checkpoint's latest step, from its tracker file."""
+def verified_step(ckpt_dir: str | os.PathLike) -> Path:
+    """The directory of the checkpoint's latest step, from its tracker file, after every file of it was checked
+    against the checksums recorded at save (:class:`CheckpointError` naming the damage, and the newest intact
+    older step if there is one). A step saved without checksums (an older megatron-zaya) is taken as it is."""
     root = Path(ckpt_dir)
     tracker = root / TRACKER
     if not tracker.is_file():
@@ -62,6 +66,14 @@ def step_dir(ckpt_dir: str | os.PathLike) -> Path:
     path = root / step_name(marker)
     if not (path / "metadata.json").is_file():
         raise CheckpointError(f"{path} is missing or incomplete (no metadata.json); the tracker points to a broken save")
+    problems = step_damage(path)
+    if problems:
+        older = sorted((p for p in root.glob("iter_*") if p.name[5:].isdigit() and p.is_dir()
+                        and (marker == "release" or int(p.name[5:]) < int(marker))), reverse=True)
+        intact = next((p for p in older if not step_damage(p, tracker_named=False)), None)
+        hint = f", or write {int(intact.name[5:])} into {tracker} to take the newest intact one" if intact else ""
+        more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+        raise CheckpointError(f"{path} is damaged ({problems[0]}{more}); restore it from a copy{hint}")
     return path
 
 
@@ -170,6 +182,40 @@ def damage(path: str | os.PathLike, names: list[str], recorded: dict[str, list[i
     return problems
 
 
+def _writer(name: str) -> int | None:
+    """The rank that wrote a ``torch_dist`` data file (``__<rank>_<n>.distcp``), None for other files."""
+    parts = name.split("_")
+    return int(parts[2]) if name.startswith("__") and len(parts) > 3 and parts[2].isdigit() else None
+
+
+def _share(recorded: dict[str, list[int]], rank: int, world: int) -> list[str]:
+    """The files ``rank`` of ``world`` verifies: those it wrote, and of the rest (metadata, files of ranks beyond
+    this world size) a share balanced by size, assigned alike on every rank."""
+    own = [n for n in recorded if _writer(n) == rank]
+    rest = sorted((n for n in recorded if _writer(n) is None or _writer(n) >= world),
+                  key=lambda n: (-recorded[n][0], n))
+    load = [0] * world
+    for name in rest:
+        target = load.index(min(load))
+        load[target] += recorded[name][0] + 1
+        if target == rank:
+            own.append(name)
+    return own
+
+
+def step_damage(path: str | os.PathLike, tracker_named: bool = True, rank: int = 0, world: int = 1) -> list[str]:
+    """What is wrong with the step directory ``path`` (empty: intact), from the files that ``rank`` of ``world``
+    processes verifies (every file for one process). A step saved without checksums (an older or a foreign save)
+    is trusted only when the tracker names it."""
+    path = Path(path)
+    if not path.is_dir():
+        return ["missing"]
+    recorded = recorded_files(path)
+    if recorded is None:
+        return [] if tracker_named else ["no checksum record: incomplete, or not saved by megatron-zaya"]
+    return damage(path, _share(recorded, rank, world), recorded)
+
+
 def publish_permissions(path: str | os.PathLike) -> None:
     """Give ``path`` and the directories below it the permissions ``mkdir`` would (``mkdtemp`` makes them
     private to the user), before they are renamed into place."""
@@ -180,31 +226,27 @@ def publish_permissions(path: str | os.PathLike) -> None:
         directory.chmod(0o777 & ~umask)
 
 
-def read_config(ckpt_dir: str | os.PathLike, **runtime) -> ZayaConfig:
-    """The :class:`ZayaConfig` a checkpoint was saved with (``runtime`` adds non-architecture fields)."""
+def read_config(step: str | os.PathLike, **runtime) -> ZayaConfig:
+    """The :class:`ZayaConfig` the step directory ``step`` (from :func:`verified_step`) was saved with
+    (``runtime`` adds non-architecture fields)."""
     from megatron.core import dist_checkpointing
 
-    path = step_dir(ckpt_dir)
-    common = dist_checkpointing.load_common_state_dict(str(path))
+    common = dist_checkpointing.load_common_state_dict(str(step))
     args = common.get("args")
     arch = getattr(args, "zaya_architecture", None)
     if arch is None:
-        raise CheckpointError(f"{path} was not written by megatron-zaya (no args.zaya_architecture); "
+        raise CheckpointError(f"{step} was not written by megatron-zaya (no args.zaya_architecture); "
                               "convert it with the tool that made it")
     runtime.setdefault("params_dtype", getattr(args, "params_dtype", None) or torch.float32)
     try:
         return zaya_config(**arch, **runtime)
     except ZayaConfigError as error:
-        raise CheckpointError(f"{path} stores an invalid ZAYA1 config: {error}") from error
+        raise CheckpointError(f"{step} stores an invalid ZAYA1 config: {error}") from error
 
 
-def architecture_differences(ckpt_dir: str | os.PathLike, cfg: ZayaConfig) -> list[str]:
-    """``field: checkpoint value != this model's`` for every architecture field that differs (empty if the
-    checkpoint matches or does not record its architecture)."""
-    from megatron.core import dist_checkpointing
-
-    common = dist_checkpointing.load_common_state_dict(str(step_dir(ckpt_dir)))
-    saved = getattr(common.get("args"), "zaya_architecture", None) or {}
+def architecture_differences(saved: dict, cfg: ZayaConfig) -> list[str]:
+    """``field: checkpoint value != this model's`` for every field of a checkpoint's recorded architecture
+    (``args.zaya_architecture``) that differs from ``cfg``'s."""
     ours = architecture(cfg)
     return [f"{name}: {saved[name]!r} in the checkpoint, {ours[name]!r} here"
             for name in ARCHITECTURE_FIELDS if name in saved and _normalised(saved[name]) != _normalised(ours[name])]
@@ -251,10 +293,10 @@ def save(model, cfg: ZayaConfig, ckpt_dir: str | os.PathLike, *, iteration: int 
     return final
 
 
-def load(model, ckpt_dir: str | os.PathLike) -> None:
-    """Load the model weights (and balancing biases) of a checkpoint into ``model`` in place."""
+def load(model, step: str | os.PathLike) -> None:
+    """Load the model weights (and balancing biases) of the step directory ``step`` (from :func:`verified_step`)
+    into ``model`` in place."""
     from megatron.core import dist_checkpointing
 
-    path = step_dir(ckpt_dir)
-    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(step))
     model.load_state_dict(state["model"])

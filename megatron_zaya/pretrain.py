@@ -92,6 +92,13 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
         if vocab is None:
             raise UsageError("--mock-data needs a vocabulary: give --zaya-preset, --zaya-vocab-size or a tokenizer")
         flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(int(vocab) - 1)]  # + the EOD token
+    tp = _flag_value(argv, "--tensor-model-parallel-size")
+    if tp and tp.isdigit() and int(tp) > 1 and not _has(argv, "--sequence-parallel"):
+        # Megatron's MoE layer trains under tensor parallelism only with sequence parallelism (moe_layer.py:629)
+        flags += ["--sequence-parallel"]
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[zaya] --tensor-model-parallel-size {tp} with ZAYA1's experts needs sequence parallelism: added "
+                  "--sequence-parallel", flush=True)
     if _saves_on_sigterm(argv, flags):
         flags += ["--exit-signal-handler"]  # Megatron's save-on-SIGTERM; the deadline bounds it
     return flags + argv
@@ -174,30 +181,14 @@ def _failed_check(error: AssertionError) -> str:
     return f"Megatron's check `{traceback.extract_tb(error.__traceback__)[-1].line}` failed"
 
 
-def _check_checkpoint_matches(args) -> None:
-    """Refuse, in one line, to resume (or fine-tune) from a checkpoint of another architecture."""
-    from . import checkpoint
-    from .training.arguments import UsageError, zaya_config_from_args
-
-    marker = checkpoint.read_tracker(args.load) if args.load else None
-    if marker is None:
-        return
-    path = Path(args.load) / checkpoint.step_name(marker)
-    recorded = checkpoint.recorded_files(path) or {}
-    if not (path / "metadata.json").is_file() or checkpoint.damage(
-            path, [name for name in recorded if not name.endswith(".distcp")], recorded):
-        return  # damaged: the load names it and falls back to the newest intact checkpoint
-    differences = checkpoint.architecture_differences(args.load, zaya_config_from_args(args))
-    if differences:
-        raise UsageError(f"--load {args.load} holds a different model ({'; '.join(differences)}); give the flags "
-                         "it was trained with, or another --load")
-
-
 def run(argv: list[str]) -> None:
     import torch
 
     from .patches import apply_patches
+    from .patches.registry import PatchError
+    from .patches.registry import check_selection as check_patch_selection
     from .runtime import START_LOG, end_data_workers_at_exit, end_helpers_with_this_process, write_start_log
+    from .training.arguments import UsageError
 
     end_helpers_with_this_process()  # no helper outlives a killed trainer
     end_data_workers_at_exit()  # nor waits forever on data-loader workers at exit
@@ -207,7 +198,12 @@ def run(argv: list[str]) -> None:
         cuda = True
         os.environ["WORLD_SIZE"] = str(plan_size)
     argv = build_argv(argv, cuda)
-    patches = apply_patches(_flag_value(argv, "--zaya-patches"), log=START_LOG.append)
+    selection = _flag_value(argv, "--zaya-patches")
+    try:  # unknown names, the cpu group left out on a CPU, a kernel patch asked for that cannot apply here
+        check_patch_selection(selection, needs_cpu_group=not cuda)
+        patches = apply_patches(selection, log=START_LOG.append)
+    except PatchError as error:
+        raise UsageError(str(error)) from error
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:  # a single process without a launcher
         from .runtime import free_master_port
@@ -222,7 +218,6 @@ def run(argv: list[str]) -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
     from .training import reliability
-    from .training.arguments import UsageError
     from .training.loss_curve import LOSS_CURVE
     from .training.steps import forward_step, model_provider, train_valid_test_datasets_provider
 
@@ -235,7 +230,6 @@ def run(argv: list[str]) -> None:
 
         print(memory_plan.report(*memory_plan.from_args(args)), flush=True)
         return
-    _check_checkpoint_matches(args)
     if args.save:
         reliability.check_save_dir(args.save)
     write_start_log(args.save, sum(state == "applied" for state in patches.values()), len(patches))

@@ -58,12 +58,15 @@ def load_hf(hf_dir: str | os.PathLike, dtype: torch.dtype | None = None):
 
 
 def load_megatron(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = None):
-    """Build a ZayaModel from a megatron-zaya ``torch_dist`` checkpoint; returns ``(model, config)``."""
+    """Build a ZayaModel from the latest step of a megatron-zaya ``torch_dist`` checkpoint, once its files match
+    the checksums recorded at save (:class:`~megatron_zaya.checkpoint.CheckpointError` if not); returns
+    ``(model, config)``."""
     from . import checkpoint
 
-    cfg = checkpoint.read_config(ckpt_dir, **_RUNTIME, **({"params_dtype": dtype} if dtype else {}))
+    step = checkpoint.verified_step(ckpt_dir)
+    cfg = checkpoint.read_config(step, **_RUNTIME, **({"params_dtype": dtype} if dtype else {}))
     model = build_single_process_model(cfg)
-    checkpoint.load(model, ckpt_dir)
+    checkpoint.load(model, step)
     return model, cfg
 
 
@@ -73,15 +76,16 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
 
     ``path`` is a Hugging Face directory (``config.json``) or a Megatron checkpoint directory
     (``latest_checkpointed_iteration.txt``). torch.distributed and Megatron's parallel state are set up for
-    a single process when they are not already.
+    a single process when they are not already; torch's own functions are left as they were (on a CPU-only
+    machine, the ``cpu`` patches of torch apply only while the model is built).
     """
+    from .patches.registry import torch_as_it_was
+
     root = Path(path)
-    if (root / "config.json").is_file():
-        model, _ = load_hf(root, dtype)
-    elif (root / TRACKER).is_file():
-        model, _ = load_megatron(root, dtype)
-    else:
+    if not (root / "config.json").is_file() and not (root / TRACKER).is_file():
         raise ConversionError(f"{path} is neither a Hugging Face directory (config.json) nor a Megatron "
                               f"checkpoint ({TRACKER})")
+    with torch_as_it_was():  # the caller's torch keeps its own Tensor.cuda and torch.cuda.current_device
+        model, _ = load_hf(root, dtype) if (root / "config.json").is_file() else load_megatron(root, dtype)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return model.to(device).eval()

@@ -5,7 +5,8 @@ Megatron reaches the GPU in three ways; each gets the narrowest replacement that
 
 1. ``torch.cuda.current_device()`` (about 200 sites, mostly ``device=torch.cuda.current_device()``) and
    ``Tensor.cuda()``: replaced process-wide (``cpu.current_device``, ``cpu.tensor_cuda``). On a machine
-   without CUDA the originals can only raise, so no code that works changes meaning.
+   without CUDA the originals can only raise, so no code that works changes meaning. ``load_pretrained``
+   undoes both when it returns (``registry.torch_as_it_was``); the model's forward needs neither.
 2. ``device='cuda'`` literals and the other ``torch.cuda`` calls (streams, events, ``synchronize``, RNG
    state, ``device_count``) of a fixed list of Megatron modules: the module-global name ``torch`` of each
    is swapped for :data:`CPU_TORCH`, a view of torch in which the CUDA device is the CPU. Code outside
@@ -450,6 +451,17 @@ def patch_rope_utils() -> None:
     parallelism ``get_pos_emb_on_this_cp_rank`` indexes this rank's RoPE positions with a ``device="cuda"``
     tensor (l.62)."""
     _see_cpu_torch("megatron.core.models.common.embeddings.rope_utils")
+
+
+@_cpu_patch("cpu.rotary_embedding", "megatron.core.models.common.embeddings.rotary_pos_embedding.torch")
+def patch_rotary_embedding() -> None:
+    """Let rotary embeddings find their device without ``torch.cuda``.
+
+    ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()`` at every forward
+    (rotary_pos_embedding.py:162): the only call a ZAYA1 forward makes of it, so that a model from
+    ``load_pretrained`` runs once that process-wide patch is undone. The module sees :data:`CPU_TORCH`.
+    """
+    _see_cpu_torch("megatron.core.models.common.embeddings.rotary_pos_embedding")
 
 
 @_cpu_patch("cpu.timers", "megatron.core.timers.torch")

@@ -11,6 +11,9 @@ Megatron default) is changed here, through a *patch*: a function registered with
 * ``kernel=True`` for kernel swaps: a kernel patch asked for by name that cannot apply is an error;
 * a docstring saying what it replaces, why, and how to turn it off.
 
+A library call that applies patches (``load_pretrained``) leaves torch as it found it: within
+:func:`torch_as_it_was`, the patches of torch itself that the block applied are undone at its end.
+
 Selection: ``--zaya-patches all|none|<id or group>[,...]`` on the CLI, or the ``ZAYA_PATCHES`` environment
 variable elsewhere (default ``all``: every patch whose platform and version conditions hold). The selected
 patches apply in registration order (module by module, as ``_load_patch_modules`` lists them), so patches of one
@@ -21,6 +24,7 @@ patch (applied or skipped, with the reason).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
@@ -60,6 +64,8 @@ class Patch:
 
 REGISTRY: dict[str, Patch] = {}
 _APPLIED: set[str] = set()
+_REPLACED: dict[str, list[tuple[object, str, object, bool]]] = {}  # patch id -> its replace_attr calls, in order
+_APPLYING: list[str] = []  # the patch whose function runs now
 
 
 def register(
@@ -146,6 +152,18 @@ def resolve(selection: str | None) -> tuple[list[Patch], set[str]]:
     return chosen, explicit
 
 
+def check_selection(selection: str | None, needs_cpu_group: bool) -> None:
+    """Raise :class:`PatchError` unless ``selection`` names known patches and, where Megatron's training is to
+    run without a GPU (``needs_cpu_group``), every patch of the ``cpu`` group, without which it fails."""
+    chosen, _ = resolve(selection)
+    missing = [p.id for p in REGISTRY.values() if p.group == "cpu" and p not in chosen]
+    if needs_cpu_group and missing:
+        given = f"--zaya-patches {selection}" if selection is not None else f"{ENV_VAR}={os.environ.get(ENV_VAR)}"
+        listed = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise PatchError(f"{given} leaves out {len(missing)} patches of the cpu group ({listed}), which Megatron's "
+                         "training needs on a machine without a GPU; add cpu to the selection, or give all")
+
+
 def skip_reason(patch: Patch, platform: str | None = None) -> str | None:
     platform = platform or current_platform()
     if platform not in patch.platforms:
@@ -172,7 +190,12 @@ def apply_patches(selection: str | None = None, *, log: Callable[[str], None] | 
                 raise PatchError(f"kernel patch {patch.id} was asked for but cannot apply: {reason}")
             report[patch.id] = f"skipped: {reason}"
         else:
-            patch.fn()
+            _REPLACED[patch.id] = []
+            _APPLYING.append(patch.id)
+            try:
+                patch.fn()
+            finally:
+                _APPLYING.pop()
             _APPLIED.add(patch.id)
             report[patch.id] = "applied"
         log(f"[zaya-patches] {patch.id:32s} {report[patch.id]}  ({patch.target})")
@@ -181,6 +204,25 @@ def apply_patches(selection: str | None = None, *, log: Callable[[str], None] | 
 
 def applied() -> frozenset[str]:
     return frozenset(_APPLIED)
+
+
+@contextlib.contextmanager
+def torch_as_it_was():
+    """At the end of the block, undo the patches of torch itself (targets ``torch.*``, process-wide) that were
+    applied within it, so that a library call leaves the caller's torch as it was; patches of Megatron stay
+    (what the built model runs on the CPU needs them). An undone patch applies again when next selected."""
+    before = set(_APPLIED)
+    try:
+        yield
+    finally:
+        for patch_id in reversed([p for p in REGISTRY if p in _APPLIED - before and REGISTRY[p].target.startswith(
+                "torch.")]):
+            for owner, name, old, owned in reversed(_REPLACED.pop(patch_id)):
+                if owned:
+                    setattr(owner, name, old)
+                else:  # inherited (``Tensor.cuda`` is ``TensorBase.cuda``): inherit it again
+                    delattr(owner, name)
+            _APPLIED.discard(patch_id)
 
 
 def _rank0_info(message: str) -> None:
@@ -198,5 +240,7 @@ def replace_attr(owner: object, name: str, new: object) -> object:
             f"(written for megatron-core 0.19.2, found {megatron_version()})"
         )
     old = getattr(owner, name)
+    if _APPLYING:
+        _REPLACED[_APPLYING[-1]].append((owner, name, old, name in getattr(owner, "__dict__", {})))
     setattr(owner, name, new)
     return old

@@ -139,6 +139,35 @@ def verified_load() -> None:
     replace_attr(checkpointing, "read_metadata", read_metadata)
 
 
+@register("reliability.checkpoint_fits_run", target="megatron.training.checkpointing._load_base_checkpoint")
+def checkpoint_fits_run() -> None:
+    """Check the checkpoint a run loads against the run's flags, once the verified load has chosen it.
+
+    Megatron's ``load_checkpoint`` first reads the chosen checkpoint's common state (``_load_base_checkpoint``
+    with ``rank0=True``, on every rank; its saved ``args``), then loads the model and optimizer state into the
+    built model. A checkpoint of another architecture then fails on shapes, one of another optimizer with a
+    40-line traceback about ``param_groups``, and one of another tokenizer loads silently. The wrapper hands the
+    saved ``args`` to :func:`~megatron_zaya.training.resume_checks.check_checkpoint_fits`, which names the
+    mismatch and its fix in one line (exit 2). Only for runs with the ``--zaya-*`` flags (zaya-pretrain).
+    Off: leave ``reliability`` out of ``--zaya-patches`` / ``ZAYA_PATCHES``.
+    """
+    from megatron.training import checkpointing
+
+    from megatron_zaya.training.resume_checks import check_checkpoint_fits
+
+    original = checkpointing._load_base_checkpoint
+
+    @functools.wraps(original)
+    def _load_base_checkpoint(load_dir, args, *rest, **kwargs):
+        loaded = original(load_dir, args, *rest, **kwargs)
+        state_dict, _, release = loaded[:3]
+        if kwargs.get("rank0") and state_dict is not None and hasattr(args, "zaya_tokenizer"):
+            check_checkpoint_fits(state_dict.get("args"), load_dir, release, args)
+        return loaded
+
+    replace_attr(checkpointing, "_load_base_checkpoint", _load_base_checkpoint)
+
+
 @register("reliability.step_guard", target="megatron.training.training.get_megatron_optimizer")
 def step_guard() -> None:
     """Install megatron-zaya's :class:`~megatron_zaya.training.reliability.StepGuard` on the optimizer.

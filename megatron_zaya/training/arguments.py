@@ -93,6 +93,8 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="a rank that makes no progress for this long (10x before its first step, at least 4x its "
                         "slowest step, never during a save) dumps every thread's stack and exits 4, for torchrun "
                         "--max-restarts to restart from the newest checkpoint; 0: off")
+    g.add_argument("--zaya-allow-tokenizer-change", action="store_true",
+                   help="load a checkpoint trained with another tokenizer (each token id keeps its embedding)")
     g.add_argument("--zaya-local-ckpt-keep", type=int, default=2,
                    help="with --non-persistent-ckpt-type local: each rank keeps its newest this many local checkpoints")
     return add_muon_args(parser)  # --zaya-muon-* and the --optimizer zaya_muon choice

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import TRACKER, damage, read_tracker, recorded_files, step_name
+from ..checkpoint import TRACKER, read_tracker, step_damage, step_name
 from .arguments import UsageError
 from .watchdog import WATCHDOG
 
@@ -253,40 +253,14 @@ def _rank_and_size() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def _writer(name: str) -> int | None:
-    """The rank that wrote a ``torch_dist`` data file (``__<rank>_<n>.distcp``), None for other files."""
-    parts = name.split("_")
-    return int(parts[2]) if name.startswith("__") and len(parts) > 3 and parts[2].isdigit() else None
-
-
-def _share(recorded: dict[str, list[int]], rank: int, world: int) -> list[str]:
-    """This rank's files to verify: those it wrote, and of the rest (metadata, files of ranks beyond this
-    world size) a share balanced by size, assigned alike on every rank."""
-    own = [n for n in recorded if _writer(n) == rank]
-    rest = sorted((n for n in recorded if _writer(n) is None or _writer(n) >= world),
-                  key=lambda n: (-recorded[n][0], n))
-    load = [0] * world
-    for name in rest:
-        target = load.index(min(load))
-        load[target] += recorded[name][0] + 1
-        if target == rank:
-            own.append(name)
-    return own
-
-
 def _damage_on_all_ranks(path: Path, tracker_named: bool) -> list[str]:
     """What is wrong with the step directory ``path``; each rank reads only its share of the files."""
-    if not path.is_dir():
-        return ["missing"]
-    recorded = recorded_files(path)
-    if recorded is None:  # saved without checksums (an older or a foreign save): trusted only if the tracker names it
-        return [] if tracker_named else ["no checksum record: incomplete, or not saved by megatron-zaya"]
     rank, world = _rank_and_size()
-    problems = damage(path, _share(recorded, rank, world), recorded)
+    problems = step_damage(path, tracker_named, rank, world)
     if world > 1:
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, problems)
-        problems = sorted(p for part in gathered for p in part)
+        problems = sorted({p for part in gathered for p in part})
     return problems
 
 

@@ -22,6 +22,7 @@ from ..model import build_zaya_model
 from .arguments import zaya_config_from_args
 from .balancing import finalize_model_grads_with_balancing
 from .loss_curve import LOSS_CURVE
+from .resume_checks import tokenizer_identity
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
@@ -32,6 +33,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     print_rank_0("building ZAYA1 model ...")
     zaya = zaya_config_from_args(args)
     args.zaya_architecture = architecture(zaya)  # saved with the checkpoint's args; export-hf reads it
+    args.zaya_tokenizer = tokenizer_identity(get_tokenizer(), args)  # saved too; a resume checks it
     zaya.finalize_model_grads_func = finalize_model_grads_with_balancing
     return build_zaya_model(zaya, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
                             pg_collection=pg_collection, core_attention=args.zaya_core_attention)

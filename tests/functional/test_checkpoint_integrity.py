@@ -1,15 +1,19 @@
 """Damaged checkpoints on disk: flipped bytes, truncated shards, garbage metadata and trackers. A run resumes
-from the newest intact checkpoint (named in one line) or stops with exit 2; no file of any checkpoint changes."""
+from the newest intact checkpoint (named in one line) or stops with exit 2; a conversion refuses a damaged one; no
+file of any checkpoint changes. And checkpoints that do not fit the run: another model, optimizer or tokenizer."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 
 import pytest
 from zaya_cli import QUICK, losses, pretrain
 
 from megatron_zaya.checkpoint import CHECKSUMS, TRACKER, damage, recorded_files
+from megatron_zaya.convert.cli import main as convert
+from megatron_zaya.data import embedded_tokenizer_dir
 from megatron_zaya.training.arguments import UsageError
 from megatron_zaya.training.reliability import newest_intact_checkpoint
 
@@ -45,7 +49,9 @@ def _flip(path, offset):
 
 
 def _truncate(path):
-    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    """Cut the file to 4 KiB (an interrupted copy, a full disk): what follows, the checkpoint's common state
+    included, is gone."""
+    path.write_bytes(path.read_bytes()[:4096])
 
 
 DAMAGE = {  # what is done to the copy -> the checkpoint a resume must choose
@@ -151,3 +157,68 @@ def test_raising_train_iters_on_a_finished_run_is_one_line(saved, tmp_path):
                            "this run's flags give 64"), last
     assert "--override-opt_param-scheduler" in last and "Traceback" not in run.stderr
     assert _hashes(ckpt) == before
+
+
+def test_a_damaged_checkpoint_is_not_exported(saved, tmp_path, capsys):
+    ckpt = _copy(saved, tmp_path)
+    _flip(ckpt / "iter_0000004" / SHARD, 1 << 20)
+    before = _hashes(ckpt)
+    assert convert(["export-hf", str(ckpt), str(tmp_path / "hf")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == (f"zaya-convert: error: {ckpt}/iter_0000004 is damaged ({SHARD} differs from its checksum at "
+                     f"save); restore it from a copy, or write 2 into {ckpt}/{TRACKER} to take the newest intact one")
+    assert not (tmp_path / "hf").exists() and _hashes(ckpt) == before
+
+
+def _reordered_tokenizer(directory):
+    """The embedded tokenizer with the ids of its last two tokens swapped: the same size, other ids."""
+    directory.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{embedded_tokenizer_dir()}/{name}", directory / name)
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    last, before_last = (next(t for t, i in vocab.items() if i == n) for n in (4095, 4094))
+    vocab[last], vocab[before_last] = 4094, 4095
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    return directory
+
+
+def test_a_checkpoint_of_another_model_optimizer_and_tokenizer_is_refused_in_one_line(saved, tmp_path):
+    """Resuming Adam's checkpoint with zaya_muon, another tokenizer and other model flags: one line naming each
+    mismatch and its fix, exit 2, before training (it was a shape error, a traceback about param_groups, and a
+    silent change of what the token ids mean); every checkpoint file unchanged."""
+    ckpt = _copy(saved, tmp_path)
+    before = _hashes(ckpt)
+    tokenizer = _reordered_tokenizer(tmp_path / "tokenizer")
+    run = pretrain(FLAGS + ["--save", "ck", "--load", "ck", "--optimizer", "zaya_muon", "--tokenizer-model",
+                            str(tokenizer), "--zaya-preset", "tiny", "--num-layers", "2", "--zaya-cca-time0", "3"],
+                   cwd=tmp_path)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr and " iteration " not in run.stdout
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("zaya-pretrain: error: --load ck: it holds a different model ("), last
+    assert "num_layers: 4 in the checkpoint, 2 here" in last and "cca_time0: " in last, last
+    assert ("it holds the state of --optimizer adam, but this run uses --optimizer zaya_muon; add --no-load-optim "
+            "to start zaya_muon afresh") in last, last
+    assert f"it was trained with another tokenizer ({embedded_tokenizer_dir()}, 4096 tokens, digest " in last, last
+    assert f"this run's: {tokenizer}, 4096 tokens, digest " in last and "--zaya-allow-tokenizer-change" in last, last
+    assert _hashes(ckpt) == before
+
+
+def test_past_a_cut_shard_with_a_fresh_optimizer_and_another_tokenizer(saved, tmp_path):
+    """The newest checkpoint's shard cut short (the common state gone with it): the run resumes from checkpoint 2,
+    named in one warning (it failed reading that shard before choosing). With --no-load-optim and
+    --zaya-allow-tokenizer-change it trains zaya_muon from checkpoint 2's weights: step 3's loss, computed before
+    any update by the new optimizer, is the one of the Adam run that saved the checkpoint."""
+    ckpt = _copy(saved, tmp_path)
+    _truncate(ckpt / "iter_0000004" / SHARD)
+    tokenizer = _reordered_tokenizer(tmp_path / "tokenizer")
+    run = pretrain(FLAGS + ["--save", "ck", "--load", "ck", "--optimizer", "zaya_muon", "--no-load-optim",
+                            "--tokenizer-model", str(tokenizer), "--zaya-allow-tokenizer-change"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    warnings = [line for line in run.stderr.splitlines() if line.startswith("zaya-pretrain: warning:")]
+    size = (saved[0] / "iter_0000004" / SHARD).stat().st_size
+    assert warnings == [f"zaya-pretrain: warning: ck/iter_0000004 ({SHARD} has 4096 bytes, {size} when saved): "
+                        "damaged; loading the newest intact checkpoint, ck/iter_0000002 (iteration 2)"], warnings
+    resumed = losses(run.stdout)
+    assert sorted(resumed) == [3, 4] and resumed[3] == saved[1][3], (resumed, saved[1])

@@ -111,6 +111,63 @@ def test_broken_checkpoint_tracker(megatron_dir, tmp_path, capsys):
     _expect_error(capsys, ["export-hf", str(broken), str(tmp_path / "o")], ["iter_0000100"], tmp_path / "o")
 
 
+def _spoil(ckpt, how):
+    """Flip 8 bytes in the middle of the (only) shard of a copy's step, or cut it to 4 KiB (an interrupted copy)."""
+    shard = next(ckpt.glob("*/__0_0.distcp"))
+    data = bytearray(shard.read_bytes())
+    if how == "flipped":
+        middle = len(data) // 2
+        data[middle:middle + 8] = bytes(b ^ 0xFF for b in data[middle:middle + 8])
+    else:
+        del data[4096:]
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+def test_a_damaged_checkpoint_is_not_exported(megatron_dir, tmp_path, capsys):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(megatron_dir, damaged)
+    _spoil(damaged, "flipped")
+    _expect_error(capsys, ["export-hf", str(damaged), str(tmp_path / "o")],
+                  [f"{damaged}/release is damaged (__0_0.distcp differs from its checksum at save)", "from a copy"],
+                  tmp_path / "o")
+
+
+LOAD_IN_A_NEW_PROCESS = """
+import sys, torch
+from megatron_zaya import load_pretrained
+from megatron_zaya.checkpoint import CheckpointError
+tensor_cuda, current_device = torch.Tensor.cuda, torch.cuda.current_device
+model = load_pretrained(sys.argv[1])
+assert torch.Tensor.cuda is tensor_cuda and torch.cuda.current_device is current_device, "torch was patched"
+with torch.no_grad():
+    torch.save(model(torch.load(sys.argv[2])), sys.argv[3])
+try:
+    load_pretrained(sys.argv[4])
+except CheckpointError as error:
+    print(error)
+"""
+
+
+def test_load_pretrained_leaves_torch_as_it_was_and_refuses_a_damaged_checkpoint(hf_dir, megatron_dir, tmp_path):
+    """In a process of its own (the tests before it may have patched torch): on a CPU-only machine,
+    ``torch.Tensor.cuda`` and ``torch.cuda.current_device`` are the same objects after ``load_pretrained`` (they
+    were replaced for the whole process), the model's logits still match transformers', and a checkpoint whose
+    shard was cut short is refused (it was read until Megatron's loader failed)."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(megatron_dir, damaged)
+    shard = _spoil(damaged, "cut")
+    torch.save(IDS, tmp_path / "ids.pt")
+    run = subprocess.run([sys.executable, "-c", LOAD_IN_A_NEW_PROCESS, str(megatron_dir), str(tmp_path / "ids.pt"),
+                          str(tmp_path / "logits.pt"), str(damaged)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    logits, ref = torch.load(tmp_path / "logits.pt"), reference_logits(hf_dir, IDS)
+    assert ((logits - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    saved = (megatron_dir / "release" / shard.name).stat().st_size
+    assert run.stdout.strip().splitlines()[-1] == (f"{damaged}/release is damaged ({shard.name} has 4096 bytes, "
+                                                   f"{saved} when saved); restore it from a copy"), run.stdout
+
+
 def test_console_script_exit_code(tmp_path):
     """The installed entry point exits 2 with a single line on bad input."""
     result = subprocess.run([sys.executable, "-m", "megatron_zaya.convert.cli", "import-hf", str(tmp_path / "x"),

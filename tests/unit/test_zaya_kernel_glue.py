@@ -69,13 +69,13 @@ def test_checkpoints_interchange_with_and_without_kernels(tmp_path):
 
     fused_cfg = zaya_config("test", kernels=ALL_OPS, **overrides)
     fused = build_single_process_model(fused_cfg).eval()
-    checkpoint.load(fused, tmp_path / "plain")  # saved without kernels, loaded with them
+    checkpoint.load(fused, checkpoint.verified_step(tmp_path / "plain"))  # saved without kernels, loaded with them
     with torch.no_grad():
         torch.testing.assert_close(fused(ids), expected)
     checkpoint.save(fused, fused_cfg, tmp_path / "fused")
-    assert checkpoint.read_config(tmp_path / "fused").num_layers == cfg.num_layers
+    assert checkpoint.read_config(checkpoint.verified_step(tmp_path / "fused")).num_layers == cfg.num_layers
     again = build_single_process_model(cfg).eval()
-    checkpoint.load(again, tmp_path / "fused")
+    checkpoint.load(again, checkpoint.verified_step(tmp_path / "fused"))
     for key, tensor in plain.state_dict().items():
         if isinstance(tensor, torch.Tensor):
             assert torch.equal(again.state_dict()[key], tensor), key

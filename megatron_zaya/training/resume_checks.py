@@ -1,0 +1,58 @@
+"""What a run checks of the checkpoint it loads, once the verified load has chosen it (so that no damaged file is
+read): the model's architecture, the optimizer whose state it holds and the tokenizer it was trained with. A
+mismatch stops the run in one line (exit 2) before training, instead of a shape error, a traceback from the
+optimizer's state or a silent change of what the token ids mean.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from ..checkpoint import architecture_differences
+from .arguments import UsageError, zaya_config_from_args
+
+
+def tokenizer_identity(tokenizer, args) -> dict:
+    """What fixes the meaning of the token ids: the vocabulary (each id's token) and the end-of-document id, as a
+    digest, with the vocabulary's size and the tokenizer's name for the message. The same tokenizer at another
+    path has the same identity."""
+    try:
+        vocab = tokenizer.vocab
+    except Exception:  # NullTokenizer (mock data: the ids are the tokens), or one that cannot list its vocabulary
+        vocab = None
+    if isinstance(vocab, dict):
+        vocab = sorted(vocab.items(), key=lambda item: item[1])
+    text = json.dumps([vocab, getattr(tokenizer, "eod", None)], default=repr)
+    return {"name": args.tokenizer_model or args.tokenizer_type, "vocab_size": tokenizer.vocab_size,
+            "digest": hashlib.sha256(text.encode()).hexdigest()[:16]}
+
+
+def _described(identity: dict) -> str:
+    return f"{identity['name']}, {identity['vocab_size']} tokens, digest {identity['digest']}"
+
+
+def check_checkpoint_fits(saved, load: str, release: bool, args) -> None:
+    """Raise :class:`UsageError`, naming every mismatch and its fix in one line, if the checkpoint of ``load``
+    whose saved ``args`` are ``saved`` cannot be loaded into this run as its flags stand (``args``). A field that
+    a checkpoint does not record (older or converted checkpoints) is not checked."""
+    problems = []
+    differences = architecture_differences(getattr(saved, "zaya_architecture", None) or {},
+                                           zaya_config_from_args(args))
+    if differences:
+        problems.append(f"it holds a different model ({'; '.join(differences)}); give the flags it was trained "
+                        "with, or another --load")
+    loads_optimizer = not (release or args.finetune or args.no_load_optim or getattr(saved, "no_save_optim", False))
+    optimizer = getattr(saved, "optimizer", None)
+    if loads_optimizer and optimizer is not None and optimizer != args.optimizer:
+        problems.append(f"it holds the state of --optimizer {optimizer}, but this run uses --optimizer "
+                        f"{args.optimizer}; add --no-load-optim to start {args.optimizer} afresh from the "
+                        f"checkpoint's weights, or resume with --optimizer {optimizer}")
+    tokenizer, ours = getattr(saved, "zaya_tokenizer", None), args.zaya_tokenizer
+    if tokenizer is not None and not args.zaya_allow_tokenizer_change and (
+            tokenizer["vocab_size"], tokenizer["digest"]) != (ours["vocab_size"], ours["digest"]):
+        problems.append(f"it was trained with another tokenizer ({_described(tokenizer)}; this run's: "
+                        f"{_described(ours)}); give the tokenizer it was trained with, or add "
+                        "--zaya-allow-tokenizer-change if the new one is meant (each token id keeps its embedding)")
+    if problems:
+        raise UsageError(f"--load {load}: {'. And '.join(problems)}")
