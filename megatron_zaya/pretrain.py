@@ -111,6 +111,29 @@ def _memory_plan_world_size(argv: list[str]) -> int | None:
     return int(value)
 
 
+# Flags that name data: (flag, number of values; None: every value up to the next flag).
+DATA_FLAGS = {"--data-path": None, "--train-data-path": None, "--valid-data-path": None, "--test-data-path": None,
+              "--data-args-path": 1, "--per-split-data-args-path": 1, "--tokenizer-type": 1, "--tokenizer-model": 1}
+
+
+def _planned_argv(argv: list[str]) -> list[str]:
+    """The command a memory plan builds: its data and tokenizer files may exist only on the cluster, and the plan
+    needs neither (the vocabulary is the model's, --zaya-vocab-size or the preset's), so --mock-data stands in."""
+    if not _has(argv, *DATA_FLAGS):
+        return argv  # the main job, on the embedded corpus
+    kept, skip_values = [], 0
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if flag in DATA_FLAGS:
+            skip_values = 0 if "=" in token else (DATA_FLAGS[flag] or -1)
+        elif skip_values and not token.startswith("--"):
+            skip_values -= 1
+        else:
+            skip_values = 0
+            kept.append(token)
+    return kept + ["--mock-data"]
+
+
 def _saves_on_sigterm(argv: list[str], flags: list[str]) -> bool:
     """With a --save directory, SIGTERM (pre-emption, scancel) saves unless --zaya-sigterm-deadline is 0."""
     deadline = _flag_value(argv, "--zaya-sigterm-deadline")
@@ -131,8 +154,9 @@ def _relaunch_on_all_gpus(argv: list[str]) -> None:
         os.execv(sys.executable, command)
 
 
-def _parse(argv: list[str]):
-    """Megatron's argument parsing with ZAYA1's flags; our checks first, so that bad input fails in one line."""
+def _parse(argv: list[str], planning: bool = False):
+    """Megatron's argument parsing with ZAYA1's flags; our checks first, so that bad input fails in one line.
+    ``planning``: a memory plan, for a cluster; what this machine lacks is not refused."""
     from megatron.training.arguments import parse_and_validate_args, parse_args
     from megatron.training.global_vars import get_tokenizer
 
@@ -141,7 +165,7 @@ def _parse(argv: list[str]):
 
     sys.argv = ["zaya-pretrain", *argv]
     flags = parse_args(add_zaya_args)
-    check_args(flags, int(os.environ.get("WORLD_SIZE", "1")))
+    check_args(flags, int(os.environ.get("WORLD_SIZE", "1")), machine_checks=not planning)
     main_job = embedded_dataset_prefix(EMBEDDED_DATA_DIR, build=False) in (flags.data_path or [])
     if not main_job:
         check_data(flags)
@@ -206,7 +230,8 @@ def run(argv: list[str]) -> None:
     if plan_size is not None:  # the plan is for GPUs and for the world size asked, whatever this machine is
         cuda = True
         os.environ["WORLD_SIZE"] = str(plan_size)
-    argv = build_argv(argv, cuda)
+        argv = _planned_argv(argv)
+    user_argv, argv = argv, build_argv(argv, cuda)
     patches = apply_patches(_flag_value(argv, "--zaya-patches"), log=START_LOG.append)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:  # a single process without a launcher
@@ -226,7 +251,7 @@ def run(argv: list[str]) -> None:
     from .training.loss_curve import LOSS_CURVE
     from .training.steps import forward_step, model_provider, train_valid_test_datasets_provider
 
-    args = _parse(argv)
+    args = _parse(argv, planning=plan_size is not None)
     if args.pipeline_model_parallel_size > 1 and patches.get("pipeline.stage_tensor_width") not in APPLIED:
         raise UsageError("pipeline parallelism needs the pipeline.stage_tensor_width patch (stages exchange hidden + "
                          "router-state channels); add it to --zaya-patches")
