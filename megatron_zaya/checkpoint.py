@@ -198,16 +198,16 @@ def read_config(ckpt_dir: str | os.PathLike, **runtime) -> ZayaConfig:
         raise CheckpointError(f"{path} stores an invalid ZAYA1 config: {error}") from error
 
 
-def architecture_differences(ckpt_dir: str | os.PathLike, cfg: ZayaConfig) -> list[str]:
-    """``field: checkpoint value != this model's`` for every architecture field that differs (empty if the
+def architecture_differences(ckpt_dir: str | os.PathLike, cfg: ZayaConfig) -> list[tuple[str, object, object]]:
+    """``(field, checkpoint value, this model's)`` for every architecture field that differs (empty if the
     checkpoint matches or does not record its architecture)."""
     from megatron.core import dist_checkpointing
 
     common = dist_checkpointing.load_common_state_dict(str(step_dir(ckpt_dir)))
     saved = getattr(common.get("args"), "zaya_architecture", None) or {}
     ours = architecture(cfg)
-    return [f"{name}: {saved[name]!r} in the checkpoint, {ours[name]!r} here"
-            for name in ARCHITECTURE_FIELDS if name in saved and _normalised(saved[name]) != _normalised(ours[name])]
+    return [(name, saved[name], ours[name]) for name in ARCHITECTURE_FIELDS
+            if name in saved and _normalised(saved[name]) != _normalised(ours[name])]
 
 
 def _normalised(value):

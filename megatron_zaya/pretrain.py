@@ -59,12 +59,13 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
     from .training.arguments import ZAYA_FLAGS, UsageError, preset_flags
     from .training.checkpoint_tiers import implied_flags
 
-    name = _flag_value(argv, "--zaya-preset")
-    if name is None and not _has(argv, "--num-layers"):
-        name = "tiny"
-    if name is not None and name not in PRESETS:
+    name = _flag_value(argv, "--zaya-preset") or "tiny"  # explicit model flags override its values
+    if name not in PRESETS:
         raise UsageError(f"unknown preset {name!r} for --zaya-preset; choose one of {', '.join(PRESETS)}")
-    flags = list(ZAYA_FLAGS) + (preset_flags(name) if name else [])
+    if _has(argv, "--vocab-size") and _flag_value(argv, "--tokenizer-type") != "NullTokenizer":
+        raise UsageError("--vocab-size sets the vocabulary of Megatron's NullTokenizer only; the model's vocabulary "
+                         "is --zaya-vocab-size N")
+    flags = list(ZAYA_FLAGS) + preset_flags(name)
     # Non-finite steps are skipped by the reliability.step_guard patch on every rank; Megatron's own check
     # would instead abort (or rerun the step and exit 16) from inside the backward pass.
     flags += ["--no-check-for-nan-in-loss-and-grad"]
@@ -88,9 +89,7 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
         flags += ["--data-path", embedded_dataset_prefix(EMBEDDED_DATA_DIR, build=False),
                   "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", embedded_tokenizer_dir()]
     elif _has(argv, "--mock-data") and not _has(argv, "--tokenizer-type"):
-        vocab = _flag_value(argv, "--zaya-vocab-size") or (preset(name)["vocab_size"] if name else None)
-        if vocab is None:
-            raise UsageError("--mock-data needs a vocabulary: give --zaya-preset, --zaya-vocab-size or a tokenizer")
+        vocab = _flag_value(argv, "--zaya-vocab-size") or preset(name)["vocab_size"]
         flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(int(vocab) - 1)]  # + the EOD token
     if _saves_on_sigterm(argv, flags):
         flags += ["--exit-signal-handler"]  # Megatron's save-on-SIGTERM; the deadline bounds it
@@ -169,6 +168,9 @@ def _parse(argv: list[str], planning: bool = False):
     main_job = embedded_dataset_prefix(EMBEDDED_DATA_DIR, build=False) in (flags.data_path or [])
     if not main_job:
         check_data(flags)
+    if flags.save and flags.save_interval is None:  # after the data checks, whose errors say more
+        raise UsageError("--save needs --save-interval N, the steps between checkpoints (a checkpoint is also saved "
+                         "at the end of the run and on SIGTERM)")
     try:
         args = parse_and_validate_args(add_zaya_args)
     except AssertionError as error:
@@ -201,7 +203,7 @@ def _failed_check(error: AssertionError) -> str:
 def _check_checkpoint_matches(args) -> None:
     """Refuse, in one line, to resume (or fine-tune) from a checkpoint of another architecture."""
     from . import checkpoint
-    from .training.arguments import UsageError, zaya_config_from_args
+    from .training.arguments import UsageError, field_flag, zaya_config_from_args
 
     marker = checkpoint.read_tracker(args.load) if args.load else None
     if marker is None:
@@ -213,8 +215,10 @@ def _check_checkpoint_matches(args) -> None:
         return  # damaged: the load names it and falls back to the newest intact checkpoint
     differences = checkpoint.architecture_differences(args.load, zaya_config_from_args(args))
     if differences:
-        raise UsageError(f"--load {args.load} holds a different model ({'; '.join(differences)}); give the flags "
-                         "it was trained with, or another --load")
+        named = "; ".join(f"{field_flag(field)}: {saved!r} in the checkpoint, {ours!r} here"
+                          for field, saved, ours in differences)
+        raise UsageError(f"--load {args.load} holds a different model ({named}); give the flags it was trained "
+                         "with, or another --load")
 
 
 def run(argv: list[str]) -> None:

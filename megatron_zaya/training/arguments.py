@@ -37,7 +37,8 @@ ZAYA_FLAGS = [
 ]
 
 # Megatron's flags whose name is not the ZayaConfig field's (``--num-layers`` sets ``num_layers`` and so on).
-_MEGATRON_FLAGS = {"num_moe_experts": "--num-experts"}
+_MEGATRON_FLAGS = {"num_moe_experts": "--num-experts",
+                   "tie_embeddings": "--untie-embeddings-and-output-weights", "layernorm_epsilon": "--norm-epsilon"}
 
 
 def field_flag(field: str) -> str:
@@ -48,8 +49,12 @@ def field_flag(field: str) -> str:
 
 def preset_flags(name: str) -> list[str]:
     """The Megatron / ZAYA flags a preset stands for."""
+    return shape_flags(preset(name))
+
+
+def shape_flags(values: dict) -> list[str]:
+    """The Megatron / ZAYA flags that set these ZayaConfig fields (a preset's, or a model's)."""
     flags = ["--group-query-attention"]
-    values = preset(name)
     for field, value in values.items():
         text = str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
         flags += [field_flag(field), text]  # Megatron parses --rotary-base as an int
