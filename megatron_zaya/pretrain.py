@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -277,12 +278,39 @@ def run(argv: list[str]) -> None:
                  ModelType.encoder_or_decoder, reliability.GUARD.watch(forward_step), model_provider=model_provider)
     except SystemExit as stop:  # --exit-interval, --exit-duration-in-mins, SIGTERM: the curve so far is kept too
         if stop.code in (None, 0):
-            _finish(args, plot, stopped_early=True)
+            _finish(args, user_argv, plot, stopped_early=True)
         raise
-    _finish(args, plot)
+    _finish(args, user_argv, plot)
 
 
-def _finish(args, plot: str | None, stopped_early: bool = False) -> None:
+# Flags of a finished run that its continuation replaces (the number of values each takes).
+_NOT_CONTINUED = {"--train-iters": 1, "--load": 1, "--save": 1, "--finetune": 0, "--override-opt_param-scheduler": 0,
+                  "--use-checkpoint-opt_param-scheduler": 0}
+
+
+def continue_command(args, user_argv: list[str]) -> list[str]:
+    """The command that trains a finished run on to twice its steps on the schedule it finished (the learning rate
+    stays where the schedule ended): this run's flags, resumed from its checkpoint."""
+    kept, skip = [], 0
+    for token in user_argv:
+        if skip:
+            skip -= 1
+        elif token.split("=", 1)[0] in _NOT_CONTINUED:
+            skip = 0 if "=" in token else _NOT_CONTINUED[token]
+        else:
+            kept.append(token)
+    return [sys.executable, "-m", "megatron_zaya.pretrain", *kept, "--train-iters", str(2 * args.train_iters),
+            "--load", args.save, "--save", args.save, "--use-checkpoint-opt_param-scheduler"]
+
+
+def export_command(args) -> list[str]:
+    """The command that converts the run's checkpoint to Hugging Face, with the tokenizer it trained with."""
+    tokenizer = args.tokenizer_model if args.tokenizer_model and Path(args.tokenizer_model).is_dir() else None
+    return [sys.executable, "-m", "megatron_zaya.convert.cli", "export-hf", args.save, f"{args.save}-hf",
+            *(["--tokenizer", tokenizer] if tokenizer else [])]
+
+
+def _finish(args, user_argv: list[str], plot: str | None, stopped_early: bool = False) -> None:
     """On the rank that computed losses (last stage, first DP, CP and TP rank): the plot and what to run next
     (after an early stop, the plot only: the same command resumes)."""
     from megatron.core import parallel_state as mpu
@@ -301,10 +329,8 @@ def _finish(args, plot: str | None, stopped_early: bool = False) -> None:
         print(f"[zaya] stopped early; {'; '.join(lines) or 'no loss curve'}; the same command resumes", flush=True)
         return
     if args.save:
-        lines += [f"checkpoint: {args.save}",
-                  f"continue training: zaya-pretrain --load {args.save} --save {args.save} "
-                  f"--train-iters {2 * args.train_iters} --override-opt_param-scheduler  (plus this run's flags)",
-                  f"convert to Hugging Face: zaya-convert export-hf {args.save} {args.save}-hf"]
+        lines += [f"checkpoint: {args.save}", f"continue training: {shlex.join(continue_command(args, user_argv))}",
+                  f"convert to Hugging Face: {shlex.join(export_command(args))}"]
     if lines:
         print("\n[zaya] done.\n  " + "\n  ".join(lines), flush=True)
 
