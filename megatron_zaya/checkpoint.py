@@ -244,12 +244,12 @@ def read_config(step: str | os.PathLike, **runtime) -> ZayaConfig:
         raise CheckpointError(f"{step} stores an invalid ZAYA1 config: {error}") from error
 
 
-def architecture_differences(saved: dict, cfg: ZayaConfig) -> list[str]:
-    """``field: checkpoint value != this model's`` for every field of a checkpoint's recorded architecture
+def architecture_differences(saved: dict, cfg: ZayaConfig) -> list[tuple[str, object, object]]:
+    """``(field, checkpoint value, this model's)`` for every field of a checkpoint's recorded architecture
     (``args.zaya_architecture``) that differs from ``cfg``'s."""
     ours = architecture(cfg)
-    return [f"{name}: {saved[name]!r} in the checkpoint, {ours[name]!r} here"
-            for name in ARCHITECTURE_FIELDS if name in saved and _normalised(saved[name]) != _normalised(ours[name])]
+    return [(name, saved[name], ours[name]) for name in ARCHITECTURE_FIELDS
+            if name in saved and _normalised(saved[name]) != _normalised(ours[name])]
 
 
 def _normalised(value):

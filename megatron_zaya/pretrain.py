@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -59,12 +60,13 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
     from .training.arguments import ZAYA_FLAGS, UsageError, preset_flags
     from .training.checkpoint_tiers import implied_flags
 
-    name = _flag_value(argv, "--zaya-preset")
-    if name is None and not _has(argv, "--num-layers"):
-        name = "tiny"
-    if name is not None and name not in PRESETS:
+    name = _flag_value(argv, "--zaya-preset") or "tiny"  # explicit model flags override its values
+    if name not in PRESETS:
         raise UsageError(f"unknown preset {name!r} for --zaya-preset; choose one of {', '.join(PRESETS)}")
-    flags = list(ZAYA_FLAGS) + (preset_flags(name) if name else [])
+    if _has(argv, "--vocab-size") and _flag_value(argv, "--tokenizer-type") != "NullTokenizer":
+        raise UsageError("--vocab-size sets the vocabulary of Megatron's NullTokenizer only; the model's vocabulary "
+                         "is --zaya-vocab-size N")
+    flags = list(ZAYA_FLAGS) + preset_flags(name)
     # Non-finite steps are skipped by the reliability.step_guard patch on every rank; Megatron's own check
     # would instead abort (or rerun the step and exit 16) from inside the backward pass.
     flags += ["--no-check-for-nan-in-loss-and-grad"]
@@ -88,9 +90,7 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
         flags += ["--data-path", embedded_dataset_prefix(EMBEDDED_DATA_DIR, build=False),
                   "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", embedded_tokenizer_dir()]
     elif _has(argv, "--mock-data") and not _has(argv, "--tokenizer-type"):
-        vocab = _flag_value(argv, "--zaya-vocab-size") or (preset(name)["vocab_size"] if name else None)
-        if vocab is None:
-            raise UsageError("--mock-data needs a vocabulary: give --zaya-preset, --zaya-vocab-size or a tokenizer")
+        vocab = _flag_value(argv, "--zaya-vocab-size") or preset(name)["vocab_size"]
         flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(int(vocab) - 1)]  # + the EOD token
     tp = _flag_value(argv, "--tensor-model-parallel-size")
     if tp and tp.isdigit() and int(tp) > 1 and not _has(argv, "--sequence-parallel"):
@@ -118,6 +118,29 @@ def _memory_plan_world_size(argv: list[str]) -> int | None:
     return int(value)
 
 
+# Flags that name data: (flag, number of values; None: every value up to the next flag).
+DATA_FLAGS = {"--data-path": None, "--train-data-path": None, "--valid-data-path": None, "--test-data-path": None,
+              "--data-args-path": 1, "--per-split-data-args-path": 1, "--tokenizer-type": 1, "--tokenizer-model": 1}
+
+
+def _planned_argv(argv: list[str]) -> list[str]:
+    """The command a memory plan builds: its data and tokenizer files may exist only on the cluster, and the plan
+    needs neither (the vocabulary is the model's, --zaya-vocab-size or the preset's), so --mock-data stands in."""
+    if not _has(argv, *DATA_FLAGS):
+        return argv  # the main job, on the embedded corpus
+    kept, skip_values = [], 0
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if flag in DATA_FLAGS:
+            skip_values = 0 if "=" in token else (DATA_FLAGS[flag] or -1)
+        elif skip_values and not token.startswith("--"):
+            skip_values -= 1
+        else:
+            skip_values = 0
+            kept.append(token)
+    return kept + ["--mock-data"]
+
+
 def _saves_on_sigterm(argv: list[str], flags: list[str]) -> bool:
     """With a --save directory, SIGTERM (pre-emption, scancel) saves unless --zaya-sigterm-deadline is 0."""
     deadline = _flag_value(argv, "--zaya-sigterm-deadline")
@@ -138,8 +161,9 @@ def _relaunch_on_all_gpus(argv: list[str]) -> None:
         os.execv(sys.executable, command)
 
 
-def _parse(argv: list[str]):
-    """Megatron's argument parsing with ZAYA1's flags; our checks first, so that bad input fails in one line."""
+def _parse(argv: list[str], planning: bool = False):
+    """Megatron's argument parsing with ZAYA1's flags; our checks first, so that bad input fails in one line.
+    ``planning``: a memory plan, for a cluster; what this machine lacks is not refused."""
     from megatron.training.arguments import parse_and_validate_args, parse_args
     from megatron.training.global_vars import get_tokenizer
 
@@ -148,10 +172,13 @@ def _parse(argv: list[str]):
 
     sys.argv = ["zaya-pretrain", *argv]
     flags = parse_args(add_zaya_args)
-    check_args(flags, int(os.environ.get("WORLD_SIZE", "1")))
+    check_args(flags, int(os.environ.get("WORLD_SIZE", "1")), machine_checks=not planning)
     main_job = embedded_dataset_prefix(EMBEDDED_DATA_DIR, build=False) in (flags.data_path or [])
     if not main_job:
         check_data(flags)
+    if flags.save and flags.save_interval is None:  # after the data checks, whose errors say more
+        raise UsageError("--save needs --save-interval N, the steps between checkpoints (a checkpoint is also saved "
+                         "at the end of the run and on SIGTERM)")
     try:
         args = parse_and_validate_args(add_zaya_args)
     except AssertionError as error:
@@ -197,7 +224,8 @@ def run(argv: list[str]) -> None:
     if plan_size is not None:  # the plan is for GPUs and for the world size asked, whatever this machine is
         cuda = True
         os.environ["WORLD_SIZE"] = str(plan_size)
-    argv = build_argv(argv, cuda)
+        argv = _planned_argv(argv)
+    user_argv, argv = argv, build_argv(argv, cuda)
     selection = _flag_value(argv, "--zaya-patches")
     try:  # unknown names, the cpu group left out on a CPU, a kernel patch asked for that cannot apply here
         check_patch_selection(selection, needs_cpu_group=not cuda)
@@ -221,7 +249,7 @@ def run(argv: list[str]) -> None:
     from .training.loss_curve import LOSS_CURVE
     from .training.steps import forward_step, model_provider, train_valid_test_datasets_provider
 
-    args = _parse(argv)
+    args = _parse(argv, planning=plan_size is not None)
     if args.pipeline_model_parallel_size > 1 and patches.get("pipeline.stage_tensor_width") not in APPLIED:
         raise UsageError("pipeline parallelism needs the pipeline.stage_tensor_width patch (stages exchange hidden + "
                          "router-state channels); add it to --zaya-patches")
@@ -242,12 +270,39 @@ def run(argv: list[str]) -> None:
                  ModelType.encoder_or_decoder, reliability.GUARD.watch(forward_step), model_provider=model_provider)
     except SystemExit as stop:  # --exit-interval, --exit-duration-in-mins, SIGTERM: the curve so far is kept too
         if stop.code in (None, 0):
-            _finish(args, plot, stopped_early=True)
+            _finish(args, user_argv, plot, stopped_early=True)
         raise
-    _finish(args, plot)
+    _finish(args, user_argv, plot)
 
 
-def _finish(args, plot: str | None, stopped_early: bool = False) -> None:
+# Flags of a finished run that its continuation replaces (the number of values each takes).
+_NOT_CONTINUED = {"--train-iters": 1, "--load": 1, "--save": 1, "--finetune": 0, "--override-opt_param-scheduler": 0,
+                  "--use-checkpoint-opt_param-scheduler": 0}
+
+
+def continue_command(args, user_argv: list[str]) -> list[str]:
+    """The command that trains a finished run on to twice its steps on the schedule it finished (the learning rate
+    stays where the schedule ended): this run's flags, resumed from its checkpoint."""
+    kept, skip = [], 0
+    for token in user_argv:
+        if skip:
+            skip -= 1
+        elif token.split("=", 1)[0] in _NOT_CONTINUED:
+            skip = 0 if "=" in token else _NOT_CONTINUED[token]
+        else:
+            kept.append(token)
+    return [sys.executable, "-m", "megatron_zaya.pretrain", *kept, "--train-iters", str(2 * args.train_iters),
+            "--load", args.save, "--save", args.save, "--use-checkpoint-opt_param-scheduler"]
+
+
+def export_command(args) -> list[str]:
+    """The command that converts the run's checkpoint to Hugging Face, with the tokenizer it trained with."""
+    tokenizer = args.tokenizer_model if args.tokenizer_model and Path(args.tokenizer_model).is_dir() else None
+    return [sys.executable, "-m", "megatron_zaya.convert.cli", "export-hf", args.save, f"{args.save}-hf",
+            *(["--tokenizer", tokenizer] if tokenizer else [])]
+
+
+def _finish(args, user_argv: list[str], plot: str | None, stopped_early: bool = False) -> None:
     """On the rank that computed losses (last stage, first DP, CP and TP rank): the plot and what to run next
     (after an early stop, the plot only: the same command resumes)."""
     from megatron.core import parallel_state as mpu
@@ -266,10 +321,8 @@ def _finish(args, plot: str | None, stopped_early: bool = False) -> None:
         print(f"[zaya] stopped early; {'; '.join(lines) or 'no loss curve'}; the same command resumes", flush=True)
         return
     if args.save:
-        lines += [f"checkpoint: {args.save}",
-                  f"continue training: zaya-pretrain --load {args.save} --save {args.save} "
-                  f"--train-iters {2 * args.train_iters} --override-opt_param-scheduler  (plus this run's flags)",
-                  f"convert to Hugging Face: zaya-convert export-hf {args.save} {args.save}-hf"]
+        lines += [f"checkpoint: {args.save}", f"continue training: {shlex.join(continue_command(args, user_argv))}",
+                  f"convert to Hugging Face: {shlex.join(export_command(args))}"]
     if lines:
         print("\n[zaya] done.\n  " + "\n  ".join(lines), flush=True)
 

@@ -13,6 +13,7 @@ itself), and says so when it has none.
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
 import sys
 import tempfile
@@ -63,7 +64,21 @@ def import_hf(hf_dir: Path, out: Path, dtype) -> None:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     print(f"wrote Megatron torch_dist checkpoint {out} ({cfg.num_layers} layers, {cfg.num_moe_experts} experts); "
-          f"continue training with: zaya-pretrain --load {out} --finetune ...")
+          f"fine-tune it (on the embedded corpus; for your data add --data-path PREFIX --tokenizer-type "
+          f"HuggingFaceTokenizer --tokenizer-model {hf_dir}) with:\n  {shlex.join(finetune_command(cfg, out))}")
+
+
+def finetune_command(cfg, ckpt: Path) -> list[str]:
+    """A zaya-pretrain command that fine-tunes the imported checkpoint: its preset, or flags of its shape."""
+    from megatron_zaya.config import PRESETS, architecture, zaya_config
+    from megatron_zaya.training.arguments import shape_flags
+
+    same = [name for name in PRESETS if architecture(zaya_config(name)) == architecture(cfg)]
+    shape = next(iter(PRESETS.values()))
+    model = ["--zaya-preset", same[0]] if same else shape_flags({field: getattr(cfg, field) for field in shape})
+    return [sys.executable, "-m", "megatron_zaya.pretrain", *model, "--load", str(ckpt), "--finetune",
+            "--save", f"{ckpt}-finetuned", "--save-interval", "1000", "--train-iters", "1000", "--lr", "1e-5",
+            "--min-lr", "1e-6"]
 
 
 def export_hf(ckpt_dir: Path, out: Path, dtype, tokenizer: Path | None) -> None:

@@ -8,6 +8,7 @@ no aux loss, no dropout) are such a bundle too.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 from pathlib import Path
@@ -36,7 +37,8 @@ ZAYA_FLAGS = [
 ]
 
 # Megatron's flags whose name is not the ZayaConfig field's (``--num-layers`` sets ``num_layers`` and so on).
-_MEGATRON_FLAGS = {"num_moe_experts": "--num-experts"}
+_MEGATRON_FLAGS = {"num_moe_experts": "--num-experts",
+                   "tie_embeddings": "--untie-embeddings-and-output-weights", "layernorm_epsilon": "--norm-epsilon"}
 
 
 def field_flag(field: str) -> str:
@@ -47,8 +49,12 @@ def field_flag(field: str) -> str:
 
 def preset_flags(name: str) -> list[str]:
     """The Megatron / ZAYA flags a preset stands for."""
+    return shape_flags(preset(name))
+
+
+def shape_flags(values: dict) -> list[str]:
+    """The Megatron / ZAYA flags that set these ZayaConfig fields (a preset's, or a model's)."""
     flags = ["--group-query-attention"]
-    values = preset(name)
     for field, value in values.items():
         text = str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
         flags += [field_flag(field), text]  # Megatron parses --rotary-base as an int
@@ -206,8 +212,11 @@ def check_data(args) -> None:
             raise UsageError(problem)
 
 
-def check_args(args, world_size: int) -> None:
-    """Fail early, in one line, on flags Megatron would reject with a traceback (or not at all)."""
+def check_args(args, world_size: int, machine_checks: bool = True) -> None:
+    """Fail early, in one line, on flags Megatron would reject with a traceback (or not at all).
+
+    ``machine_checks=False`` (``--zaya-memory-plan``, which plans for a cluster): what this machine lacks (a GPU,
+    Transformer Engine) is not refused."""
     from .checkpoint_tiers import check_args as check_checkpoint_tiers
 
     _check_flag_combinations(args)
@@ -269,5 +278,8 @@ def check_args(args, world_size: int) -> None:
     if getattr(args, "cuda_graph_impl", "none") != "none":
         raise UsageError(f"--cuda-graph-impl {args.cuda_graph_impl}: Megatron's graphs do not capture ZAYA1 layers; "
                          "use --zaya-cuda-graphs")
-    if args.zaya_cuda_graphs and not torch.cuda.is_available():
+    if machine_checks and args.zaya_cuda_graphs and not torch.cuda.is_available():
         raise UsageError("--zaya-cuda-graphs needs a GPU (none is visible here); drop it on CPU")
+    if machine_checks and args.zaya_core_attention == "te" and importlib.util.find_spec("transformer_engine") is None:
+        raise UsageError("--zaya-core-attention te needs Transformer Engine, which is not installed here; install "
+                         "it or use --zaya-core-attention sdpa (the default)")

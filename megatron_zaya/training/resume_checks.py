@@ -10,7 +10,7 @@ import hashlib
 import json
 
 from ..checkpoint import architecture_differences
-from .arguments import UsageError, zaya_config_from_args
+from .arguments import UsageError, field_flag, zaya_config_from_args
 
 
 def tokenizer_identity(tokenizer, args) -> dict:
@@ -40,8 +40,9 @@ def check_checkpoint_fits(saved, load: str, release: bool, args) -> None:
     differences = architecture_differences(getattr(saved, "zaya_architecture", None) or {},
                                            zaya_config_from_args(args))
     if differences:
-        problems.append(f"it holds a different model ({'; '.join(differences)}); give the flags it was trained "
-                        "with, or another --load")
+        named = "; ".join(f"{field_flag(field)}: {saved!r} in the checkpoint, {ours!r} here"
+                          for field, saved, ours in differences)
+        problems.append(f"it holds a different model ({named}); give the flags it was trained with, or another --load")
     loads_optimizer = not (release or args.finetune or args.no_load_optim or getattr(saved, "no_save_optim", False))
     optimizer = getattr(saved, "optimizer", None)
     if loads_optimizer and optimizer is not None and optimizer != args.optimizer:

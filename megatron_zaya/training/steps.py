@@ -109,10 +109,13 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     args = get_args()
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
     print_rank_0("> building train, validation, and test datasets for ZAYA1 ...")
-    return BlendedMegatronDatasetBuilder(
+    datasets = BlendedMegatronDatasetBuilder(
         dataset_type, train_val_test_num_samples, partial(is_dataset_built_on_rank, vp_stage=vp_stage),
         dataset_config(args),
     ).build()
+    # A blend asked for 0 samples of a split (--eval-iters 0) is an empty dataset, which Megatron's sampler
+    # refuses ("no sample to consume"); no dataset is what Megatron expects of a split it will not read.
+    return [None if dataset is not None and len(dataset) == 0 else dataset for dataset in datasets]
 
 
 train_valid_test_datasets_provider.is_distributed = True

@@ -98,6 +98,9 @@ def results(tmp_path_factory):
                                      "2", "--non-persistent-local-ckpt-dir", str(directory / "small.bin" / "local")],
         "a background save of another format": [*mock, "--async-save", "--ckpt-format", "torch"],
         "a background save through a missing package": [*mock, "--async-save", "--async-strategy", "nvrx"],
+        "Transformer Engine attention without the package": [*mock, "--zaya-core-attention", "te"],
+        "Megatron's vocabulary flag": [*mock, "--vocab-size", "4096"],
+        "a save without an interval": mock,
     })
     cases.update({name: flags for name, (flags, _) in MODEL_AND_LAYOUT.items()})
     argvs = {name: QUICK + ["--train-iters", "5", "--save", "ckpt", "--load", "ckpt", *flags]
@@ -154,6 +157,10 @@ EXPECTED = {  # case -> words the one error line must hold
     "an unwritable local tier": ["small.bin/local is not writable"],
     "a background save of another format": ["--async-save writes --ckpt-format torch_dist only, not torch"],
     "a background save through a missing package": ["--async-strategy nvrx needs", "drop the flag"],
+    "Transformer Engine attention without the package": ["--zaya-core-attention te needs Transformer Engine",
+                                                          "--zaya-core-attention sdpa"],
+    "Megatron's vocabulary flag": ["--vocab-size", "NullTokenizer", "--zaya-vocab-size N"],
+    "a save without an interval": ["--save needs --save-interval N"],
     **{name: words for name, (_, words) in MODEL_AND_LAYOUT.items()},
 }
 

@@ -197,7 +197,8 @@ def test_a_checkpoint_of_another_model_optimizer_and_tokenizer_is_refused_in_one
     assert "Traceback" not in run.stderr and " iteration " not in run.stdout
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("zaya-pretrain: error: --load ck: it holds a different model ("), last
-    assert "num_layers: 4 in the checkpoint, 2 here" in last and "cca_time0: " in last, last
+    assert "--num-layers: 4 in the checkpoint, 2 here" in last, last  # named by the flags that set them
+    assert "--zaya-cca-time0: 2 in the checkpoint, 3 here" in last, last
     assert ("it holds the state of --optimizer adam, but this run uses --optimizer zaya_muon; add --no-load-optim "
             "to start zaya_muon afresh") in last, last
     assert f"it was trained with another tokenizer ({embedded_tokenizer_dir()}, 4096 tokens, digest " in last, last

@@ -1,10 +1,14 @@
 """A Hugging Face ZAYA1 model through the whole tool chain, on CPU:
 
-transformers model -> ``zaya-convert import-hf`` -> ``zaya-pretrain --load --finetune`` (5 steps on the embedded
+transformers model -> ``zaya-convert import-hf`` -> the fine-tuning command it prints (5 steps on the embedded
 corpus) -> ``zaya-convert export-hf --tokenizer`` -> ``transformers`` ``from_pretrained`` + ``generate``.
 """
 
 from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
@@ -22,15 +26,6 @@ HF = hf_config(vocab_size=4096, hidden_size=64, num_attention_heads=4, num_key_v
                num_hidden_layers=2, moe_intermediate_size=96, num_experts=4, router_hidden_size=32,
                max_position_embeddings=256,
                rope_parameters={"hybrid": {"rope_type": "default", "rope_theta": THETA, "partial_rotary_factor": 0.5}})
-# The same shape in zaya-pretrain's flags.
-MODEL_FLAGS = [
-    "--num-layers", HF.num_hidden_layers, "--hidden-size", HF.hidden_size, "--num-attention-heads",
-    HF.num_attention_heads, "--group-query-attention", "--num-query-groups", HF.num_key_value_heads,
-    "--kv-channels", HF.head_dim, "--ffn-hidden-size", HF.moe_intermediate_size, "--moe-ffn-hidden-size",
-    HF.moe_intermediate_size, "--num-experts", HF.num_experts, "--zaya-router-hidden-size", HF.router_hidden_size,
-    "--zaya-vocab-size", HF.vocab_size, "--max-position-embeddings", HF.max_position_embeddings,
-    "--rotary-base", THETA,
-]
 PROMPT = "It is a truth universally acknowledged"
 
 
@@ -42,14 +37,17 @@ def greedy(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     return ids
 
 
-def test_import_finetune_export_generate(tmp_path):
-    hf_dir, imported, trained, exported = (tmp_path / name for name in ("hf", "imported", "trained", "exported"))
+def test_import_finetune_export_generate(tmp_path, capsys):
+    hf_dir, imported, exported = (tmp_path / name for name in ("hf", "imported", "exported"))
     random_hf_model(HF, seed=2).save_pretrained(hf_dir)
     assert convert(["import-hf", str(hf_dir), str(imported)]) == 0
+    # The command import-hf prints, as printed: the model's shape in flags, --load, --finetune, --save and its
+    # interval; this test shortens the run and raises the learning rate (later flags win).
+    command = shlex.split(capsys.readouterr().out.strip().splitlines()[-1])
+    assert command[:3] == [sys.executable, "-m", "megatron_zaya.pretrain"]
+    trained = Path(command[command.index("--save") + 1])
 
-    run = pretrain([str(f) for f in MODEL_FLAGS] + QUICK + [
-        "--train-iters", str(STEPS), "--lr", str(LR), "--load", str(imported), "--finetune", "--save", str(trained)],
-        cwd=tmp_path)
+    run = pretrain(command[3:] + QUICK + ["--train-iters", str(STEPS), "--lr", str(LR)], cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"successfully loaded checkpoint from {imported}" in run.stdout
     assert sorted(losses(run.stdout)) == list(range(1, STEPS + 1))

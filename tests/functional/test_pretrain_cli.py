@@ -30,7 +30,7 @@ def test_loss_falls_and_resume_is_exact(tmp_path):
     assert sorted(uninterrupted) == list(range(1, 21))
     assert uninterrupted[20] < uninterrupted[1] - 1.0, uninterrupted  # nats/token
     assert (full / "loss.png").stat().st_size > 0
-    assert "zaya-convert export-hf" in run.stdout  # tells the user what to run next
+    assert "megatron_zaya.convert.cli export-hf" in run.stdout  # tells the user what to run next
 
     first = pretrain(common + ["--save", str(part), "--load", str(part), "--exit-interval", "10"], cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]

@@ -10,7 +10,7 @@ import torch
 from zaya_cli import pretrain
 
 from megatron_zaya.config import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_MODULES, ZayaConfigError, zaya_config
-from megatron_zaya.memory_plan import GPUS_GIB, RESERVE_GIB, Parallel, parameter_counts, stack_bytes
+from megatron_zaya.memory_plan import GPUS_GIB, GRAPH_GRAD_BYTES, RESERVE_GIB, Parallel, parameter_counts, stack_bytes
 from megatron_zaya.optim.roles import classify
 from megatron_zaya.pretrained import build_single_process_model
 
@@ -115,3 +115,24 @@ def test_cli_prints_the_plan_and_exits(tmp_path):
     assert not list(tmp_path.iterdir())  # nothing built, nothing written
     bad = pretrain(["--zaya-preset", "test", "--mock-data", "--zaya-memory-plan", "0"], tmp_path, timeout=300)
     assert bad.returncode == 2 and "--zaya-memory-plan 0" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_a_cluster_command_is_planned_on_a_machine_without_its_gpus_data_or_tokenizer(tmp_path):
+    """The README's 8-GPU command with CUDA graphs, planned for 8 nodes on this CPU machine: its data, tokenizer and
+    GPUs exist only on the cluster."""
+    cluster = ["--data-path", "/cluster/data/corpus", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+               "/cluster/models/gemma-3-4b-pt"]
+    command = ["--zaya-preset", "zaya1-8b", "--seq-length", "4096", "--micro-batch-size", "1", "--global-batch-size",
+               "512", "--train-iters", "100000", "--lr", "2e-3", "--min-lr", "2e-4", "--lr-decay-style", "cosine",
+               "--lr-warmup-iters", "2000", "--bf16", "--optimizer", "zaya_muon", "--use-distributed-optimizer",
+               "--save", "/cluster/ckpt", "--save-interval", "1000", "--zaya-cuda-graphs", "--zaya-memory-plan", "64"]
+    result = pretrain(command[:2] + cluster + command[2:], tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "TP1 PP1 EP1 CP1 DP64" in result.stdout
+    gib = {name: float(value) for name, value in re.findall(r"^  (\S.*?) +([0-9.]+) GiB", result.stdout, re.MULTILINE)}
+    cfg = zaya_config("zaya1-8b")
+    layer_params = sum(parameter_counts(cfg, Parallel()).values()) - cfg.vocab_size * cfg.hidden_size
+    tokens = 4096  # micro-batch x sequence
+    pool = GRAPH_GRAD_BYTES * layer_params + 2 * 4 * (cfg.hidden_size + cfg.router_hidden_size) * tokens
+    assert abs(gib["CUDA-graph pool"] - pool / 2**30) < 0.01
+    assert not list(tmp_path.iterdir())
