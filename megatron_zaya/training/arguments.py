@@ -189,6 +189,9 @@ def _check_flag_combinations(args) -> None:
     for flag, value in (("--lr", args.lr), ("--min-lr", args.min_lr), ("--weight-decay", args.weight_decay)):
         if value is not None and value < 0:
             raise UsageError(f"{flag} {value} is negative; give a positive value")
+    if args.zaya_balancing_warmup_steps < 0:  # as ZayaConfig.validate_zaya, before Megatron's own checks
+        raise UsageError(f"--zaya-balancing-warmup-steps {args.zaya_balancing_warmup_steps} is negative; give a "
+                         "number of steps >= 0 (0: no warm-up)")
     if args.zaya_balance_skip_class and not args.zaya_skip_class:
         raise UsageError("--zaya-balance-skip-class with --zaya-no-skip-class: there is no skip class to balance; "
                          "drop one of them")
