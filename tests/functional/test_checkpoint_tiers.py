@@ -13,7 +13,8 @@ import sys
 import time
 
 import pytest
-from zaya_cli import QUICK, losses, pretrain, with_faults
+from shared import once
+from zaya_cli import KILLED_RUN, assert_resumed_exactly, loss_csv, losses, pretrain, with_faults
 
 from megatron_zaya.checkpoint import CHECKSUMS, TRACKER
 from megatron_zaya.training.reliability import newest_intact_checkpoint
@@ -21,7 +22,7 @@ from megatron_zaya.training.reliability import newest_intact_checkpoint
 PERSISTENT = ["--async-save", "--save-interval", "4", "--save", "ck", "--load", "ck"]
 TIERS = PERSISTENT + ["--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", "local",
                       "--non-persistent-save-interval", "1"]
-FLAGS = QUICK + ["--train-iters", "400"]
+FLAGS = KILLED_RUN
 
 
 def _killed_when(directory, ready, tiers=TIERS, faults: str = "") -> dict[int, float]:
@@ -41,12 +42,13 @@ def _killed_when(directory, ready, tiers=TIERS, faults: str = "") -> dict[int, f
     return losses(output)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def killed(tmp_path_factory):
     """A run with both tiers, killed the moment the directory of checkpoint 8 appears (its background write
-    starting, local checkpoints of 6 and 7 written or being written); its losses."""
-    directory = tmp_path_factory.mktemp("killed")
-    return directory, _killed_when(directory, (directory / "ck" / "iter_0000008").exists)
+    starting, local checkpoints of 6 and 7 written or being written); its directory and losses."""
+    directory = once(tmp_path_factory, "killed-with-both-tiers",
+                     lambda directory: _killed_when(directory, (directory / "ck" / "iter_0000008").exists))
+    return directory, losses((directory / "killed.log").read_text())
 
 
 def _copy(killed, tmp_path):
@@ -66,7 +68,7 @@ def test_the_kill_leaves_complete_checkpoints_in_both_tiers(killed):
     assert parts and min(parts) >= 5 and max(parts) <= 7 and max(first) >= 8, (parts, max(first))
 
 
-def test_a_resume_takes_the_newest_local_checkpoint_and_repeats_the_losses(killed, tmp_path):
+def test_a_resume_takes_the_newest_local_checkpoint_and_repeats_the_losses(killed, tmp_path, uninterrupted):
     """The local tier is newer than the persistent one (4): the resume starts there and its first loss equals the
     killed run's. The background saves of this run (persistent 8, local 9 and 10, the last one still in flight
     at the exit interval) are finished, checksummed and named before the run ends."""
@@ -79,22 +81,24 @@ def test_a_resume_takes_the_newest_local_checkpoint_and_repeats_the_losses(kille
     assert start == complete[-1] >= 6, (start, complete)
     assert f"[zaya] resuming from the local checkpoint local/iter_{start:07d} (the persistent one in --load: 4)" \
         in run.stdout
-    assert resumed[start + 1] == killed[1][start + 1]
+    assert_resumed_exactly(loss_csv(tmp_path / "ck" / "loss.csv"), range(min(resumed), max(resumed) + 1),
+                           killed[1], resumed, uninterrupted)
     assert max(resumed) == 10 and (tmp_path / "ck" / TRACKER).read_text() == "8"
     assert newest_intact_checkpoint(str(tmp_path / "ck")) == "8"
     assert sorted(p.parent.parent.name for p in (tmp_path / "local").glob(f"iter_*/rank_00000/{CHECKSUMS}")) == [
         "iter_0000009", "iter_0000010"]
 
 
-def test_a_resume_from_the_background_save_repeats_the_losses(killed, tmp_path):
+def test_a_resume_from_the_background_save_repeats_the_losses(killed, tmp_path, uninterrupted):
     """Without the local tier the resume starts at the persistent checkpoint 4 that the background writer
-    wrote while steps 5 and on trained: losses 5 and 7 equal the killed run's."""
+    wrote while steps 5 and on trained: losses 5 to 7 equal the killed run's and the uninterrupted run's."""
     _copy(killed, tmp_path)
     run = pretrain(FLAGS + PERSISTENT + ["--exit-interval", "7"], cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     resumed = losses(run.stdout)
-    assert min(resumed) == 5  # (Megatron's second log line after a resume averages two steps)
-    assert [resumed[i] for i in (5, 7)] == [killed[1][i] for i in (5, 7)]
+    assert min(resumed) == 5 and max(resumed) == 7
+    assert_resumed_exactly(loss_csv(tmp_path / "ck" / "loss.csv"), range(min(resumed), max(resumed) + 1),
+                           killed[1], resumed, uninterrupted)
 
 
 def test_a_kill_while_the_writer_writes_leaves_an_intact_latest(tmp_path):

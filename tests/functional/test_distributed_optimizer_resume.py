@@ -9,14 +9,9 @@ step-2 checkpoint reproduces the uninterrupted run's losses of steps 3 and 4 bit
 
 from __future__ import annotations
 
-from zaya_cli import QUICK, pretrain
+from zaya_cli import QUICK, loss_csv, pretrain
 
 from megatron_zaya.patches.cli import list_patches
-
-
-def _loss_csv(path):
-    rows = path.read_text().splitlines()[1:]
-    return {int(i): float(v) for i, v in (row.split(",") for row in rows)}
 
 
 def test_distributed_optimizer_resume_is_exact(tmp_path):
@@ -33,6 +28,6 @@ def test_distributed_optimizer_resume_is_exact(tmp_path):
     row = next(line for line in list_patches().splitlines() if line.startswith("megatron_fixes.distopt_step_per_param"))
     assert "no:" not in row, row  # the patch applies here
 
-    uninterrupted, after = _loss_csv(full / "loss.csv"), _loss_csv(resumed_plot.with_suffix(".csv"))
+    uninterrupted, after = loss_csv(full / "loss.csv"), loss_csv(resumed_plot.with_suffix(".csv"))
     assert sorted(after) == [3, 4]
     assert all(after[i] == uninterrupted[i] for i in after), (after, uninterrupted)

@@ -3,40 +3,30 @@ with zaya_muon's ZeRO-1 sharding under Megatron's overlap flags, and TP2, train 
 
 from __future__ import annotations
 
-from zaya_cli import QUICK, pretrain
+from zaya_cli import KILLED_RUN, MUON_RUN, loss_csv, pretrain
 
 DISTRIBUTED = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
 
 
-def _loss_csv(path):
-    rows = path.read_text().splitlines()[1:]
-    return {int(i): float(v) for i, v in (row.split(",") for row in rows)}
-
-
-def test_dp2_loss_curve_equals_one_process(tmp_path):
-    flags = QUICK + ["--train-iters", "3", "--save-interval", "1000", "--optimizer", "zaya_muon"]
-    one = pretrain(flags + ["--save", str(tmp_path / "one")], cwd=tmp_path)
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = pretrain(flags + DISTRIBUTED + ["--save", str(tmp_path / "two")], cwd=tmp_path, nproc=2)
+def test_dp2_loss_curve_equals_one_process(muon_run, tmp_path):
+    two = pretrain(MUON_RUN + DISTRIBUTED + ["--exit-interval", "3", "--save", str(tmp_path / "two")], cwd=tmp_path,
+                   nproc=2)  # fmt: skip
     assert two.returncode == 0, two.stderr[-3000:]
-    expected, got = _loss_csv(tmp_path / "one" / "loss.csv"), _loss_csv(tmp_path / "two" / "loss.csv")
-    assert sorted(got) == sorted(expected) == [1, 2, 3]
-    for iteration, loss in expected.items():
-        assert abs(got[iteration] - loss) <= 1e-5 * loss, (iteration, got[iteration], loss)
+    expected, got = loss_csv(muon_run / "full" / "loss.csv"), loss_csv(tmp_path / "two" / "loss.csv")
+    assert sorted(got) == [1, 2, 3]
+    for iteration in got:
+        assert abs(got[iteration] - expected[iteration]) <= 1e-5 * expected[iteration], (iteration, got, expected)
 
 
-def test_tp2_without_sequence_parallel_adds_it_and_trains_as_one_process(tmp_path):
+def test_tp2_without_sequence_parallel_adds_it_and_trains_as_one_process(uninterrupted, tmp_path):
     """Megatron's MoE layer refuses tensor parallelism without sequence parallelism at the first step, on every
-    rank: zaya-pretrain adds --sequence-parallel and says so."""
-    flags = QUICK + ["--train-iters", "3", "--save-interval", "1000"]
-    one = pretrain(flags + ["--save", str(tmp_path / "one")], cwd=tmp_path)
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = pretrain(flags + ["--tensor-model-parallel-size", "2", "--save", str(tmp_path / "tp2")], cwd=tmp_path,
-                   nproc=2)
+    rank: zaya-pretrain adds --sequence-parallel and says so; the first steps are the one-process run's."""
+    two = pretrain(KILLED_RUN + ["--tensor-model-parallel-size", "2", "--exit-interval", "3", "--save-interval",
+                                 "1000", "--save", str(tmp_path / "tp2")], cwd=tmp_path, nproc=2)  # fmt: skip
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("[zaya] --tensor-model-parallel-size 2 with ZAYA1's experts needs sequence parallelism: "
                             "added --sequence-parallel") == 1, two.stdout[-3000:]
-    expected, got = _loss_csv(tmp_path / "one" / "loss.csv"), _loss_csv(tmp_path / "tp2" / "loss.csv")
-    assert sorted(got) == sorted(expected) == [1, 2, 3]
-    for iteration, loss in expected.items():
-        assert abs(got[iteration] - loss) <= 1e-5 * loss, (iteration, got[iteration], loss)
+    got = loss_csv(tmp_path / "tp2" / "loss.csv")
+    assert sorted(got) == [1, 2, 3]
+    for iteration in got:
+        assert abs(got[iteration] - uninterrupted[iteration]) <= 1e-5 * uninterrupted[iteration], (iteration, got)

@@ -1,15 +1,43 @@
-"""The model's kernel choice wires each kernel with the right arguments (checked on CPU, where each kernel function
-falls back to its torch reference): the model built with every kernel op equals the one built with none."""
+"""The model's kernel choice wires each kernel with the right arguments: the model built with every kernel op, its
+Triton kernels run by Triton's interpreter on CPU, equals the one built with none."""
 
 from __future__ import annotations
+
+import sys
+from collections import Counter
 
 import pytest
 import torch
 
+import megatron_zaya.kernels
 from megatron_zaya.config import KERNEL_OPS, zaya_config
+from megatron_zaya.kernels.testing import load_kernel_module
 from megatron_zaya.pretrained import build_single_process_model
 
 ALL_OPS = ",".join(KERNEL_OPS)  # named ops take their kernel functions on any device
+# The kernel modules the model's ops call (off a GPU, without the interpreter, each falls back to its reference).
+MODEL_KERNELS = ("cca", "cross_entropy", "grouped_gemm", "residual_rmsnorm", "router", "swiglu")
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return {name: load_kernel_module(f"megatron_zaya.kernels.{name}") for name in MODEL_KERNELS}
+
+
+@pytest.fixture
+def launches(interpreted, monkeypatch) -> Counter:
+    """While the test runs, the model imports the interpreted kernel modules; counts the launches of each."""
+    counts = Counter()
+    for name, module in interpreted.items():
+        monkeypatch.setitem(sys.modules, f"megatron_zaya.kernels.{name}", module)
+        monkeypatch.setattr(megatron_zaya.kernels, name, module, raising=False)
+        for kernel in (v for v in vars(module).values() if type(v).__name__ == "InterpretedFunction"):
+            def run(*args, _launch=kernel.run, _name=name, **kwargs):
+                counts[_name] += 1
+                return _launch(*args, **kwargs)
+
+            monkeypatch.setattr(kernel, "run", run)
+    return counts
 
 
 def _pair(**overrides):
@@ -33,7 +61,7 @@ def test_kernel_choice_is_made_when_the_model_is_built():
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["one-sequence", "packed-documents"])
-def test_model_with_kernels_equals_torch_path(packed):
+def test_model_with_kernels_equals_torch_path(packed, launches):
     plain, fused = _pair(use_cpu_initialization=True, params_dtype=torch.float32,
                          moe_token_dispatcher_type="allgather", cca_time0=3)
     ids = torch.randint(0, plain.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
@@ -47,7 +75,9 @@ def test_model_with_kernels_equals_torch_path(packed):
         return loss.detach(), {k: p.grad.clone() for k, p in net.named_parameters() if p.grad is not None}
 
     ref_loss, ref_grads = run(plain)
+    assert not launches
     loss, grads = run(fused)
+    assert set(launches) == set(MODEL_KERNELS), launches  # every kernel ran, forward and backward
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert set(grads) == set(ref_grads)
     for key, grad in ref_grads.items():
