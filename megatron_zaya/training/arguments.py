@@ -254,7 +254,10 @@ def check_args(args, world_size: int) -> None:
     if args.reset_position_ids != args.reset_attention_mask:
         raise UsageError("packed documents take --reset-position-ids and --reset-attention-mask together (ZAYA1 finds "
                          "document starts from the reset position ids); give both or neither")
-    if args.reset_position_ids and (pp > 2 or args.virtual_pipeline_model_parallel_size):
+    # Megatron derives its virtual pipeline size later, from either flag (a size of 1 is none).
+    virtual = (args.num_layers_per_virtual_pipeline_stage is not None
+               or (args.num_virtual_stages_per_pipeline_rank or 1) > 1)
+    if args.reset_position_ids and (pp > 2 or virtual):
         raise UsageError("--reset-position-ids with more than two pipeline stages (or virtual stages): only the "
                          "first and last stage read the batch's position ids; use at most 2 stages, no virtual ones")
     if getattr(args, "cuda_graph_impl", "none") != "none":
