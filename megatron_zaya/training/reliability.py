@@ -318,24 +318,26 @@ def newest_intact_checkpoint(load_dir: str) -> str:
 def arm_sigterm_deadline(seconds: float, save_dir: str | None, exit=os._exit) -> None:
     """After SIGTERM (Megatron's ``--exit-signal-handler`` saves at the end of the current step and exits 0),
     give the save ``seconds``; past them print why and exit with :data:`FAULT_EXIT_CODE`, before the
-    scheduler's SIGKILL. The ``latest`` marker is replaced atomically, so the last complete checkpoint stays."""
+    scheduler's SIGKILL. The ``latest`` marker is replaced atomically, so the last complete checkpoint stays.
+    SIGINT (Ctrl-C) does the same, instead of a KeyboardInterrupt that would lose the steps since the last save."""
     previous = signal.getsignal(signal.SIGTERM)
 
-    def expire():
-        print(f"zaya-pretrain: error: SIGTERM: the checkpoint did not finish within --zaya-sigterm-deadline "
-              f"{seconds:g} s; exiting without it; the last complete checkpoint: "
-              f"{describe_latest_checkpoint(save_dir)}",
-              file=sys.stderr, flush=True)
-        exit(FAULT_EXIT_CODE)
+    def on_signal(signum, frame):
+        def expire():
+            print(f"zaya-pretrain: error: {signal.Signals(signum).name}: the checkpoint did not finish within "
+                  f"--zaya-sigterm-deadline {seconds:g} s; exiting without it; the last complete checkpoint: "
+                  f"{describe_latest_checkpoint(save_dir)}",
+                  file=sys.stderr, flush=True)
+            exit(FAULT_EXIT_CODE)
 
-    def on_sigterm(signum, frame):
         timer = threading.Timer(seconds, expire)
         timer.daemon = True
         timer.start()
         if callable(previous):
-            previous(signum, frame)
+            previous(signal.SIGTERM, frame)  # Megatron's handler: save at the end of the step
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
 
 
 # ------------------------------------------------------------------------------------------- save dir

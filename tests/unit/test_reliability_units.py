@@ -111,7 +111,7 @@ def test_sigkill_while_replacing_the_latest_marker(tmp_path, writer):
 def test_sigterm_deadline_exits_when_the_save_does_not_finish(tmp_path, capsys):
     (tmp_path / TRACKER).write_text("12")
     exits = []
-    original = signal.getsignal(signal.SIGTERM)
+    originals = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         arm_sigterm_deadline(0.3, str(tmp_path), exit=exits.append)
         start = time.monotonic()
@@ -120,7 +120,8 @@ def test_sigterm_deadline_exits_when_the_save_does_not_finish(tmp_path, capsys):
             time.sleep(0.01)
         elapsed = time.monotonic() - start
     finally:
-        signal.signal(signal.SIGTERM, original)
+        for sig, handler in originals.items():
+            signal.signal(sig, handler)
     assert exits == [3] and 0.3 <= elapsed < 2.0, (exits, elapsed)
     assert f"{tmp_path}/iter_0000012 (iteration 12)" in capsys.readouterr().err
 
