@@ -89,6 +89,12 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--zaya-sigterm-deadline", type=float, default=20.0,
                    help="with --save, SIGTERM (pre-emption, scancel) saves at the end of the current step and exits "
                         "0 within this many seconds, else exits 3 without the save; 0: no save on SIGTERM")
+    g.add_argument("--zaya-overwrite-save", action="store_true",
+                   help="start afresh into a --save directory that holds a checkpoint, deleting it (without this "
+                        "flag a run resumes from its --save, and refuses to start afresh into it)")
+    g.add_argument("--zaya-save-lock-stale-after", type=float, default=300.0,
+                   help="take over the lock of a --save directory whose heartbeat (refreshed every tenth of this) is "
+                        "older than this many seconds, or whose run on this host has ended")
     g.add_argument("--zaya-local-ckpt-keep", type=int, default=2,
                    help="with --non-persistent-ckpt-type local: each rank keeps its newest this many local checkpoints")
     return add_muon_args(parser)  # --zaya-muon-* and the --optimizer zaya_muon choice
@@ -154,6 +160,9 @@ def _check_flag_combinations(args) -> None:
     """Values and combinations Megatron asserts on without a message, or accepts silently."""
     if args.mock_data and (args.data_path or args.train_data_path):
         raise UsageError("--mock-data and --data-path both given; drop --mock-data to train on the data")
+    if args.zaya_save_lock_stale_after <= 0:
+        raise UsageError(f"--zaya-save-lock-stale-after {args.zaya_save_lock_stale_after:g}: give a positive number of "
+                         "seconds")
     if args.zaya_sigterm_deadline < 0:
         raise UsageError(f"--zaya-sigterm-deadline {args.zaya_sigterm_deadline:g} is negative; give the seconds a save "
                          "on SIGTERM may take, or 0 to turn it off")

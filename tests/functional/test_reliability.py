@@ -130,6 +130,8 @@ def test_sigkill_during_a_save_then_sigterm_with_a_deadline(tmp_path):
     assert code == 0 and took < deadline, (code, took, log.read_text()[-3000:])
     resumed = losses(log.read_text())
     assert min(resumed) == 4
+    assert f"[zaya] took over the lock of --save {ckpt} from a run that ended without releasing it (host " in \
+        log.read_text() and f", PID {killed.pid}, " in log.read_text()
     # Exact continuation from checkpoint 3 (Megatron's second log line after a resume averages two steps).
     assert [resumed[i] for i in (4, 6)] == [first[i] for i in (4, 6)]
     saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
