@@ -99,11 +99,15 @@ def results(tmp_path_factory):
                                      "2", "--non-persistent-local-ckpt-dir", str(directory / "small.bin" / "local")],
         "a background save of another format": [*mock, "--async-save", "--ckpt-format", "torch"],
         "a background save through a missing package": [*mock, "--async-save", "--async-strategy", "nvrx"],
-        "a --load that does not exist": [*mock, "--load", "missing-ckpt"],
-        "another --load into a --save that holds a checkpoint": [*mock, "--save", str(held), "--load", str(directory)],
-        "--finetune into a --save that holds a checkpoint": [*mock, "--save", str(held), "--load", str(held),
+    })
+    saving = [*mock, "--save-interval", "5"]
+    cases.update({
+        "a --load that does not exist": [*saving, "--load", "missing-ckpt"],
+        "another --load into a --save that holds a checkpoint": [*saving, "--save", str(held), "--load",
+                                                                 str(directory)],
+        "--finetune into a --save that holds a checkpoint": [*saving, "--save", str(held), "--load", str(held),
                                                              "--finetune"],
-        "overwriting the checkpoint it loads": [*mock, "--save", str(held), "--load", str(held),
+        "overwriting the checkpoint it loads": [*saving, "--save", str(held), "--load", str(held),
                                                 "--zaya-overwrite-save"],
     })
     cases.update({name: flags for name, (flags, _) in MODEL_AND_LAYOUT.items()})
@@ -163,7 +167,8 @@ EXPECTED = {  # case -> words the one error line must hold
         "held holds a checkpoint (iteration 3) of another run, which this run would replace (it loads --load",
         "to resume that run drop --load", "to replace it add --zaya-overwrite-save"],
     "--finetune into a --save that holds a checkpoint": ["--finetune restarts at iteration 0", "drop --finetune"],
-    "overwriting the checkpoint it loads": ["--zaya-overwrite-save with --load", "would delete the checkpoint it loads"],
+    "overwriting the checkpoint it loads": ["--zaya-overwrite-save with --load",
+                                            "would delete the checkpoint it loads"],
     **{name: words for name, (_, words) in MODEL_AND_LAYOUT.items()},
 }
 
