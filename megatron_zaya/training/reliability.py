@@ -20,6 +20,7 @@ What happens on each fault, how the tests inject it, and the flags, are in ``doc
 from __future__ import annotations
 
 import collections
+import errno
 import functools
 import math
 import os
@@ -35,6 +36,7 @@ from ..checkpoint import TRACKER, damage, read_tracker, recorded_files, step_nam
 from .arguments import UsageError
 
 FAULT_EXIT_CODE = 3
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left, or the user's quota used up
 
 
 class TrainingFault(RuntimeError):
@@ -341,6 +343,19 @@ def arm_sigterm_deadline(seconds: float, save_dir: str | None, exit=os._exit) ->
 
 
 # ------------------------------------------------------------------------------------------- save dir
+def full_disk(directory: str) -> str | None:
+    """'ENOSPC: No space left on device' if a 1 MiB write in ``directory`` fails for want of space, else None.
+    (A failed checkpoint write reaches us without its errno: Megatron's writer reports only the error's type.)"""
+    probe = Path(directory) / f".zaya-space-probe-{os.getpid()}"
+    try:
+        probe.write_bytes(b"\0" * (1 << 20))
+    except OSError as error:
+        return f"{errno.errorcode[error.errno]}: {error.strerror}" if error.errno in DISK_FULL else None
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
+
+
 def check_save_dir(save_dir: str) -> None:
     """Raise :class:`UsageError` if ``save_dir`` cannot take the next checkpoint: not creatable or writable,
     or with less free space than the latest checkpoint in it occupies."""
@@ -351,6 +366,9 @@ def check_save_dir(save_dir: str) -> None:
         probe.write_bytes(b"\0" * 4096)
         probe.unlink()
     except OSError as error:
+        if error.errno in DISK_FULL:
+            raise UsageError(f"--save {save_dir}: the disk is full ({errno.errorcode[error.errno]}: {error.strerror}); "
+                             "free space or choose another --save") from error
         raise UsageError(f"--save {save_dir} is not writable ({error.strerror}: {error.filename}); "
                             "choose a writable directory or fix its permissions") from error
     marker = read_tracker(root)
