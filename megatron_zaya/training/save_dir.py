@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..checkpoint import CHECKSUMS, TRACKER, read_tracker, step_name
+from ..checkpoint import CHECKSUMS, TRACKER, read_tracker
 from .arguments import UsageError
 
 LOCK = "zaya.lock"
