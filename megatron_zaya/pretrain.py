@@ -84,9 +84,7 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
         iterations = _flag_value(argv, "--train-iters")
         if iterations and iterations.isdigit():  # a shorter job: a warmup that fits in it (a tenth, at most 20)
             flags += ["--lr-warmup-iters", str(min(20, int(iterations) // 10))]
-        # A run resumes from where it saves: `--save X` alone must not pick up the default run's checkpoint.
-        save = _flag_value(argv, "--save") or EMBEDDED_RUN_DIR
-        flags += ["--save", save, "--load", _flag_value(argv, "--load") or save]
+        flags += ["--save", _flag_value(argv, "--save") or EMBEDDED_RUN_DIR]
         flags += ["--data-path", embedded_dataset_prefix(EMBEDDED_DATA_DIR, build=False),
                   "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", embedded_tokenizer_dir()]
     elif _has(argv, "--mock-data") and not _has(argv, "--tokenizer-type"):
@@ -99,6 +97,10 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
         if os.environ.get("RANK", "0") == "0":
             print(f"[zaya] --tensor-model-parallel-size {tp} with ZAYA1's experts needs sequence parallelism: added "
                   "--sequence-parallel", flush=True)
+    save = _flag_value(argv, "--save") or _flag_value(flags, "--save")
+    if save and not _has(argv, "--load", "--zaya-overwrite-save"):
+        # A run resumes where it saves (Megatron starts afresh from a directory without a checkpoint).
+        flags += ["--load", save]
     if _saves_on_sigterm(argv, flags):
         flags += ["--exit-signal-handler"]  # Megatron's save-on-SIGTERM; the deadline bounds it
     return flags + argv
@@ -220,6 +222,7 @@ def run(argv: list[str]) -> None:
     end_helpers_with_this_process()  # no helper outlives a killed trainer
     end_data_workers_at_exit()  # nor waits forever on data-loader workers at exit
     cuda = torch.cuda.is_available()
+    user_argv = argv  # as given: the command that resumes is printed from it
     plan_size = _memory_plan_world_size(argv)
     if plan_size is not None:  # the plan is for GPUs and for the world size asked, whatever this machine is
         cuda = True
@@ -245,7 +248,7 @@ def run(argv: list[str]) -> None:
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-    from .training import reliability
+    from .training import reliability, save_dir
     from .training.loss_curve import LOSS_CURVE
     from .training.steps import forward_step, model_provider, train_valid_test_datasets_provider
 
@@ -258,8 +261,14 @@ def run(argv: list[str]) -> None:
 
         print(memory_plan.report(*memory_plan.from_args(args)), flush=True)
         return
+    resuming = save_dir.check_save_and_load(args, user_argv)
     if args.save:
         reliability.check_save_dir(args.save)
+        save_dir.lock_save_dir(args.save, args.zaya_save_lock_stale_after)
+        if int(os.environ.get("RANK", "0")) == 0:  # one rank deletes, and says what happens
+            line = save_dir.remove_checkpoints(args.save) if args.zaya_overwrite_save else resuming
+            if line:
+                print(line, flush=True)
     write_start_log(args.save, sum(state == "applied" for state in patches.values()), len(patches))
     if args.exit_signal_handler and args.save and args.zaya_sigterm_deadline > 0:
         reliability.arm_sigterm_deadline(args.zaya_sigterm_deadline, args.save)
@@ -304,7 +313,7 @@ def export_command(args) -> list[str]:
 
 def _finish(args, user_argv: list[str], plot: str | None, stopped_early: bool = False) -> None:
     """On the rank that computed losses (last stage, first DP, CP and TP rank): the plot and what to run next
-    (after an early stop, the plot only: the same command resumes)."""
+    (after an early stop, the plot and the command that resumes)."""
     from megatron.core import parallel_state as mpu
 
     from .training.loss_curve import LOSS_CURVE
@@ -318,7 +327,12 @@ def _finish(args, user_argv: list[str], plot: str | None, stopped_early: bool = 
     if plot and LOSS_CURVE.points():
         lines.append(f"loss curve: {LOSS_CURVE.write(plot)}")
     if stopped_early:
-        print(f"[zaya] stopped early; {'; '.join(lines) or 'no loss curve'}; the same command resumes", flush=True)
+        from .training.reliability import describe_latest_checkpoint
+        from .training.save_dir import resume_command
+
+        then = (f"the last checkpoint: {describe_latest_checkpoint(args.save)}; resume with: "
+                f"{resume_command(user_argv, args.save)}" if args.save else "nothing saved (no --save)")
+        print(f"[zaya] stopped early; {'; '.join(lines) or 'no loss curve'}; {then}", flush=True)
         return
     if args.save:
         lines += [f"checkpoint: {args.save}", f"continue training: {shlex.join(continue_command(args, user_argv))}",

@@ -202,18 +202,25 @@ def step_guard() -> None:
 
 @register("reliability.save_failure", target="megatron.training.training.save_checkpoint")
 def save_failure() -> None:
-    """Turn a failing checkpoint save (disk full, permissions, I/O error) into one clear line.
+    """Turn a failing checkpoint save (disk full, permissions, I/O error) into one clear line, and remove what
+    the failed save wrote.
 
     Wraps the name ``save_checkpoint`` that ``megatron.training.training`` imported: an exception raised
-    while saving becomes a ``TrainingFault`` naming the error, the save directory and the previous
-    checkpoint, which stays loadable because the ``latest`` marker is only replaced after a complete save
-    (``reliability.atomic_tracker``). zaya-pretrain prints it as ``zaya-pretrain: error: ...``, exit 3.
+    while saving becomes a ``TrainingFault`` naming the error (a full disk as such), the save directory and the
+    previous checkpoint, which stays loadable because the ``latest`` marker is only replaced after a complete
+    save (``reliability.atomic_tracker``). The failed save's step directory, which ``latest`` does not name, is
+    removed: on a full disk it is what fills it. zaya-pretrain prints the line as ``zaya-pretrain: error: ...``,
+    exit 3.
     Off: leave ``reliability`` out of ``--zaya-patches`` / ``ZAYA_PATCHES`` (Megatron's traceback then).
     """
+    import errno
+    import shutil
+
     import megatron.training.training as training
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from megatron_zaya.training.reliability import TrainingFault, describe_latest_checkpoint
+    from megatron_zaya.checkpoint import read_tracker, step_name
+    from megatron_zaya.training.reliability import DISK_FULL, TrainingFault, describe_latest_checkpoint, full_disk
 
     original = training.save_checkpoint
 
@@ -226,6 +233,14 @@ def save_failure() -> None:
             failures = getattr(error, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
             cause = next(iter(failures.values()))[0] if failures else error
             summary = f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
+            full = (f"{errno.errorcode[cause.errno]}: {cause.strerror}" if getattr(cause, "errno", None) in DISK_FULL
+                    else full_disk(save_dir))
+            if full:
+                summary = f"the disk is full, {full}"
+            partial = Path(save_dir) / step_name(iteration)
+            if read_tracker(save_dir) != str(iteration) and partial.is_dir():
+                shutil.rmtree(partial, ignore_errors=True)  # every failing rank: whichever comes first
+                summary += f"; its partial {partial.name} is removed"
             raise TrainingFault(
                 f"saving the checkpoint of iteration {iteration} to {save_dir} failed ({summary}); free space or "
                 f"fix the directory, then resume with --load {save_dir} from the previous checkpoint, which is "

@@ -101,6 +101,12 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "--max-restarts to restart from the newest checkpoint; 0: off")
     g.add_argument("--zaya-allow-tokenizer-change", action="store_true",
                    help="load a checkpoint trained with another tokenizer (each token id keeps its embedding)")
+    g.add_argument("--zaya-overwrite-save", action="store_true",
+                   help="start afresh into a --save directory that holds a checkpoint, deleting it (without this "
+                        "flag a run resumes from its --save, and refuses to start afresh into it)")
+    g.add_argument("--zaya-save-lock-stale-after", type=float, default=300.0,
+                   help="take over the lock of a --save directory whose heartbeat (refreshed every tenth of this) is "
+                        "older than this many seconds, or whose run on this host has ended")
     g.add_argument("--zaya-local-ckpt-keep", type=int, default=2,
                    help="with --non-persistent-ckpt-type local: each rank keeps its newest this many local checkpoints")
     return add_muon_args(parser)  # --zaya-muon-* and the --optimizer zaya_muon choice
@@ -166,6 +172,9 @@ def _check_flag_combinations(args) -> None:
     """Values and combinations Megatron asserts on without a message, or accepts silently."""
     if args.mock_data and (args.data_path or args.train_data_path):
         raise UsageError("--mock-data and --data-path both given; drop --mock-data to train on the data")
+    if args.zaya_save_lock_stale_after <= 0:
+        raise UsageError(f"--zaya-save-lock-stale-after {args.zaya_save_lock_stale_after:g}: give a positive number of "
+                         "seconds")
     if args.zaya_sigterm_deadline < 0:
         raise UsageError(f"--zaya-sigterm-deadline {args.zaya_sigterm_deadline:g} is negative; give the seconds a save "
                          "on SIGTERM may take, or 0 to turn it off")
@@ -275,7 +284,10 @@ def check_args(args, world_size: int, machine_checks: bool = True) -> None:
     if args.reset_position_ids != args.reset_attention_mask:
         raise UsageError("packed documents take --reset-position-ids and --reset-attention-mask together (ZAYA1 finds "
                          "document starts from the reset position ids); give both or neither")
-    if args.reset_position_ids and (pp > 2 or args.virtual_pipeline_model_parallel_size):
+    # Megatron derives its virtual pipeline size later, from either flag (a size of 1 is none).
+    virtual = (args.num_layers_per_virtual_pipeline_stage is not None
+               or (args.num_virtual_stages_per_pipeline_rank or 1) > 1)
+    if args.reset_position_ids and (pp > 2 or virtual):
         raise UsageError("--reset-position-ids with more than two pipeline stages (or virtual stages): only the "
                          "first and last stage read the batch's position ids; use at most 2 stages, no virtual ones")
     if getattr(args, "cuda_graph_impl", "none") != "none":

@@ -22,6 +22,7 @@ What happens on each fault, how the tests inject it, and the flags, are in ``doc
 from __future__ import annotations
 
 import collections
+import errno
 import functools
 import math
 import os
@@ -38,6 +39,7 @@ from .arguments import UsageError
 from .watchdog import WATCHDOG
 
 FAULT_EXIT_CODE = 3
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left, or the user's quota used up
 
 
 class TrainingFault(RuntimeError):
@@ -298,27 +300,42 @@ def newest_intact_checkpoint(load_dir: str) -> str:
 def arm_sigterm_deadline(seconds: float, save_dir: str | None, exit=os._exit) -> None:
     """After SIGTERM (Megatron's ``--exit-signal-handler`` saves at the end of the current step and exits 0),
     give the save ``seconds``; past them print why and exit with :data:`FAULT_EXIT_CODE`, before the
-    scheduler's SIGKILL. The ``latest`` marker is replaced atomically, so the last complete checkpoint stays."""
+    scheduler's SIGKILL. The ``latest`` marker is replaced atomically, so the last complete checkpoint stays.
+    SIGINT (Ctrl-C) does the same, instead of a KeyboardInterrupt that would lose the steps since the last save."""
     previous = signal.getsignal(signal.SIGTERM)
 
-    def expire():
-        print(f"zaya-pretrain: error: SIGTERM: the checkpoint did not finish within --zaya-sigterm-deadline "
-              f"{seconds:g} s; exiting without it; the last complete checkpoint: "
-              f"{describe_latest_checkpoint(save_dir)}",
-              file=sys.stderr, flush=True)
-        exit(FAULT_EXIT_CODE)
+    def on_signal(signum, frame):
+        def expire():
+            print(f"zaya-pretrain: error: {signal.Signals(signum).name}: the checkpoint did not finish within "
+                  f"--zaya-sigterm-deadline {seconds:g} s; exiting without it; the last complete checkpoint: "
+                  f"{describe_latest_checkpoint(save_dir)}",
+                  file=sys.stderr, flush=True)
+            exit(FAULT_EXIT_CODE)
 
-    def on_sigterm(signum, frame):
         timer = threading.Timer(seconds, expire)
         timer.daemon = True
         timer.start()
         if callable(previous):
-            previous(signum, frame)
+            previous(signal.SIGTERM, frame)  # Megatron's handler: save at the end of the step
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
 
 
 # ------------------------------------------------------------------------------------------- save dir
+def full_disk(directory: str) -> str | None:
+    """'ENOSPC: No space left on device' if a 1 MiB write in ``directory`` fails for want of space, else None.
+    (A failed checkpoint write reaches us without its errno: Megatron's writer reports only the error's type.)"""
+    probe = Path(directory) / f".zaya-space-probe-{os.getpid()}"
+    try:
+        probe.write_bytes(b"\0" * (1 << 20))
+    except OSError as error:
+        return f"{errno.errorcode[error.errno]}: {error.strerror}" if error.errno in DISK_FULL else None
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
+
+
 def check_save_dir(save_dir: str) -> None:
     """Raise :class:`UsageError` if ``save_dir`` cannot take the next checkpoint: not creatable or writable,
     or with less free space than the latest checkpoint in it occupies."""
@@ -329,6 +346,9 @@ def check_save_dir(save_dir: str) -> None:
         probe.write_bytes(b"\0" * 4096)
         probe.unlink()
     except OSError as error:
+        if error.errno in DISK_FULL:
+            raise UsageError(f"--save {save_dir}: the disk is full ({errno.errorcode[error.errno]}: {error.strerror}); "
+                             "free space or choose another --save") from error
         raise UsageError(f"--save {save_dir} is not writable ({error.strerror}: {error.filename}); "
                             "choose a writable directory or fix its permissions") from error
     marker = read_tracker(root)

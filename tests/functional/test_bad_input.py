@@ -64,6 +64,9 @@ def results(tmp_path_factory):
     damaged = _corpus(directory, "damaged", 20)
     _damage_a_middle_pointer(damaged)
     tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", embedded_tokenizer_dir()]
+    held = directory / "held"  # a --save directory holding the checkpoint of a run
+    (held / "iter_0000003").mkdir(parents=True)
+    (held / "latest_checkpointed_iteration.txt").write_text("3")
     cases = {
         "small corpus with the default split": ["--data-path", small, *tokenizer],
         "a damaged pointer in the middle of the .idx": ["--data-path", damaged, "--split", "90,10,0", *tokenizer],
@@ -103,6 +106,16 @@ def results(tmp_path_factory):
         "Transformer Engine attention without the package": [*mock, "--zaya-core-attention", "te"],
         "Megatron's vocabulary flag": [*mock, "--vocab-size", "4096"],
         "a save without an interval": mock,
+    })
+    saving = [*mock, "--save-interval", "5"]
+    cases.update({
+        "a --load that does not exist": [*saving, "--load", "missing-ckpt"],
+        "another --load into a --save that holds a checkpoint": [*saving, "--save", str(held), "--load",
+                                                                 str(directory)],
+        "--finetune into a --save that holds a checkpoint": [*saving, "--save", str(held), "--load", str(held),
+                                                             "--finetune"],
+        "overwriting the checkpoint it loads": [*saving, "--save", str(held), "--load", str(held),
+                                                "--zaya-overwrite-save"],
     })
     cases.update({name: flags for name, (flags, _) in MODEL_AND_LAYOUT.items()})
     argvs = {name: QUICK + ["--train-iters", "5", "--save", "ckpt", "--load", "ckpt", *flags]
@@ -165,6 +178,13 @@ EXPECTED = {  # case -> words the one error line must hold
                                                           "--zaya-core-attention sdpa"],
     "Megatron's vocabulary flag": ["--vocab-size", "NullTokenizer", "--zaya-vocab-size N"],
     "a save without an interval": ["--save needs --save-interval N"],
+    "a --load that does not exist": ["--load missing-ckpt: no such directory", "drop --load to start afresh"],
+    "another --load into a --save that holds a checkpoint": [
+        "held holds a checkpoint (iteration 3) of another run, which this run would replace (it loads --load",
+        "to resume that run drop --load", "to replace it add --zaya-overwrite-save"],
+    "--finetune into a --save that holds a checkpoint": ["--finetune restarts at iteration 0", "drop --finetune"],
+    "overwriting the checkpoint it loads": ["--zaya-overwrite-save with --load",
+                                            "would delete the checkpoint it loads"],
     **{name: words for name, (_, words) in MODEL_AND_LAYOUT.items()},
 }
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -51,19 +52,21 @@ def _left_in_session(session: int) -> list[str]:
 
 def test_sigterm_saves_by_default_and_the_next_launch_resumes(tmp_path):
     ckpt = tmp_path / "ckpt"
-    flags = QUICK + ["--train-iters", "400", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1000"]
+    flags = QUICK + ["--train-iters", "400", "--save", str(ckpt), "--save-interval", "1000"]  # no --load
     proc = _start(flags, tmp_path, "first")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0, (tmp_path / "first.log").read_text()[-3000:]
     assert _left_in_session(proc.pid) == []
-    trained = max(losses((tmp_path / "first.log").read_text()))
+    output = (tmp_path / "first.log").read_text()
+    trained = max(losses(output))
+    assert f"; resume with: zaya-pretrain {shlex.join(flags)}\n" in output, output[-3000:]
     assert 3 <= trained < 400
     saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert saved >= trained
     assert newest_intact_checkpoint(str(ckpt)) == str(saved)  # the save on SIGTERM has its checksums
 
-    # With the save turned off (--zaya-sigterm-deadline 0) SIGTERM ends the resumed run at once, with every
-    # helper it started (data-loader workers and the like), and the checkpoint stays where it was.
+    # The same command resumes. With the save turned off (--zaya-sigterm-deadline 0) SIGTERM ends the resumed run
+    # at once, with every helper it started (data-loader workers and the like), and the checkpoint stays.
     resumed, log = _launch(flags + ["--zaya-sigterm-deadline", "0"], tmp_path, "resumed"), tmp_path / "resumed.log"
     _wait_for(resumed, log, lambda output: losses(output).get(saved + 1))
     assert min(losses(log.read_text())) == saved + 1  # continues where the signal stopped it

@@ -131,6 +131,8 @@ def test_sigkill_during_a_save_then_sigterm_with_a_deadline(tmp_path, uninterrup
     assert code == 0 and took < deadline, (code, took, log.read_text()[-3000:])
     resumed = losses(log.read_text())
     assert min(resumed) == 4
+    assert f"[zaya] took over the lock of --save {ckpt} from a run that ended without releasing it (host " in \
+        log.read_text() and f", PID {killed.pid}, " in log.read_text()
     saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert saved == max(resumed) >= 8
     assert_resumed_exactly(loss_csv(ckpt / "loss.csv"), range(4, 9), first, resumed, uninterrupted)  # from checkpoint 3
@@ -201,8 +203,8 @@ def test_a_save_failing_mid_training_is_reported_and_the_previous_checkpoint_kep
     assert code == 3 and left == [], (left, output[-3000:])
     error = _last_error(output)
     assert "saving the checkpoint of iteration 6" in error and "failed" in error, error
-    assert "iter_0000003 (iteration 3)" in error, error
-    assert latest.read_text() == "3"
+    assert "iter_0000003 (iteration 3)" in error and "its partial iter_0000006 is removed" in error, error
+    assert latest.read_text() == "3" and not (ckpt / "iter_0000006").exists()
     first = losses(output)
     assert max(first) == 6
 
@@ -211,6 +213,27 @@ def test_a_save_failing_mid_training_is_reported_and_the_previous_checkpoint_kep
     after = losses(resumed.stdout)
     assert min(after) == 4
     assert_resumed_exactly(loss_csv(ckpt / "loss.csv"), range(4, 7), first, after, uninterrupted)
+
+
+def test_a_full_disk_is_named_and_the_partial_save_removed(tmp_path):
+    """The disk fills up while checkpoint 4 is written: --save on a 45 MB tmpfs, where checkpoint 2 (30 MB) fits
+    and 4 does not. One line says the disk is full, the partial directory that filled it is gone, and `latest`
+    still names checkpoint 2."""
+    ckpt = tmp_path / "disk"
+    ckpt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=45m", "tmpfs", str(ckpt)], check=True)  # needs root
+    try:
+        run = pretrain(QUICK + ["--train-iters", "4", "--save-interval", "2", "--save", str(ckpt)], cwd=tmp_path)
+        assert run.returncode == 3, run.stderr[-3000:]
+        error = _last_error(run.stderr)
+        assert error.startswith("zaya-pretrain: error: saving the checkpoint of iteration 4 to "
+                                f"{ckpt} failed (the disk is full, ENOSPC: No space left on device; its partial "
+                                "iter_0000004 is removed); free space"), error
+        assert error.endswith(f"{ckpt}/iter_0000002 (iteration 2)"), error
+        assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+        assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000002"]
+    finally:
+        subprocess.run(["umount", str(ckpt)], check=True)
 
 
 def test_truncated_data_stops_in_one_line(tmp_path):

@@ -1,5 +1,5 @@
-"""The command line's defaults: the embedded main job resumes from the directory it saves to; a run without
---lr trains at ZAYA1's default peak learning rate."""
+"""The command line's defaults: a run resumes from the directory it saves to (the embedded main job's is its
+run directory); a run without --lr trains at ZAYA1's default peak learning rate."""
 
 from megatron_zaya.pretrain import EMBEDDED_RUN_DIR, _flag_value, build_argv
 
@@ -14,6 +14,9 @@ def test_the_default_run_saves_and_resumes_in_its_own_directory():
 
 def test_load_follows_an_explicit_save():
     assert _resolved(["--save", "/tmp/elsewhere"], "--load") == "/tmp/elsewhere"
+    assert _resolved(["--mock-data", "--save", "/tmp/elsewhere"], "--load") == "/tmp/elsewhere"
+    assert _resolved(["--mock-data", "--save", "/tmp/elsewhere", "--zaya-overwrite-save"], "--load") is None
+    assert _resolved(["--mock-data"], "--load") is None  # nothing to resume from
 
 
 def test_an_explicit_load_wins():

@@ -3,6 +3,7 @@ SIGKILL and after an incomplete save, the SIGTERM deadline, an unusable --save d
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -111,7 +113,7 @@ def test_sigkill_while_replacing_the_latest_marker(tmp_path, writer):
 def test_sigterm_deadline_exits_when_the_save_does_not_finish(tmp_path, capsys):
     (tmp_path / TRACKER).write_text("12")
     exits = []
-    original = signal.getsignal(signal.SIGTERM)
+    originals = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         arm_sigterm_deadline(0.3, str(tmp_path), exit=exits.append)
         start = time.monotonic()
@@ -120,7 +122,8 @@ def test_sigterm_deadline_exits_when_the_save_does_not_finish(tmp_path, capsys):
             time.sleep(0.01)
         elapsed = time.monotonic() - start
     finally:
-        signal.signal(signal.SIGTERM, original)
+        for sig, handler in originals.items():
+            signal.signal(sig, handler)
     assert exits == [3] and 0.3 <= elapsed < 2.0, (exits, elapsed)
     assert f"{tmp_path}/iter_0000012 (iteration 12)" in capsys.readouterr().err
 
@@ -130,6 +133,16 @@ def test_unwritable_save_dir(tmp_path):
     blocker.write_text("")
     with pytest.raises(UsageError, match=f"--save {blocker}/ckpt is not writable"):
         check_save_dir(str(blocker / "ckpt"))
+
+
+def test_a_full_disk_is_named_as_such(tmp_path, monkeypatch):
+    def no_space(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+
+    monkeypatch.setattr(Path, "write_bytes", no_space)  # what a write on a full disk raises
+    with pytest.raises(UsageError, match=rf"^--save {tmp_path}/ckpt: the disk is full \(ENOSPC: No space left on "
+                                         r"device\); free space or choose another --save$"):
+        check_save_dir(str(tmp_path / "ckpt"))
 
 
 def test_save_dir_without_room_for_the_next_checkpoint(tmp_path):
