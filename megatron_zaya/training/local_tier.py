@@ -19,6 +19,7 @@ No file is shared between ranks, so nothing here needs a shared filesystem.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -131,6 +132,9 @@ class LocalTier:
             prune()
             return None
         tensors, originals = take_copies(state.pop_tensors())
+        # The rest (the optimizer's step counts, ...) as of this step: Megatron's writer queue pickles the request
+        # later, from a thread, while training goes on and changes those tensors in place.
+        state = copy.deepcopy(state)
         state.insert_tensors(tensors)
         return AsyncRequest(write_part, (path, state, current_layout()), [prune],
                             preload_fn=functools.partial(stage_state, state, originals))

@@ -105,3 +105,39 @@ def test_local_tier_keeps_the_newest_intact_and_refuses_another_layout(tmp_path)
     [refusal] = run_ranks(_tier_on_ranks, 1, tmp_path / "one", str(root), [])
     assert refusal.startswith(f"--non-persistent-local-ckpt-dir {root} holds iteration 5, newer than the persistent "
                               "checkpoint (none), saved with another world size or parallel layout"), refusal
+
+
+def _background_save_then_step(rank, world, root):
+    """A background save of a state whose common part holds a live tensor (as the optimizer's step counts are),
+    that tensor changed in place before the writer runs (training goes on; Megatron's queue pickles the request
+    later, from a thread); then the part loaded back."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+
+    from megatron_zaya.patches import apply_patches
+    from megatron_zaya.training.local_tier import LocalTier
+
+    apply_patches("cpu,checkpointing.local_tier")
+    ps.initialize_model_parallel()
+    try:
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+        step = torch.tensor(7.0)
+        state, _ = MCoreTensorAwareStateDict.from_state_dict(
+            {**_sharded_state(7, rank, world), "step": step}, algo="fully_parallel", parallelization_group=group)
+        request = LocalTier(root, 2, None).save(state, 7, is_async=True)
+        step += 1  # the next optimizer step
+        request.async_fn(*request.async_fn_args[:1], request.preload_fn(), *request.async_fn_args[2:])
+        for finalize in request.finalize_fns:
+            finalize()
+        loaded, _ = LocalTier(root, 2, None).load()
+        template = {**_sharded_state(7, rank, world, fill=False), "step": None}
+        return {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in
+                loaded.to_state_dict(template, algo="fully_parallel", parallelization_group=group).items()}
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_a_background_save_keeps_the_state_of_its_step(tmp_path):
+    (loaded,) = run_ranks(_background_save_then_step, 1, tmp_path, str(tmp_path / "local"))
+    assert loaded["step"] == 7.0 and loaded["iteration"] == 7, loaded
+    assert loaded["sharded"] == [700.0, 701.0, 702.0, 703.0], loaded
