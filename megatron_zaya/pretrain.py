@@ -97,7 +97,8 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
         if os.environ.get("RANK", "0") == "0":
             print(f"[zaya] --tensor-model-parallel-size {tp} with ZAYA1's experts needs sequence parallelism: added "
                   "--sequence-parallel", flush=True)
-    save = _flag_value(argv, "--save") or _flag_value(flags, "--save")
+    given = _flag_value(argv, "--save")  # `--save ""`: no checkpoints, even for the main job
+    save = given if given is not None else _flag_value(flags, "--save")
     if save and not _has(argv, "--load", "--zaya-overwrite-save"):
         # A run resumes where it saves (Megatron starts afresh from a directory without a checkpoint).
         flags += ["--load", save]
