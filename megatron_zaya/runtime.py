@@ -130,17 +130,38 @@ def print_rank_0(message: str, file=None) -> None:
         print(message, file=file or sys.stdout, flush=True)
 
 
+# Warnings that Megatron (or torch, about Megatron's calls) raises in every run and that nobody running
+# zaya-pretrain can act on: (the start of the message, why it is noise).
+KNOWN_NOISE = (
+    ("Could not determine rank from torch.distributed", "Megatron asks for its rank before it starts"),
+    ("\\s*It is recommended to use a ModelConfig", "ZAYA1 is built by a model provider, a hook Megatron documents"),
+    ("MimoModelConfig is experimental", "importing Megatron imports its multimodal package; ZAYA1 does not use it"),
+    ("'pin_memory' argument is set as true but no accelerator", "a CPU run: Megatron's data loader pins memory"),
+    ("`torch.distributed.all_gather_into_tensor` is deprecated", "newer torch; Megatron's and our gradient "
+     "buffers use it, and its successor is missing from the torch versions we support"),
+)
+
+
+def ignore_known_noise() -> None:
+    """Ignore the warnings of :data:`KNOWN_NOISE` from here on (in the current warnings context)."""
+    for message, _why in KNOWN_NOISE:
+        warnings.filterwarnings("ignore", message=message)
+
+
 @contextlib.contextmanager
 def one_line_for_missing_packages():
     """Importing Megatron without Transformer Engine, Apex or absl-py raises a dozen warnings (and torch logs
     that there is no CUDA runtime): within this block they become one ``[zaya]`` line on rank 0; every other
-    warning is shown as usual, at the end of the block."""
+    warning is shown as usual, at the end of the block, but for :data:`KNOWN_NOISE`, which is ignored within
+    and after it."""
     cpp_extension = logging.getLogger("torch.utils.cpp_extension")
     level = cpp_extension.level
     cpp_extension.setLevel(logging.ERROR)
+    ignore_known_noise()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("default")
+            ignore_known_noise()
             yield
     finally:
         cpp_extension.setLevel(level)
