@@ -240,6 +240,29 @@ def patch_initialize() -> None:
     _see_cpu_torch("megatron.training.initialize")
 
 
+@_cpu_patch("cpu.eager_fusions", "megatron.core.fusions.fused_bias_swiglu")
+def patch_eager_fusions() -> None:
+    """Run Megatron's ``torch.compile``'d elementwise fusions eagerly on a CPU host.
+
+    ``@jit_fuser`` compiles the bias-SwiGLU (forward, backward, weighted) and bias-dropout-add functions of
+    ``megatron.core.fusions.fused_bias_swiglu`` and ``.fused_bias_dropout``; on CPU, Inductor builds them
+    with the host's C++ compiler at the JIT warm-up and the first step, about 5 s of every process start,
+    for memory-bound chains that gain nothing from it there. Each compiled function is replaced by the
+    function it wraps (``_torchdynamo_orig_callable``); callers look them up by module-global name.
+    """
+    from megatron.core.fusions import fused_bias_dropout, fused_bias_swiglu
+
+    replaced = 0
+    for module in (fused_bias_swiglu, fused_bias_dropout):
+        for name, value in vars(module).copy().items():
+            original = getattr(value, "_torchdynamo_orig_callable", None)
+            if callable(value) and original is not None:
+                replace_attr(module, name, original)
+                replaced += 1
+    if not replaced:
+        raise PatchError("megatron.core.fusions compiles none of its fusions any more: megatron-core changed")
+
+
 @_cpu_patch("cpu.jit_warmup_rng", "megatron.training.initialize._warmup_jit_function")
 def patch_jit_warmup_rng() -> None:
     """Keep the CPU RNG stream where it was across the JIT warm-up, so weights do not depend on TP size.

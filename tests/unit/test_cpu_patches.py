@@ -228,6 +228,27 @@ def test_clip_grads_scales_cpu_gradients(single_rank):
     assert torch.zeros(1).type() == "torch.FloatTensor"  # the type-name hook ended with the call
 
 
+def test_megatron_fusions_run_eagerly_and_match_float64(single_rank):
+    """``cpu.eager_fusions``: no compiled wrapper is left in Megatron's fusion modules, and the weighted
+    bias-SwiGLU (what ZAYA1's experts call) gives float64 torch's values and gradients."""
+    from megatron.core.fusions import fused_bias_dropout, fused_bias_swiglu
+
+    for module in (fused_bias_swiglu, fused_bias_dropout):
+        compiled = [n for n, v in vars(module).items() if getattr(v, "_torchdynamo_orig_callable", None)]
+        assert compiled == [], (module.__name__, compiled)
+    torch.manual_seed(SEED)
+    x, weights = torch.randn(6, 8, requires_grad=True), torch.rand(6, 1, requires_grad=True)
+    out = fused_bias_swiglu.weighted_bias_swiglu_impl(x, None, weights)
+    out.pow(2).sum().backward()
+    x64, w64 = x.detach().double().requires_grad_(), weights.detach().double().requires_grad_()
+    gate, up = x64.chunk(2, -1)
+    reference = F.silu(gate) * up * w64
+    reference.pow(2).sum().backward()
+    torch.testing.assert_close(out.double(), reference, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(weights.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_module_view_refuses_a_module_without_torch():
     from megatron_zaya.patches import PatchError
     from megatron_zaya.patches.cpu import _see_cpu_torch
