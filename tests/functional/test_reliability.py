@@ -74,13 +74,17 @@ def test_replica_drift_and_a_nan_on_one_rank_under_torchrun(tmp_path):
          "--zaya-replica-check-interval", "2"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     out = run.stdout + run.stderr
-    # Each rank exits 3 (a fault); torchrun reports the exit codes of its workers and exits 1.
-    assert run.returncode == 1 and set(re.findall(r"exitcode\s*: (-?\d+)", out)) == {"3"}, out[-3000:]
+    # Each rank stops with exit code 3 (a fault); torchrun exits 1 and reports its workers' exit codes. The first
+    # rank to exit is the root cause; a rank still shutting down by then gets torchrun's SIGTERM (-15).
+    codes = dict(re.findall(r"rank\s*: (\d+) \(local_rank.*?exitcode\s*: (-?\d+)", out, re.S))
+    root_cause = re.search(r"Root Cause.*?exitcode\s*: (-?\d+)", out, re.S)
+    assert run.returncode == 1 and root_cause and root_cause.group(1) == "3", out[-3000:]
+    assert set(codes.values()) <= {"3", "-15"}, out[-3000:]
     assert re.findall(r"iteration\s+(\d+) \| data-parallel replicas identical", out) == ["2", "4"], out[-3000:]
     assert re.search(r"iteration\s+3 \| non-finite step skipped .*ranks with a non-finite grad norm: 1", out)
     errors = re.findall(r"zaya-pretrain: error: data-parallel replicas hold different weights at iteration 6 "
                         r"\(rank 1 differs from rank 0 in embedding.word_embeddings.weight\)", out)
-    assert len(errors) == 2, out[-3000:]  # both ranks stop
+    assert len(errors) >= max(1, list(codes.values()).count("3")), out[-3000:]  # every rank that exited on its own named it
 
 
 KILL_BEFORE_TRACKER = str(Path(__file__).parents[1] / "kill_before_tracker.py")
