@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 import shutil
 
 import pytest
@@ -157,6 +159,19 @@ def test_raising_train_iters_on_a_finished_run_is_one_line(saved, tmp_path):
                            "this run's flags give 64"), last
     assert "--override-opt_param-scheduler" in last and "Traceback" not in run.stderr
     assert _hashes(ckpt) == before
+
+
+def test_the_suggested_override_continues_on_this_runs_schedule(saved, tmp_path):
+    """What the refusal above suggests: with --override-opt_param-scheduler the finished 4-step run trains on to
+    step 8 on an 8-step schedule (warm-up 2, cosine from 3e-3 to 3e-4), not on the finished one's last rate."""
+    ckpt = _copy(saved, tmp_path)
+    run = pretrain(QUICK + ["--train-iters", "8", "--save-interval", "2", "--save", "ck", "--load", "ck",
+                            "--override-opt_param-scheduler"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rates = {int(i): float(lr) for i, lr in re.findall(r"iteration\s+(\d+)/.*?learning rate: ([0-9.E+-]+)", run.stdout)}
+    expected = {i: 3e-4 + (3e-3 - 3e-4) * 0.5 * (1 + math.cos(math.pi * (i - 2) / 6)) for i in range(5, 9)}
+    assert rates == pytest.approx(expected, rel=1e-6), rates
+    assert (ckpt / TRACKER).read_text().strip() == "8"
 
 
 def test_a_damaged_checkpoint_is_not_exported(saved, tmp_path, capsys):
