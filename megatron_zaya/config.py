@@ -20,7 +20,7 @@ from .settings import setting
 
 ATTENTION_TYPES = ("global", "sliding")
 SKIP_MODES = ("zero", "identity")
-# The model's ops that have a Triton kernel in megatron_zaya/kernels beside their torch reference in model/.
+# The model's ops that have a Triton kernel (megatron_zaya/kernels) beside their torch reference (megatron_zaya/ops).
 KERNEL_OPS = ("router", "router_head", "residual", "cca", "lm_head", "experts")
 # ``--recompute-granularity selective --recompute-modules ...``: what each name recomputes in every ZAYA1 layer
 # (model/recompute.py). The default set is the cheap one: elementwise work and the small router MLP.
@@ -204,11 +204,12 @@ class ZayaConfig(TransformerConfig):
     def uses_kernel(self, op: str) -> bool:
         """Whether the model runs ``op`` (one of ``KERNEL_OPS``) as its Triton kernel rather than its torch reference.
 
-        Chosen when a module is built. ``all`` takes every kernel on a GPU (CUDA or ROCm) and the references on a
-        CPU, where they are faster; a named op takes its kernel on any device (off a GPU a kernel function falls
-        back to its reference, or runs in Triton's interpreter under ``TRITON_INTERPRET=1``). ``router_head``, the
+        Read by the ``choose`` functions of ``megatron_zaya/ops`` when a module is built. ``all`` takes every kernel
+        on a GPU (CUDA or ROCm) and the references on a CPU, where they are faster; a named op takes its kernel on
+        any device (off a GPU its ``fused_*`` function computes the reference, or runs the kernel in Triton's
+        interpreter under ``TRITON_INTERPRET=1``). ``router_head``, the
         router after its projection as one kernel each way, saves launches at the cost of device time, so ``all``
-        leaves it out under CUDA graphs, whose replays launch for free (``model/router.py``'s ``router_ops``).
+        leaves it out under CUDA graphs, whose replays launch for free (``ops/router.py``'s ``choose``).
         """
         if op not in KERNEL_OPS:
             raise ValueError(f"unknown kernel op {op!r}; one of {KERNEL_OPS}")

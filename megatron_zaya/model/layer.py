@@ -25,43 +25,32 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..config import ZayaConfigError
+from ..ops import residual_norm
 from .cuda_graphs import LayerGraphs, check_cuda_graphs
-from .norm import InputScaling, residual_dtype
+from .norm import InputScaling, ResidualScaling, residual_dtype
 from .recompute import Recompute, recomputes
 
 
-def norm_residual(norm, residual: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A sublayer's input: ``norm`` of the (fp32) residual stream cast to the model ``dtype``."""
-    return norm(residual.to(dtype))
+class ResidualNorms:
+    """A block's norms of the residual stream, on the functions ``ops.residual_norm.choose`` picks for its config."""
 
+    def __init__(self, config):
+        self.ops = residual_norm.choose(config)
 
-def merge_and_norm(merge, norm, hidden: torch.Tensor, residual: torch.Tensor, dtype: torch.dtype):
-    """Merge a sublayer's output into the residual stream and normalise it for the next sublayer.
+    def norm_residual(self, norm, residual: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A sublayer's input: ``norm`` of the (fp32) residual stream cast to the model ``dtype``."""
+        return self.ops.norm(residual, norm.weight, norm.eps, dtype)
 
-    Returns ``(next sublayer's input, new residual)``.
-    """
-    residual = merge(hidden, residual)
-    return norm_residual(norm, residual, dtype), residual
+    def merge_and_norm(self, merge, norm, hidden: torch.Tensor, residual: torch.Tensor, dtype: torch.dtype):
+        """Merge a sublayer's output into the residual stream and normalise it for the next sublayer.
 
-
-def residual_ops(config):
-    """``(norm_residual, merge_and_norm)`` for layers of ``config``: the Triton kernels of
-    ``kernels/residual_rmsnorm.py`` (for the fp32 stream; the merge also needs residual scaling) or
-    the references above."""
-    if not (config.uses_kernel("residual") and config.fp32_residual_connection):
-        return norm_residual, merge_and_norm
-    from ..kernels.residual_rmsnorm import residual_norm, residual_rms_norm  # Triton: imported once chosen
-
-    def fused_norm_residual(norm, residual: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """:func:`norm_residual` as one Triton pass each way, the cast folded in."""
-        return residual_norm(residual, norm.weight, norm.eps)
-
-    def fused_merge_and_norm(merge, norm, hidden: torch.Tensor, residual: torch.Tensor, dtype: torch.dtype):
-        """:func:`merge_and_norm` as one Triton pass each way (residual scaling's merge and the RMSNorm)."""
-        return residual_rms_norm(hidden, residual, merge.hidden_states_bias, merge.hidden_states_scale,
-                                 merge.residual_bias, merge.residual_scale, norm.weight, norm.eps)
-
-    return fused_norm_residual, (fused_merge_and_norm if config.residual_scaling else merge_and_norm)
+        Returns ``(next sublayer's input, new residual)``.
+        """
+        if isinstance(merge, ResidualScaling):
+            return self.ops.merge_and_norm(hidden, residual, *merge.vectors, norm.weight, norm.eps, dtype,
+                                           merge.residual_dtype)
+        residual = merge(hidden, residual)
+        return self.norm_residual(norm, residual, dtype), residual
 
 
 def stage_tensor_width(config) -> int:
@@ -74,7 +63,8 @@ class ZayaTransformerLayer(TransformerLayer):
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        self.norm_residual, self.merge_and_norm = residual_ops(config)
+        norms = ResidualNorms(config)
+        self.norm_residual, self.merge_and_norm = norms.norm_residual, norms.merge_and_norm
 
     @property
     def attention_type(self) -> str:
@@ -135,7 +125,7 @@ class ZayaTransformerBlock(TransformerBlock):
                          pg_collection=pg_collection, vp_stage=vp_stage)
         if pre_process and config.residual_scaling:
             self.input_residual_scaling = InputScaling(config)
-        self.norm_residual = residual_ops(config)[0]
+        self.norm_residual = ResidualNorms(config).norm_residual
         self.cuda_graphs = None
         if config.cuda_graphs:
             check_cuda_graphs(self)

@@ -17,7 +17,7 @@ from megatron.training import get_args, get_tokenizer, print_rank_0
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
 from ..config import architecture
-from ..kernels.cross_entropy import IGNORE_INDEX
+from ..ops.lm_head import IGNORE_INDEX
 from ..model import build_zaya_model
 from .arguments import zaya_config_from_args
 from .balancing import finalize_model_grads_with_balancing

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_zaya.config import zaya_config
-from megatron_zaya.model.norm import rms_norm
+from megatron_zaya.ops.residual_norm import rms_norm
 from megatron_zaya.pretrained import build_single_process_model
 from megatron_zaya.training.balancing import step_balancing
 
