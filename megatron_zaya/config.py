@@ -20,6 +20,7 @@ from .settings import setting
 
 ATTENTION_TYPES = ("global", "sliding")
 SKIP_MODES = ("zero", "identity")
+CORE_ATTENTIONS = ("sdpa", "te")  # CCA's softmax attention: torch's SDPA, or Transformer Engine's fused attention
 # The model's ops that have a Triton kernel (megatron_zaya/kernels) beside their torch reference (megatron_zaya/ops).
 KERNEL_OPS = ("router", "router_head", "residual", "cca", "lm_head", "experts")
 # ``--recompute-granularity selective --recompute-modules ...``: what each name recomputes in every ZAYA1 layer
@@ -112,6 +113,10 @@ class ZayaConfig(TransformerConfig):
         False, flag="--zaya-cuda-graphs",
         help="replay each layer's training forward and backward as CUDA graphs (one GPU per expert set: EP = TP = PP "
              "= CP = 1); removes the host's kernel-launch time from the step (model/cuda_graphs.py)")
+    core_attention: Literal["sdpa", "te"] = setting(
+        "sdpa", flag="--zaya-core-attention", choices={name: name for name in CORE_ATTENTIONS},
+        help="CCA's softmax attention: sdpa (torch's scaled_dot_product_attention) or te (Transformer Engine's "
+             "fused attention, global layers only)")
     kernels: str = setting("all", flag="--zaya-kernels",
                            help="the model's ops that run as Triton kernels: all (on a GPU; none on CPU) | none | a "
                                 "comma-separated list of " + ",".join(KERNEL_OPS))
@@ -195,6 +200,11 @@ class ZayaConfig(TransformerConfig):
             fail("--zaya-cuda-graphs with dropout (replays would reuse the captured random offsets)",
                  "set --hidden-dropout 0 --attention-dropout 0 or drop --zaya-cuda-graphs")
         kernel_selection(self.kernels)
+        if self.core_attention not in CORE_ATTENTIONS:
+            fail(f"core_attention={self.core_attention!r} is unknown", f"use one of {CORE_ATTENTIONS}")
+        if self.core_attention == "te" and "sliding" in (self.attention_types or ()):
+            fail("Transformer Engine's attention does not handle ZAYA1's sliding layers here",
+                 "use --zaya-core-attention sdpa")
         if self.recompute_granularity == "selective" and self.recompute_modules:
             unknown = [name for name in self.recompute_modules if name not in RECOMPUTE_MODULES]
             if unknown:

@@ -36,7 +36,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     args.zaya_tokenizer = tokenizer_identity(get_tokenizer(), args)  # saved too; a resume checks it
     zaya.finalize_model_grads_func = finalize_model_grads_with_balancing
     return build_zaya_model(zaya, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                            pg_collection=pg_collection, core_attention=args.zaya_core_attention)
+                            pg_collection=pg_collection)
 
 
 def get_batch(data_iterator, vp_stage=None):

@@ -160,3 +160,15 @@ def test_the_choice_reads_the_kernels_field():
     assert experts.choose(named, 1) is experts.fused_experts and experts.choose(none, 1) is None
     assert experts.choose(named, 2) is None  # expert tensor parallelism keeps Megatron's loop
     assert lm_head.choose(named, 1) is lm_head.fused_linear_cross_entropy and lm_head.choose(named, 2) is None
+
+
+def test_core_attention_is_a_config_field():
+    """``--zaya-core-attention`` sets ``ZayaConfig.core_attention``, which the layer spec reads."""
+    from megatron_zaya.config import ZayaConfigError
+    from megatron_zaya.model.core_attention import SDPAttention
+    from megatron_zaya.model.specs import get_zaya1_layer_spec
+
+    spec = get_zaya1_layer_spec(zaya_config("test"))
+    assert spec.submodules.self_attention.submodules.core_attention is SDPAttention
+    with pytest.raises(ZayaConfigError, match="sliding layers"):
+        zaya_config("test", core_attention="te", attention_types=["global", "sliding"], sliding_window=4)
