@@ -13,7 +13,7 @@ from megatron_zaya.config import KERNEL_OPS, zaya_config
 from megatron_zaya.pretrained import build_single_process_model
 
 ALL_OPS = ",".join(KERNEL_OPS)  # named ops take their kernel functions on any device
-# The kernel modules the model's ops call (off a GPU, without the interpreter, each falls back to its reference).
+# The kernel modules the model's ops call (off a GPU, without the interpreter, the ops compute their references).
 MODEL_KERNELS = ("cca", "cross_entropy", "grouped_gemm", "residual_rmsnorm", "router", "swiglu")
 
 
