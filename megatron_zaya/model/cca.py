@@ -62,6 +62,11 @@ class HeadShardedParameters(MegatronModule):
             tensor_parallel.set_tensor_model_parallel_attributes(param, True, 0, 1)
             self.register_parameter(name, param)
 
+    def forward(self) -> HeadShardedParameters:
+        """Itself. The attention calls its parameter holders before reading them: hooks on a module run only
+        when it is called, and Megatron's DDP waits for ``--overlap-param-gather``'s all-gather in one."""
+        return self
+
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         state = {}
         self._save_to_state_dict(state, "", keep_vars=True)
@@ -179,12 +184,13 @@ class CompressedConvAttention(MegatronModule):
                 document_ids = documents.document_ids(attention_mask)
             else:
                 offsets, varlen = packed.tokens_before, packed.bounds
-        qk = partial(self._call_qk, conv=self.conv, rotary_pos_emb=rotary_pos_emb, head_dim=self.head_dim,
+        conv, qk_norm = self.conv(), self.qk_norm()
+        qk = partial(self._call_qk, conv=conv, rotary_pos_emb=rotary_pos_emb, head_dim=self.head_dim,
                      document_offsets=offsets)
         recompute_qk = recomputes(self.config, "cca_qk", self.training)
         if recompute_qk:
-            qk = Recompute(qk, [*self.conv.parameters(), *self.qk_norm.parameters()])
-        q, k = qk(q0, k0, self.qk_norm.key_temperature, qk_history)
+            qk = Recompute(qk, [*conv.parameters(), *qk_norm.parameters()])
+        q, k = qk(q0, k0, qk_norm.key_temperature, qk_history)
         v = delay_channels(v, self.first_delayed_channel, v_previous, offsets).view(s, b, self.kv_heads, self.head_dim)
         dtype = v.dtype
         attend = partial(self.core_attention, attention_mask=document_ids, attn_mask_type=self.attn_mask_type,

@@ -25,32 +25,9 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..config import ZayaConfigError
-from ..ops import residual_norm
 from .cuda_graphs import LayerGraphs, check_cuda_graphs
-from .norm import InputScaling, ResidualScaling, residual_dtype
+from .norm import InputScaling, residual_dtype
 from .recompute import Recompute, recomputes
-
-
-class ResidualNorms:
-    """A block's norms of the residual stream, on the functions ``ops.residual_norm.choose`` picks for its config."""
-
-    def __init__(self, config):
-        self.ops = residual_norm.choose(config)
-
-    def norm_residual(self, norm, residual: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A sublayer's input: ``norm`` of the (fp32) residual stream cast to the model ``dtype``."""
-        return self.ops.norm(residual, norm.weight, norm.eps, dtype)
-
-    def merge_and_norm(self, merge, norm, hidden: torch.Tensor, residual: torch.Tensor, dtype: torch.dtype):
-        """Merge a sublayer's output into the residual stream and normalise it for the next sublayer.
-
-        Returns ``(next sublayer's input, new residual)``.
-        """
-        if isinstance(merge, ResidualScaling):
-            return self.ops.merge_and_norm(hidden, residual, *merge.vectors, norm.weight, norm.eps, dtype,
-                                           merge.residual_dtype)
-        residual = merge(hidden, residual)
-        return self.norm_residual(norm, residual, dtype), residual
 
 
 def stage_tensor_width(config) -> int:
@@ -63,8 +40,6 @@ class ZayaTransformerLayer(TransformerLayer):
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        norms = ResidualNorms(config)
-        self.norm_residual, self.merge_and_norm = norms.norm_residual, norms.merge_and_norm
 
     @property
     def attention_type(self) -> str:
@@ -75,16 +50,12 @@ class ZayaTransformerLayer(TransformerLayer):
         dtype = self.config.params_dtype
         residual = hidden_states
         norms = recomputes(self.config, "layernorm", self.training)
+        input_norm = partial(self.input_layernorm, dtype=dtype)
+        pre_mlp_norm = partial(self.self_attn_bda, norm=self.pre_mlp_layernorm, dtype=dtype)
         if norms:  # the norms' outputs are dropped until the backward reaches their sublayer
-            input_norm = Recompute(lambda x: self.norm_residual(self.input_layernorm, x, dtype),
-                                   self.input_layernorm.parameters())
-            pre_mlp_norm = Recompute(
-                lambda h, x: self.merge_and_norm(self.self_attn_bda, self.pre_mlp_layernorm, h, x, dtype),
-                [*self.self_attn_bda.parameters(), *self.pre_mlp_layernorm.parameters()],
-            )
-        else:
-            input_norm = partial(self.norm_residual, self.input_layernorm, dtype=dtype)
-            pre_mlp_norm = partial(self.merge_and_norm, self.self_attn_bda, self.pre_mlp_layernorm, dtype=dtype)
+            input_norm = Recompute(input_norm, self.input_layernorm.parameters())
+            pre_mlp_norm = Recompute(pre_mlp_norm, [*self.self_attn_bda.parameters(),
+                                                    *self.pre_mlp_layernorm.parameters()])
         attention_output, _ = self.self_attention(input_norm(residual), attention_mask=attention_mask,
                                                   rotary_pos_emb=rotary_pos_emb)
         if norms:
@@ -125,7 +96,6 @@ class ZayaTransformerBlock(TransformerBlock):
                          pg_collection=pg_collection, vp_stage=vp_stage)
         if pre_process and config.residual_scaling:
             self.input_residual_scaling = InputScaling(config)
-        self.norm_residual = ResidualNorms(config).norm_residual
         self.cuda_graphs = None
         if config.cuda_graphs:
             check_cuda_graphs(self)
@@ -152,7 +122,7 @@ class ZayaTransformerBlock(TransformerBlock):
         if not self.post_process:
             return self._pack_stage_output(hidden_states, router_state)
         if self.final_layernorm is not None:
-            hidden_states = self.norm_residual(self.final_layernorm, hidden_states, self.config.params_dtype)
+            hidden_states = self.final_layernorm(hidden_states, self.config.params_dtype)
         return hidden_states
 
     def _run_layers(self, hidden_states, router_state, attention_mask, rotary_pos_emb):

@@ -28,15 +28,30 @@ def _vector(config, value: float) -> nn.Parameter:
 
 
 class RMSNorm(nn.Module):
-    """Megatron ``LayerNormBuilder``-compatible RMSNorm: ``RMSNorm(config=, hidden_size=, eps=)``."""
+    """Megatron ``LayerNormBuilder``-compatible RMSNorm: ``RMSNorm(config=, hidden_size=, eps=)``.
+
+    Each norm of the residual stream is a call of this module (with the residual merge folded in where a
+    :class:`ResidualScaling` calls it), never a read of its weight from outside: hooks on a module run only when
+    it is called, and Megatron's DDP waits for ``--overlap-param-gather``'s all-gather of a weight in one.
+    """
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         self.weight.sequence_parallel = bool(config.sequence_parallel)
+        self.ops = residual_norm.choose(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, dtype: torch.dtype | None = None, merge: ResidualScaling | None = None,
+                hidden: torch.Tensor | None = None):
+        """``x`` normalised. With ``dtype``, ``x`` is the residual stream and a sublayer's input in ``dtype`` is
+        returned; with ``merge`` too, ``hidden`` (a sublayer's output) is first merged into the stream, in one
+        pass where the kernel is chosen: -> (the next sublayer's input, the new stream)."""
+        if merge is not None:
+            return self.ops.merge_and_norm(hidden, x, *merge.vectors, self.weight, self.eps, dtype,
+                                           merge.residual_dtype)
+        if dtype is not None:
+            return self.ops.norm(x, self.weight, self.eps, dtype)
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -62,7 +77,12 @@ class ResidualScaling(nn.Module):
         """The merge's parameters in ``ops.residual_norm``'s order: β_h, α_h, β_r, α_r."""
         return self.hidden_states_bias, self.hidden_states_scale, self.residual_bias, self.residual_scale
 
-    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor, norm: RMSNorm | None = None,
+                dtype: torch.dtype | None = None):
+        """The new residual stream; with ``norm``, also the next sublayer's input in ``dtype``, merged and
+        normalised by one call of ``norm`` -> (input, stream)."""
+        if norm is not None:
+            return norm(residual, dtype, merge=self, hidden=hidden_states)
         return self.merge(hidden_states, residual, *self.vectors, dtype=self.residual_dtype)
 
 
@@ -73,8 +93,11 @@ class ResidualAdd(nn.Module):
         super().__init__()
         self.residual_dtype = residual_dtype(config)
 
-    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return hidden_states.to(self.residual_dtype) + residual.to(self.residual_dtype)
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor, norm: RMSNorm | None = None,
+                dtype: torch.dtype | None = None):
+        """As :meth:`ResidualScaling.forward`."""
+        residual = hidden_states.to(self.residual_dtype) + residual.to(self.residual_dtype)
+        return residual if norm is None else (norm(residual, dtype), residual)
 
 
 class InputScaling(nn.Module):

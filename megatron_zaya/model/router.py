@@ -30,6 +30,20 @@ from ..ops import router as router_ops
 from .recompute import Recompute, recomputes
 
 
+class LinearWeights(nn.Module):
+    """An ``nn.Linear``'s ``weight`` [out, in] and ``bias``, initialised as it initialises them, for a fused op to
+    read. Calling it returns itself: hooks on a module run only when it is called, and Megatron's DDP waits for
+    ``--overlap-param-gather``'s all-gather in one."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        linear = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self) -> LinearWeights:
+        return self
+
+
 class ZayaRouter(MegatronModule):
     """``MoESubmodules.router``: ``forward(hidden [s, b, D], padding_mask) -> (probs [T, E], map [T, E])``.
 
@@ -41,11 +55,11 @@ class ZayaRouter(MegatronModule):
         super().__init__(config=config)
         hidden, width, classes = config.hidden_size, config.router_hidden_size, config.num_router_classes
         self.num_experts = config.num_moe_experts
-        self.down_proj = nn.Linear(hidden, width, bias=True, dtype=config.params_dtype)
+        self.down_proj = LinearWeights(hidden, width, bias=True, dtype=config.params_dtype)
         self.norm_weight = nn.Parameter(torch.ones(width, dtype=config.params_dtype))
-        self.fc1 = nn.Linear(width, width, bias=True, dtype=config.params_dtype)
-        self.fc2 = nn.Linear(width, width, bias=True, dtype=config.params_dtype)
-        self.out_proj = nn.Linear(width, classes, bias=False, dtype=config.params_dtype)
+        self.fc1 = LinearWeights(width, width, bias=True, dtype=config.params_dtype)
+        self.fc2 = LinearWeights(width, width, bias=True, dtype=config.params_dtype)
+        self.out_proj = LinearWeights(width, classes, bias=False, dtype=config.params_dtype)
         # Every layer has the EDA scale so that Megatron can stack the layers' tensors in checkpoints; the
         # first MoE layer receives no router state, so its scale gets zero gradients (and stays at its init, 1).
         self.eda_scale = nn.Parameter(torch.ones(width, dtype=config.params_dtype)) if config.router_eda else None
@@ -94,10 +108,11 @@ class ZayaRouter(MegatronModule):
 
     def _route(self, hidden_states: torch.Tensor, state_in: torch.Tensor | None):
         """-> probs, routing map, router state r_l, skip gate, tokens per class (see the module docstring)."""
-        u = self.project(hidden_states, self.down_proj.weight, self.down_proj.bias)
-        return self.route_head(u, state_in, self.eda_scale, self.norm_weight, self.fc1.weight, self.fc1.bias,
-                               self.fc2.weight, self.fc2.bias, self.out_proj.weight, self.balancing_biases,
-                               self.config.layernorm_epsilon, self.num_experts)
+        down, fc1, fc2, out = self.down_proj(), self.fc1(), self.fc2(), self.out_proj()
+        u = self.project(hidden_states, down.weight, down.bias)
+        return self.route_head(u, state_in, self.eda_scale, self.norm_weight, fc1.weight, fc1.bias, fc2.weight,
+                               fc2.bias, out.weight, self.balancing_biases, self.config.layernorm_epsilon,
+                               self.num_experts)
 
     @torch.no_grad()
     def update_balancing_biases(self, tokens_per_class: torch.Tensor) -> None:

@@ -53,7 +53,7 @@ def test_kernel_choice_is_made_when_the_model_is_built():
     assert not layer.mlp.experts.grouped and fused_layer.mlp.experts.grouped
     assert layer.self_attention.qk is not fused_layer.self_attention.qk
     assert layer.mlp.router.route_head is not fused_layer.mlp.router.route_head
-    assert layer.merge_and_norm.__self__.ops is not fused_layer.merge_and_norm.__self__.ops
+    assert layer.pre_mlp_layernorm.ops is not fused_layer.pre_mlp_layernorm.ops
     assert not zaya_config("test").uses_kernel("cca")  # "all" on a CPU: the references
 
 
