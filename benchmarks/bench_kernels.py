@@ -27,9 +27,11 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 
+from megatron_zaya import ops
 from megatron_zaya.kernels import cca, cross_entropy, grouped_gemm, residual_rmsnorm, router, swiglu
 
 from .timing import gpu_or_smoke
@@ -87,48 +89,62 @@ def cases(s: Shapes, device: str) -> list[Case]:
 
     lm_head_flops = (2 * s.ce_tokens * v * d, 4 * s.ce_tokens * v * d)
     return [
-        Case("rmsnorm", residual_rmsnorm.rms_norm, residual_rmsnorm.rms_norm_reference,
+        Case("rmsnorm", residual_rmsnorm.rms_norm, ops.residual_norm.rms_norm,
              lambda: ([randn(t, d), randn(d)], (1e-5,)), bytes=(4 * t * d, 6 * t * d)),
-        Case("residual_rmsnorm", residual_rmsnorm.residual_rms_norm, residual_rmsnorm.residual_rms_norm_reference,
+        Case("residual_rmsnorm", residual_rmsnorm.residual_rms_norm, ops.residual_norm.residual_rms_norm,
              lambda: ([randn(t, d), randn(t, d, dtype=FP32), *(randn(d) for _ in range(5))], (1e-5,)),
              bytes=(12 * t * d, 18 * t * d)),
-        Case("residual_norm", residual_rmsnorm.residual_norm, residual_rmsnorm.residual_norm_reference,
+        Case("residual_norm", residual_rmsnorm.residual_norm, ops.residual_norm.residual_norm,
              lambda: ([randn(t, d, dtype=FP32), randn(d)], (1e-5,)), bytes=(6 * t * d, 10 * t * d)),
-        Case("residual_merge", residual_rmsnorm.residual_merge, residual_rmsnorm.residual_merge_reference,
+        Case("residual_merge", residual_rmsnorm.residual_merge, ops.residual_norm.residual_merge,
              lambda: ([randn(t, d), randn(t, d, dtype=FP32), *(randn(d) for _ in range(4))], ()),
              bytes=(10 * t * d, 16 * t * d)),
-        Case("swiglu", swiglu.swiglu, swiglu.swiglu_reference, lambda: ([randn(t, 2 * f)], ()),
+        Case("swiglu", swiglu.swiglu, ops.experts.swiglu, lambda: ([randn(t, 2 * f)], ()),
              bytes=(6 * t * f, 10 * t * f)),
-        Case("swiglu_weighted", swiglu.swiglu, swiglu.swiglu_reference,
+        Case("swiglu_weighted", swiglu.swiglu, ops.experts.swiglu,
              lambda: ([randn(t, 2 * f), torch.rand(t, 1, device=device, requires_grad=True)], ()),
              bytes=(6 * t * f, 10 * t * f)),
-        Case("router", router.route_top1, router.route_top1_reference,
+        Case("router", router.route_top1, ops.router.route_top1,
              lambda: ([randn(t, e + 1, dtype=FP32)], (torch.zeros(e + 1, device=device), e)),
              bytes=(4 * t * (e + 1) + 5 * t * e + 4 * t, 8 * t * (e + 1) + 4 * t * e + 4 * t)),
-        Case("cross_entropy", cross_entropy.cross_entropy, cross_entropy.cross_entropy_reference,
+        Case("cross_entropy", cross_entropy.cross_entropy, ops.lm_head.cross_entropy,
              lambda: ([randn(s.ce_tokens, v, scale=3)], (labels,)), bytes=(2 * s.ce_tokens * v, 4 * s.ce_tokens * v)),
-        Case("linear_cross_entropy", cross_entropy.linear_cross_entropy, cross_entropy.linear_cross_entropy_reference,
+        Case("linear_cross_entropy", cross_entropy.linear_cross_entropy, ops.lm_head.linear_cross_entropy,
              lm_head_inputs, flops=lm_head_flops, uniform_grad=True),
         Case("linear_ce_recompute", functools.partial(cross_entropy.linear_cross_entropy, grad_in_forward=False),
-             cross_entropy.linear_cross_entropy_reference, lm_head_inputs, flops=lm_head_flops, compile=False,
+             ops.lm_head.linear_cross_entropy, lm_head_inputs, flops=lm_head_flops, compile=False,
              uniform_grad=True),
-        Case("cca_qk", cca.cca_qk, cca.cca_qk_reference,
+        Case("cca_qk", _cca_qk_kernel, _cca_qk_reference,
              lambda: ([randn(s.seq, s.batch, q_ch), randn(s.seq, s.batch, k_ch), randn(q_ch, 2), randn(q_ch),
                        randn(k_ch, 2), randn(k_ch), randn(q_ch, s.head_dim, 2, scale=0.05), randn(q_ch),
                        randn(k_ch, s.head_dim, 2, scale=0.05), randn(k_ch), randn(s.n_kv)],
-                      (angles.cos().to(BF16), angles.sin().to(BF16))),
+                      (angles[:, None],)),
              bytes=(4 * t * (q_ch + k_ch), 8 * t * (q_ch + k_ch))),
-        Case("cca_convs", cca.causal_qk_convs_fused, cca.causal_qk_convs,
+        Case("cca_convs", cca.causal_qk_convs_fused, ops.cca.causal_convs,
              lambda: ([randn(s.seq, s.batch, q_ch), randn(q_ch, 2), randn(q_ch), randn(q_ch, s.head_dim, 2, scale=0.05),
                        randn(q_ch)], (s.n_q,)),
              bytes=(4 * t * q_ch, 6 * t * q_ch)),
-        Case("grouped_gemm_fc1", grouped_gemm.grouped_gemm, grouped_gemm.grouped_gemm_reference,
+        Case("grouped_gemm_fc1", grouped_gemm.grouped_gemm, ops.experts.grouped_gemm,
              lambda: ([randn(t, d), randn(e, 2 * f, d, scale=0.02)], (counts,)),
              flops=(2 * t * 2 * f * d, 4 * t * 2 * f * d), compile=False),
-        Case("grouped_gemm_fc2", grouped_gemm.grouped_gemm, grouped_gemm.grouped_gemm_reference,
+        Case("grouped_gemm_fc2", grouped_gemm.grouped_gemm, ops.experts.grouped_gemm,
              lambda: ([randn(t, f), randn(e, d, f, scale=0.02)], (counts,)),
              flops=(2 * t * d * f, 4 * t * d * f), compile=False),
     ]  # fmt: skip
+
+
+def _cca_qk_kernel(*tensors_and_angles):
+    """``kernels.cca.cca_qk`` as ``ops.cca.fused_cca_qk`` calls it: the fp32 cos and sin of the angles."""
+    *tensors, angles = tensors_and_angles
+    return cca.cca_qk(*tensors, angles.cos(), angles.sin())
+
+
+def _cca_qk_reference(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, angles):
+    """``ops.cca.cca_qk``, the model's q/k, on the kernel's arguments."""
+    conv = SimpleNamespace(q_depthwise_weight=wq1.unsqueeze(1), q_depthwise_bias=bq1, q_grouped_weight=wq2,
+                           q_grouped_bias=bq2, k_depthwise_weight=wk1.unsqueeze(1), k_depthwise_bias=bk1,
+                           k_grouped_weight=wk2, k_grouped_bias=bk2)
+    return ops.cca.cca_qk(q0, k0, conv, temp, angles[:, :, None], head_dim=wq2.shape[1])
 
 
 def _differentiable(outputs) -> list[torch.Tensor]:

@@ -30,7 +30,7 @@ class TritonOrTorchNorm:
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
         if config.normalization == "RMSNorm":
-            from megatron_zaya.kernels.residual_rmsnorm import TritonRMSNorm
+            from megatron_zaya.ops.residual_norm import TritonRMSNorm
 
             return TritonRMSNorm(config, hidden_size, eps)
         return cls.torch_norm(config, hidden_size, eps, **kwargs)

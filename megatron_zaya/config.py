@@ -20,7 +20,8 @@ from .settings import setting
 
 ATTENTION_TYPES = ("global", "sliding")
 SKIP_MODES = ("zero", "identity")
-# The model's ops that have a Triton kernel in megatron_zaya/kernels beside their torch reference in model/.
+CORE_ATTENTIONS = ("sdpa", "te")  # CCA's softmax attention: torch's SDPA, or Transformer Engine's fused attention
+# The model's ops that have a Triton kernel (megatron_zaya/kernels) beside their torch reference (megatron_zaya/ops).
 KERNEL_OPS = ("router", "router_head", "residual", "cca", "lm_head", "experts")
 # ``--recompute-granularity selective --recompute-modules ...``: what each name recomputes in every ZAYA1 layer
 # (model/recompute.py). The default set is the cheap one: elementwise work and the small router MLP.
@@ -112,6 +113,10 @@ class ZayaConfig(TransformerConfig):
         False, flag="--zaya-cuda-graphs",
         help="replay each layer's training forward and backward as CUDA graphs (one GPU per expert set: EP = TP = PP "
              "= CP = 1); removes the host's kernel-launch time from the step (model/cuda_graphs.py)")
+    core_attention: Literal["sdpa", "te"] = setting(
+        "sdpa", flag="--zaya-core-attention", choices={name: name for name in CORE_ATTENTIONS},
+        help="CCA's softmax attention: sdpa (torch's scaled_dot_product_attention) or te (Transformer Engine's "
+             "fused attention, global layers only)")
     kernels: str = setting("all", flag="--zaya-kernels",
                            help="the model's ops that run as Triton kernels: all (on a GPU; none on CPU) | none | a "
                                 "comma-separated list of " + ",".join(KERNEL_OPS))
@@ -195,6 +200,11 @@ class ZayaConfig(TransformerConfig):
             fail("--zaya-cuda-graphs with dropout (replays would reuse the captured random offsets)",
                  "set --hidden-dropout 0 --attention-dropout 0 or drop --zaya-cuda-graphs")
         kernel_selection(self.kernels)
+        if self.core_attention not in CORE_ATTENTIONS:
+            fail(f"core_attention={self.core_attention!r} is unknown", f"use one of {CORE_ATTENTIONS}")
+        if self.core_attention == "te" and "sliding" in (self.attention_types or ()):
+            fail("Transformer Engine's attention does not handle ZAYA1's sliding layers here",
+                 "use --zaya-core-attention sdpa")
         if self.recompute_granularity == "selective" and self.recompute_modules:
             unknown = [name for name in self.recompute_modules if name not in RECOMPUTE_MODULES]
             if unknown:
@@ -204,11 +214,12 @@ class ZayaConfig(TransformerConfig):
     def uses_kernel(self, op: str) -> bool:
         """Whether the model runs ``op`` (one of ``KERNEL_OPS``) as its Triton kernel rather than its torch reference.
 
-        Chosen when a module is built. ``all`` takes every kernel on a GPU (CUDA or ROCm) and the references on a
-        CPU, where they are faster; a named op takes its kernel on any device (off a GPU a kernel function falls
-        back to its reference, or runs in Triton's interpreter under ``TRITON_INTERPRET=1``). ``router_head``, the
+        Read by the ``choose`` functions of ``megatron_zaya/ops`` when a module is built. ``all`` takes every kernel
+        on a GPU (CUDA or ROCm) and the references on a CPU, where they are faster; a named op takes its kernel on
+        any device (off a GPU its ``fused_*`` function computes the reference, or runs the kernel in Triton's
+        interpreter under ``TRITON_INTERPRET=1``). ``router_head``, the
         router after its projection as one kernel each way, saves launches at the cost of device time, so ``all``
-        leaves it out under CUDA graphs, whose replays launch for free (``model/router.py``'s ``router_ops``).
+        leaves it out under CUDA graphs, whose replays launch for free (``ops/router.py``'s ``choose``).
         """
         if op not in KERNEL_OPS:
             raise ValueError(f"unknown kernel op {op!r}; one of {KERNEL_OPS}")

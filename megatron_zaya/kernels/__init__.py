@@ -1,11 +1,12 @@
-"""Triton kernels for ZAYA1 (CUDA and ROCm), each beside its plain-torch reference.
+"""Triton kernels for ZAYA1 (CUDA and ROCm), forward and backward. Triton only: each op's torch reference, the
+fallback where a kernel cannot run and the choice between them live in ``megatron_zaya/ops``, which imports
+these modules when a kernel is chosen. A kernel module imports nothing of the package but ``utils.py``.
 
-Every module exposes ``<op>(...)`` (the Triton kernel, forward and backward, falling back to the reference
-off-GPU) and ``<op>_reference(...)`` with the same signature. Where the model computes the op itself, the
-reference is the model's function, imported from ``megatron_zaya/model/`` (the router, the norms, the residual
-merge, the CCA convolutions); the model picks the kernel or its reference when it is built (``ZayaConfig.kernels``).
+Each module's ``runs_on(*tensors)`` says whether its kernels run on the tensors (on a GPU, or interpreted
+under ``TRITON_INTERPRET=1``).
 
-* ``residual_rmsnorm``: ``residual_rms_norm`` (ZAYA residual scaling + RMSNorm), ``rms_norm``, ``TritonRMSNorm``
+* ``residual_rmsnorm``: ``residual_rms_norm`` (ZAYA residual scaling + RMSNorm), ``residual_norm``,
+  ``residual_merge``, ``rms_norm``
 * ``swiglu``: ``swiglu`` (packed gate|up, optional per-token weights / bias)
 * ``router``: ``route_head`` (EDA, RMSNorm, router MLP and top-1 in one kernel each way), ``route_top1``
   (softmax, biased top-1, gate, MoD skip class, expert counts), ``router_projection``
@@ -15,5 +16,5 @@ merge, the CCA convolutions); the model picks the kernel or its reference when i
 * ``newton_schulz``: ``newton_schulz`` (Muon's orthogonalisation: symmetric Gram kernels, CUDA-graph replays)
 
 ``megatron_zaya/patches/kernels.py`` swaps SwiGLU, the cross-entropy and the weight-gradient accumulation in for
-Megatron-Core's own; ``testing.py`` runs the kernels on CPU for the tests.
+Megatron-Core's own.
 """

@@ -9,11 +9,11 @@ From the pre-conv projections q0 [S, B, nq*d] and k0 [S, B, nkv*d] (g = nq / nkv
    the padded positions;
 2. mean skip terms: q_res[i] = (q0[i] + k0[i // g]) / 2, k_res[j] = mean of q_res over the g heads of group j;
    q = conv(q0) + q_res, k = conv(k0) + k_res;
-3. L2 norm of each head to sqrt(d) (norm clamped at finfo(dtype).eps), then k *= temp[j];
+3. L2 norm of each head to sqrt(d) (norm clamped at fp32's eps), then k *= temp[j];
 4. rotary embedding (NeoX rotate-half) on dims [0, rot) of every head; dims [rot, d) carry no position.
 
-Two families of Triton kernels; the convolutions' torch reference is the model's (``model/cca.py``'s
-``causal_convs``), the epilogue's is ``cca_qk_reference`` below:
+The torch reference is the model's, ``ops/cca.py``'s ``cca_qk`` (``causal_convs`` for the convolutions), which
+also holds the fallback and the choice. Two families of Triton kernels:
 
 * the convolutions (``causal_qk_convs_fused``): one forward kernel per q or k (both convs; a program holds a
   block of token rows of one head, the depthwise taps as fp32 multiply-adds, the grouped conv as one
@@ -25,68 +25,21 @@ Two families of Triton kernels; the convolutions' torch reference is the model's
   per token, with every head of a token in one program (the k skip term needs all g query heads of its group).
   In fp32 internally.
 
-The value time-delay is a GEMM plus a one-token shift of 128 channels: plain torch in ``model/cca.py``, no kernel.
+The value time-delay is a GEMM plus a one-token shift of 128 channels: plain torch in ``ops/cca.py``, no kernel.
 """
 
 from __future__ import annotations
 
-import math
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..model.cca import causal_convs as causal_qk_convs
 from .utils import persistent_programs, platform, triton_runs
-
-
-# ----------------------------------------------------------------------------------------- references
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
-
-
-def _rope_and_norm_reference(q, k, temp, cos, sin):
-    """Steps 3-4 on q [S, B, nq, d], k [S, B, nkv, d]; cos/sin [S, rot] or [S, B, rot]."""
-    scale, eps = math.sqrt(q.shape[-1]), torch.finfo(q.dtype).eps
-    q = q * (scale / q.norm(dim=-1, keepdim=True).clamp_min(eps))
-    k = k * (scale / k.norm(dim=-1, keepdim=True).clamp_min(eps)) * temp.to(k.dtype)[:, None]
-    cos, sin = (c.to(q.dtype).reshape(c.shape[0], -1, 1, c.shape[-1]) for c in (cos, sin))  # [S, B or 1, 1, rot]
-    rot = cos.shape[-1]
-
-    def rope(x):
-        return torch.cat([x[..., :rot] * cos + _rotate_half(x[..., :rot]) * sin, x[..., rot:]], dim=-1)
-
-    return rope(q), rope(k)
 
 
 def _split_history(history, q_width: int):
     return (None, None) if history is None else (history[..., :q_width], history[..., q_width:])
-
-
-def cca_qk_reference(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin, history=None,
-                     document_offsets=None):
-    """CCA q/k: q0 [S, B, nq*d], k0 [S, B, nkv*d] -> q [S, B, nq, d], k [S, B, nkv, d] in q0's dtype.
-
-    Depthwise conv weights wq1 [nq*d, t0], wk1 [nkv*d, t0]; grouped wq2 [nq*d, d, t1], wk2 [nkv*d, d, t1];
-    biases [channels]; temp [nkv]; cos, sin [S, rot] or [S, B, rot] (NeoX layout: both halves equal);
-    ``history [n, t0 + t1 - 2, B, nq*d + nkv*d]``: the pre-conv q0‖k0 before each of n chunks (see
-    :func:`causal_qk_convs`); ``document_offsets [S, B]``: see :func:`causal_qk_convs`.
-    """
-    seq, batch = q0.shape[:2]
-    n_kv, head_dim = temp.numel(), wq2.shape[1]
-    n_q = q0.shape[-1] // head_dim
-    q_history, k_history = _split_history(history, q0.shape[-1])
-    q_conv = causal_qk_convs(q0, wq1, bq1, wq2, bq2, n_q, q_history, document_offsets)
-    k_conv = causal_qk_convs(k0, wk1, bk1, wk2, bk2, n_kv, k_history, document_offsets)
-    q_conv, k_conv = q_conv.reshape(seq, batch, n_q, head_dim), k_conv.reshape(seq, batch, n_kv, head_dim)
-    q_res = (q0.view(seq, batch, n_q, head_dim) + k0.view(seq, batch, n_kv, head_dim).repeat_interleave(
-        n_q // n_kv, dim=2)) * 0.5  # fmt: skip
-    k_res = q_res.view(seq, batch, n_kv, n_q // n_kv, head_dim).mean(dim=3)
-    return _rope_and_norm_reference(q_conv + q_res, k_conv + k_res, temp, cos, sin)
 
 
 # ----------------------------------------------------------------------------------------- kernels
@@ -249,9 +202,9 @@ def _qk_epilogue_backward_kernel(
 # (row = position * B + b, the [S, B, C] layout). Positions count within a chunk: under context parallelism
 # x is n chunks of L positions, each preceded by its own history; otherwise n = 1, L = S, and positions before
 # 0 read zeros. Both convolutions' products accumulate in fp32; the depthwise output is rounded to x's dtype
-# before the grouped conv's tensor-core dot, as in the reference. Packed documents (HAS_DOCS): ``offsets``
-# [n·L, B] gives each position's earlier tokens in its document, and a term reaching further back is left out
-# (see :func:`causal_qk_convs`).
+# before the grouped conv's tensor-core dot (``ops.cca.causal_convs`` run in x's dtype does the same). Packed
+# documents (HAS_DOCS): ``offsets`` [n·L, B] gives each position's earlier tokens in its document, and a term
+# reaching further back is left out (see ``ops.cca.causal_convs``).
 
 
 @triton.jit
@@ -488,7 +441,7 @@ class _QKEpilogue(torch.autograd.Function):
         n_q, n_kv, rot = q0.shape[-1] // head_dim, temp.numel(), cos.shape[-1]
         q_conv, k_conv, q0, k0, cos, sin = (t.contiguous() for t in (q_conv, k_conv, q0, k0, cos, sin))
         q, k = torch.empty_like(q0), torch.empty_like(k0)
-        eps = torch.finfo(q0.dtype).eps
+        eps = torch.finfo(torch.float32).eps  # the model's, whatever the input dtype
         _qk_epilogue_forward_kernel[(seq * batch,)](
             q_conv, k_conv, q0, k0, temp, cos, sin, q, k, batch, *_rope_strides(cos, batch), eps,
             **_meta_params(n_q, n_kv, head_dim, rot),
@@ -506,7 +459,8 @@ class _QKEpilogue(torch.autograd.Function):
         grad_temp = torch.empty((seq * batch, n_kv), dtype=torch.float32, device=q0.device)
         _qk_epilogue_backward_kernel[(seq * batch,)](
             grad_q.contiguous(), grad_k.contiguous(), q_conv, k_conv, q0, k0, temp, cos, sin, *grads, grad_temp,
-            batch, *_rope_strides(cos, batch), torch.finfo(q0.dtype).eps, **_meta_params(n_q, n_kv, ctx.head_dim, rot),
+            batch, *_rope_strides(cos, batch), torch.finfo(torch.float32).eps,
+            **_meta_params(n_q, n_kv, ctx.head_dim, rot),
         )  # fmt: skip
         return *grads, grad_temp.sum(0).to(temp.dtype), None, None, None
 
@@ -529,7 +483,7 @@ def _dot_precision(x: torch.Tensor) -> str:
 
 
 class _CausalConvs(torch.autograd.Function):
-    """:func:`causal_qk_convs` by the convolution kernels: one launch forward, three backward, no padded copies."""
+    """``ops.cca.causal_convs`` by the convolution kernels: one launch forward, three backward, no padded copies."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, history, offsets):
@@ -599,16 +553,25 @@ class _CausalConvs(torch.autograd.Function):
 def causal_qk_convs_fused(x: torch.Tensor, depthwise_w, depthwise_b, grouped_w, grouped_b, heads: int,
                           history: torch.Tensor | None = None, document_offsets: torch.Tensor | None = None
                           ) -> torch.Tensor:
-    """:func:`causal_qk_convs` (same contract) by the Triton kernels where they run: tensors on a GPU (or
-    interpreted) and a head size that is a power of two >= 16 (a ``tl.dot`` operand); else the reference."""
+    """``ops.cca.causal_convs`` (same contract) by the Triton kernels, for head sizes :func:`takes_head_dim`."""
     head_dim = grouped_w.shape[1]
-    if head_dim < 16 or head_dim & (head_dim - 1) or heads * head_dim != x.shape[-1] \
-            or not triton_runs(_conv_forward_kernel, x, depthwise_w, grouped_w):
-        return causal_qk_convs(x, depthwise_w, depthwise_b, grouped_w, grouped_b, heads, history, document_offsets)
+    if not takes_head_dim(head_dim) or heads * head_dim != x.shape[-1]:
+        raise ValueError(f"causal_qk_convs_fused: {heads} heads of {head_dim} channels (a power of two >= 16) "
+                         f"for {x.shape[-1]} channels")
     return _CausalConvs.apply(x, depthwise_w, depthwise_b, grouped_w, grouped_b, history, document_offsets)
 
 
 # ----------------------------------------------------------------------------------------- public API
+
+
+def runs_on(*tensors: torch.Tensor) -> bool:
+    """Whether these kernels run on ``tensors``: all on a GPU, or the kernels are interpreted."""
+    return triton_runs(_qk_epilogue_forward_kernel, *tensors)
+
+
+def takes_head_dim(head_dim: int) -> bool:
+    """Whether the convolution kernels take heads of ``head_dim`` channels: a power of two >= 16 (``tl.dot``)."""
+    return head_dim >= 16 and not head_dim & (head_dim - 1)
 
 
 def _check_shapes(q0, k0, wq2, temp, cos, sin) -> None:
@@ -630,11 +593,15 @@ def _check_shapes(q0, k0, wq2, temp, cos, sin) -> None:
 
 
 def cca_qk(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin, history=None, document_offsets=None):
-    """CCA q/k by the Triton kernels (convolutions, then steps 2-4); same contract as :func:`cca_qk_reference`."""
+    """CCA q/k by the Triton kernels (convolutions, then steps 2-4): q0 [S, B, nq*d], k0 [S, B, nkv*d] -> q
+    [S, B, nq, d], k [S, B, nkv, d] in q0's dtype; ``ops.cca.cca_qk`` (fp32) up to rounding.
+
+    Depthwise conv weights wq1 [nq*d, t0], wk1 [nkv*d, t0]; grouped wq2 [nq*d, d, t1], wk2 [nkv*d, d, t1];
+    biases [channels]; temp [nkv]; cos, sin [S, rot] or [S, B, rot] (NeoX layout: both halves equal);
+    ``history [n, t0 + t1 - 2, B, nq*d + nkv*d]``: the pre-conv q0‖k0 before each of n chunks;
+    ``document_offsets [S, B]``: see ``ops.cca.causal_convs``.
+    """
     _check_shapes(q0, k0, wq2, temp, cos, sin)
-    if not triton_runs(_qk_epilogue_forward_kernel, q0, k0, temp, cos):
-        return cca_qk_reference(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin, history,
-                                document_offsets)
     seq, batch = q0.shape[:2]
     head_dim, n_kv = wq2.shape[1], temp.numel()
     n_q = q0.shape[-1] // head_dim

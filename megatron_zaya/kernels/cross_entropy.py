@@ -23,7 +23,8 @@ the fp32 logits of 8192 tokens alone take 8.6 GB, their gradient as much again.
 
 Labels must lie in [0, V) or equal ``ignore_index`` (loss 0, no gradient). Tensor-parallel vocabularies
 (logits split over ranks) are out of scope here: Megatron's ``vocab_parallel_cross_entropy`` stays in use
-for TP > 1 (see megatron_zaya/patches/kernels.py).
+for TP > 1 (see megatron_zaya/patches/kernels.py). The torch references, the fallback and the choice live in
+``ops/lm_head.py``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -40,23 +40,6 @@ from .utils import flat_rows, matmul_fp32, matmul_fp32_into, triton_runs
 IGNORE_INDEX = -100
 BLOCK_V = 4096  # vocab columns per program iteration
 TILE_ELEMENTS = 2**28  # logits elements per [token x vocab] tile of linear_cross_entropy: 1 GiB in fp32
-
-
-# ----------------------------------------------------------------------------------------- references
-
-
-def cross_entropy_reference(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX):
-    """Per-token loss in fp32: logits [..., V], labels [...] -> [...]."""
-    flat = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                           reduction="none", ignore_index=ignore_index)  # fmt: skip
-    return flat.view(labels.shape)
-
-
-def linear_cross_entropy_reference(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
-) -> torch.Tensor:
-    """LM head in fp32 then cross-entropy: hidden [..., D], weight [V, D], labels [...] -> loss [...] fp32."""
-    return cross_entropy_reference(hidden.float() @ weight.float().t(), labels, ignore_index)
 
 
 # ----------------------------------------------------------------------------------------- kernels
@@ -170,11 +153,9 @@ class _CrossEntropy(torch.autograd.Function):
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Fused per-token cross-entropy; same contract as :func:`cross_entropy_reference`."""
+    """Fused per-token cross-entropy; same contract as ``ops.lm_head.cross_entropy``."""
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {list(logits.shape)} must be labels {list(labels.shape)} + [vocab]")
-    if not triton_runs(_logsumexp_kernel, logits, labels):
-        return cross_entropy_reference(logits, labels, ignore_index)
     loss = _CrossEntropy.apply(flat_rows(logits), labels.reshape(-1).contiguous(), ignore_index)
     return loss.view(labels.shape)
 
@@ -290,7 +271,7 @@ def linear_cross_entropy(
     vocab_chunk: int | None = None,
     grad_in_forward: bool = True,
 ) -> torch.Tensor:
-    """Chunked LM head + cross-entropy; same contract as :func:`linear_cross_entropy_reference`.
+    """Chunked LM head + cross-entropy; same contract as ``ops.lm_head.linear_cross_entropy``.
 
     ``token_chunk`` x ``vocab_chunk`` is the logits tile (default: up to 8192 tokens, 2^28 elements).
     ``grad_in_forward`` (when gradients are needed) computes them in the forward over whole-vocabulary token
@@ -304,10 +285,13 @@ def linear_cross_entropy(
         )
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype for the GEMM")
-    if not triton_runs(_logsumexp_kernel, hidden, weight, labels):
-        return linear_cross_entropy_reference(hidden, weight, labels, ignore_index)
     loss = _LinearCrossEntropy.apply(
         flat_rows(hidden), weight.contiguous(), labels.reshape(-1).contiguous(), ignore_index, token_chunk, vocab_chunk,
         grad_in_forward,
     )
     return loss.view(labels.shape)
+
+
+def runs_on(*tensors: torch.Tensor) -> bool:
+    """Whether these kernels run on ``tensors``: all on a GPU, or the kernels are interpreted."""
+    return triton_runs(_logsumexp_kernel, *tensors)

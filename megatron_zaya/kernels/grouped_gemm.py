@@ -18,7 +18,7 @@ learning the routed count on the host.
 
 The weights may also be E separate [M, K] tensors, such as the experts' own parameters: the kernel then finds
 each expert's weight at its offset from the first one (a small device table), and no [E, M, K] copy is stacked
-per call.
+per call. The torch reference, the fallback and the choice live in ``ops/experts.py``.
 """
 
 from __future__ import annotations
@@ -41,19 +41,6 @@ GEMM_TUNING = {
     "cpu": {"block_m": 16, "block_n": 16, "block_k": 16, "warps": 4, "stages": 1,  # the interpreter: several tiles
             "wgrad_block_m": 16, "wgrad_block_n": 16, "wgrad_block_r": 16, "wgrad_warps": 4, "wgrad_stages": 1},
 }  # fmt: skip
-
-
-def grouped_gemm_reference(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
-                           padded_rows: bool = False) -> torch.Tensor:
-    """x [N, K] sorted by expert, weight [E, M, K], tokens_per_expert [E] -> [N, M] in x's dtype.
-
-    ``padded_rows``: the counts may sum to less than N; the remaining rows of the output are zero.
-    """
-    counts = tokens_per_expert.tolist()
-    tail = x.shape[0] - sum(counts) if padded_rows else 0
-    pieces = x.split([*counts, tail])
-    out = [piece @ weight[e].t() for e, piece in enumerate(pieces[: len(counts)])]
-    return torch.cat([*out, x.new_zeros(tail, weight.shape[1])])
 
 
 @triton.jit
@@ -300,7 +287,7 @@ def _main_grads(weights) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
 
 
 def grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padded_rows: bool = False) -> torch.Tensor:
-    """Grouped GEMM over experts; same contract as :func:`grouped_gemm_reference`.
+    """Grouped GEMM over experts; same contract as ``ops.experts.grouped_gemm``.
 
     ``weight``: one [E, M, K] tensor, or a sequence of E [M, K] tensors (the experts' own parameters, read where
     they are: no stacked copy per call).
@@ -321,9 +308,6 @@ def grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padde
             raise ValueError(f"tokens_per_expert sums to {routed}, but x has {x.shape[0]} rows")
     if any(w.dtype != x.dtype for w in weights):
         raise ValueError(f"x ({x.dtype}) and weight ({weights[0].dtype}) must share a dtype")
-    if not triton_runs(_grouped_matmul_kernel, x, *weights):
-        return grouped_gemm_reference(x, weights[0] if stacked else torch.stack(weights), tokens_per_expert,
-                                      padded_rows)
     table = None
     if not stacked:  # in place: each expert's rows contiguous, at an offset the kernel's alignment hint holds for
         table = _offset_table(weights, x.device) if all(w.is_contiguous() for w in weights) else None
@@ -332,3 +316,8 @@ def grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padde
     weights = [w.contiguous() for w in weights]
     counts = tokens_per_expert.to(device=x.device, dtype=torch.int64)
     return _GroupedGemm.apply(x.contiguous(), counts, padded_rows, table, *weights)
+
+
+def runs_on(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels run on ``tensors``: all on a GPU, or the kernels are interpreted."""
+    return triton_runs(_grouped_matmul_kernel, *tensors)

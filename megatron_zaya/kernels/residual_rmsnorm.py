@@ -16,7 +16,7 @@ vector gradients in per-program partial sums (deterministic, no atomics), summed
 Two more entry points serve the rest of a ZAYA1 layer (chosen by the model's ``residual`` kernel op): ``residual_norm``,
 the RMSNorm of the fp32 stream as the layer sees it (``weight * rmsnorm(residual.to(weight.dtype))``, the cast
 folded into the kernel), and ``residual_merge``, the merge alone (a layer's last merge: the next norm belongs
-to the next layer). ``TritonRMSNorm`` is the plain RMSNorm (``weight * rmsnorm(x)``) as a Megatron norm module.
+to the next layer). The torch references, the fallback and the choice live in ``ops/residual_norm.py``.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..model.norm import residual_merge as residual_merge_reference
-from ..model.norm import rms_norm as rms_norm_reference
 from .utils import flat_rows, persistent_programs, platform, row_block, triton_runs
 
 MAX_HIDDEN = 16384  # one row lives in registers
@@ -43,32 +41,6 @@ BACKWARD_TUNING = {  # pipeline_bytes: the shared memory the row loop's stages m
     "cpu": {"rows": 2, "programs_per_sm": 4, "num_warps": None, "stages": 1,  # the interpreter: the row tiles
             "pipeline_bytes": 1 << 30},
 }
-
-
-# ----------------------------------------------------------------------------------------- references
-
-
-def residual_rms_norm_reference(
-    hidden: torch.Tensor,
-    residual: torch.Tensor,
-    hidden_bias: torch.Tensor,
-    hidden_scale: torch.Tensor,
-    residual_bias: torch.Tensor,
-    residual_scale: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """ZAYA residual merge then RMSNorm. hidden, residual [..., D]; the five vectors [D].
-
-    Returns (normed [..., D] in weight's dtype, new_residual [..., D] fp32).
-    """
-    new_residual = residual_merge_reference(hidden, residual, hidden_bias, hidden_scale, residual_bias, residual_scale)
-    return rms_norm_reference(new_residual.to(weight.dtype), weight, eps), new_residual
-
-
-def residual_norm_reference(residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of the residual stream as a ZAYA1 layer feeds it: ``weight * rmsnorm(residual.to(weight.dtype))``."""
-    return rms_norm_reference(residual.to(weight.dtype), weight, eps)
 
 
 # ----------------------------------------------------------------------------------------- kernels
@@ -345,6 +317,11 @@ class _ResidualMerge(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------- public API
 
 
+def runs_on(*tensors: torch.Tensor) -> bool:
+    """Whether these kernels run on ``tensors``: all on a GPU, or the kernels are interpreted."""
+    return triton_runs(_norm_forward_kernel, *tensors)
+
+
 def _check_vector(name: str, v: torch.Tensor, n: int) -> None:
     if v.shape != (n,):
         raise ValueError(f"{name} must have shape [{n}] (the hidden size), got {list(v.shape)}")
@@ -361,26 +338,20 @@ def _check_residual_args(hidden, residual, vectors) -> None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * rmsnorm(x)``: x [..., D], weight [D] -> [..., D] in promote(x, weight) dtype."""
     _check_vector("weight", weight, x.shape[-1])
-    if not triton_runs(_norm_forward_kernel, x, weight):
-        return rms_norm_reference(x, weight, eps)
     return _RMSNorm.apply(x, weight, eps, False)
 
 
 def residual_norm(residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * rmsnorm(residual.to(weight.dtype))`` in weight's dtype; same contract as
-    :func:`residual_norm_reference`, without materialising the cast."""
+    ``ops.residual_norm.residual_norm``, without materialising the cast."""
     _check_vector("weight", weight, residual.shape[-1])
-    if not triton_runs(_norm_forward_kernel, residual, weight):
-        return residual_norm_reference(residual, weight, eps)
     return _RMSNorm.apply(residual, weight, eps, True)
 
 
 def residual_merge(hidden, residual, hidden_bias, hidden_scale, residual_bias, residual_scale) -> torch.Tensor:
-    """Fused ZAYA residual merge; same contract as :func:`residual_merge_reference`."""
+    """Fused ZAYA residual merge (fp32); same contract as ``ops.residual_norm.residual_merge``."""
     vectors = (hidden_bias, hidden_scale, residual_bias, residual_scale)
     _check_residual_args(hidden, residual, vectors)
-    if not triton_runs(_norm_forward_kernel, hidden, residual, *vectors):
-        return residual_merge_reference(hidden, residual, *vectors)
     return _ResidualMerge.apply(hidden, residual, *vectors)
 
 
@@ -394,36 +365,8 @@ def residual_rms_norm(
     weight: torch.Tensor,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused ZAYA residual merge + RMSNorm; same contract as :func:`residual_rms_norm_reference`."""
+    """Fused ZAYA residual merge + RMSNorm; same contract as ``ops.residual_norm.residual_rms_norm``:
+    (normed in weight's dtype, new fp32 residual)."""
     vectors = (hidden_bias, hidden_scale, residual_bias, residual_scale, weight)
     _check_residual_args(hidden, residual, vectors)
-    args = (hidden, residual, *vectors)
-    if not triton_runs(_norm_forward_kernel, *args):
-        return residual_rms_norm_reference(*args, eps)
-    return _ResidualRMSNorm.apply(*args, eps)
-
-
-class TritonRMSNorm(torch.nn.Module):
-    """RMSNorm module on the Triton kernel, built like a Megatron norm: ``TritonRMSNorm(config, hidden_size, eps)``.
-
-    Fits Megatron's ``LayerNormBuilder`` protocol (input_layernorm, pre_mlp_layernorm, the block's final
-    norm, q/k layernorms); checkpoint layout is a single ``weight`` [hidden_size], as torch.nn.RMSNorm's.
-    Unlike Megatron's torch fallback it supports sequence parallelism (marks the weight for the SP grad
-    all-reduce).
-    """
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused_megatron_kwargs):
-        super().__init__()
-        if getattr(config, "layernorm_zero_centered_gamma", False):
-            raise ValueError("TritonRMSNorm has no zero-centered gamma; unset --apply-layernorm-1p")
-        if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
-            raise ValueError(f"TritonRMSNorm is an RMSNorm but config.normalization is {config.normalization!r}")
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
-        self.weight.sequence_parallel = config.sequence_parallel
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+    return _ResidualRMSNorm.apply(hidden, residual, *vectors, eps)

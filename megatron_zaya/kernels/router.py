@@ -31,6 +31,8 @@ in fp32, and upcasting the [T, D] activations and the weight makes that an fp32 
 a bf16 one. Products of bf16 values are exact in fp32, so a bf16 GEMM with fp32 accumulation and output
 computes the same forward (up to summation order). The backward rounds the fp32 output gradient to bf16 for
 its two GEMMs, as every bf16 linear layer of the model does.
+
+The torch references, the fallback and the choice live in ``ops/router.py``.
 """
 
 from __future__ import annotations
@@ -39,9 +41,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..model.router import route_head as route_head_reference
-from ..model.router import route_top1 as route_top1_reference
-from ..model.router import router_projection as router_projection_reference
 from .utils import matmul_fp32, platform, triton_runs
 
 #: Launch settings per platform (``benchmarks/tune_launch.py --kernel router``): each program of the forward
@@ -197,7 +196,7 @@ class _RouteTop1(torch.autograd.Function):
 def route_top1(
     logits: torch.Tensor, biases: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused ZAYA top-1 routing; same contract as :func:`route_top1_reference`."""
+    """Fused ZAYA top-1 routing; same contract as ``ops.router.route_top1`` (with the skip class)."""
     if logits.shape[-1] != num_experts + 1:
         raise ValueError(
             f"router logits end in {logits.shape[-1]} classes; expected num_experts + 1 = {num_experts + 1} "
@@ -205,8 +204,6 @@ def route_top1(
         )
     if biases.shape != (num_experts + 1,):
         raise ValueError(f"balancing biases must have shape [{num_experts + 1}], got {list(biases.shape)}")
-    if not triton_runs(_router_forward_kernel, logits, biases):
-        return route_top1_reference(logits, biases, num_experts)
     return _RouteTop1.apply(logits.reshape(-1, num_experts + 1).contiguous(), biases.detach())
 
 
@@ -454,9 +451,7 @@ class _RouteHead(torch.autograd.Function):
 
 def route_head(u, state_in, eda_scale, norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight,
                biases, eps: float, num_experts: int):
-    """The fused router head; same contract as :func:`route_head_reference` (its ``route_top1`` the fused one).
-
-    The reference where the kernels cannot run, or for routers wider than ``HEAD_MAX_WIDTH``."""
+    """The fused router head; same contract as ``ops.router.route_head`` (for routers up to ``HEAD_MAX_WIDTH``)."""
     n_classes, width = out_weight.shape
     if n_classes != num_experts + 1:
         raise ValueError(
@@ -465,9 +460,9 @@ def route_head(u, state_in, eda_scale, norm_weight, fc1_weight, fc1_bias, fc2_we
         )
     if biases.shape != (n_classes,):
         raise ValueError(f"balancing biases must have shape [{n_classes}], got {list(biases.shape)}")
+    if width > HEAD_MAX_WIDTH:
+        raise ValueError(f"the fused router head holds routers up to {HEAD_MAX_WIDTH} wide, not {width}")
     params = [norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight]
-    if width > HEAD_MAX_WIDTH or not triton_runs(_head_forward_kernel, u, *params):
-        return route_head_reference(u, state_in, eda_scale, *params, biases, eps, num_experts, route_top1=route_top1)
     with_state = state_in is not None and eda_scale is not None
     probs, routing_map, state, skip_gate, counts = _RouteHead.apply(
         u.reshape(-1, width).contiguous(), state_in.reshape(-1, width).contiguous() if with_state else None,
@@ -495,8 +490,10 @@ class _RouterProjection(torch.autograd.Function):
 
 
 def router_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """:func:`router_projection_reference` as a bf16 GEMM with fp32 output where x and weight are bf16/fp16;
-    the reference for fp32 inputs."""
-    if not (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype):
-        return router_projection_reference(x, weight, bias)
+    """``ops.router.router_projection`` for bf16/fp16 x and weight: a GEMM in their dtype with fp32 output."""
     return _RouterProjection.apply(x, weight, bias)
+
+
+def runs_on(*tensors: torch.Tensor) -> bool:
+    """Whether these kernels run on ``tensors``: all on a GPU, or the kernels are interpreted."""
+    return triton_runs(_router_forward_kernel, *tensors)

@@ -4,13 +4,13 @@ ZAYA1's experts store fc1 as one [2F, D] matrix, first F rows = gate, last F = u
 §4.6), so the activation reads x [..., 2F] and writes silu(gate) * up [..., F]. The optional per-token
 ``weights`` [..., 1] is Megatron's ``weighted_bias_swiglu`` (the router probability applied inside the
 expert); the optional ``bias`` [2F] is Megatron's ``bias_swiglu``. Math in fp32, output in x's dtype.
-One read of x and one write per element each way; the backward recomputes silu from x.
+One read of x and one write per element each way; the backward recomputes silu from x. The torch reference,
+the fallback and the choice live in ``ops/experts.py``.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -25,17 +25,6 @@ SWIGLU_TUNING = {  # H200: no setting of a 36-point sweep was 2% faster than thi
     "cpu": {"block": 16, "rows": 2, "warps": 4,  # the interpreter: several column blocks and a partial row tile
             "backward_block": 16, "backward_rows": 2, "backward_warps": 4},
 }  # fmt: skip
-
-
-def swiglu_reference(
-    x: torch.Tensor, weights: torch.Tensor | None = None, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """silu(gate) * up [* weights]: x [..., 2F], weights [..., 1] or None, bias [2F] or None -> [..., F]."""
-    if bias is not None:
-        x = x + bias
-    gate, up = x.chunk(2, dim=-1)
-    out = F.silu(gate) * up
-    return out if weights is None else (out * weights).to(x.dtype)
 
 
 @triton.jit
@@ -144,14 +133,16 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def swiglu(x: torch.Tensor, weights: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Fused SwiGLU; same contract as :func:`swiglu_reference`."""
+    """Fused SwiGLU; same contract as ``ops.experts.swiglu``."""
     if x.shape[-1] % 2:
         raise ValueError(f"swiglu needs the packed [gate ‖ up] last dim to be even, got {x.shape[-1]}")
     if weights is not None and weights.numel() != x[..., 0].numel():
         raise ValueError(f"weights must hold one scale per token ({list(x.shape[:-1])}), got {list(weights.shape)}")
     if bias is not None and bias.shape != x.shape[-1:]:
         raise ValueError(f"bias must have shape [{x.shape[-1]}], got {list(bias.shape)}")
-    tensors = [t for t in (x, weights, bias) if t is not None]
-    if not triton_runs(_swiglu_forward_kernel, *tensors):
-        return swiglu_reference(x, weights, bias)
     return _SwiGLU.apply(x, weights, bias)
+
+
+def runs_on(*tensors: torch.Tensor) -> bool:
+    """Whether the kernel runs on ``tensors``: all on a GPU, or the kernel is interpreted."""
+    return triton_runs(_swiglu_forward_kernel, *tensors)

@@ -1,10 +1,9 @@
-"""Launch helpers shared by the Triton kernels: when to run a kernel, and how big to make its blocks.
+"""Launch helpers shared by the Triton kernels: when a kernel can run, and how big to make its blocks.
 
-Every kernel module exposes a plain function that runs the Triton kernel on GPU tensors (CUDA or ROCm,
-both appear as ``tensor.is_cuda``) and falls back to its plain-torch reference elsewhere, so the same model
-code runs on the CPU test machine. Under ``TRITON_INTERPRET=1`` (set before the kernel module is imported:
-triton 3.8 chooses interpreter vs compiler when ``@triton.jit`` runs) the kernels also run on CPU tensors,
-which is how the unit tests exercise them.
+A kernel runs on GPU tensors (CUDA or ROCm, both appear as ``tensor.is_cuda``); ``ops/`` falls back to the
+torch reference elsewhere, so the same model code runs on the CPU test machine. Under ``TRITON_INTERPRET=1``
+(set before the kernel module is imported: triton chooses interpreter vs compiler when ``@triton.jit`` runs)
+the kernels also run on CPU tensors, which is how the unit tests exercise them.
 """
 
 from __future__ import annotations
@@ -14,14 +13,14 @@ import warnings
 
 import torch
 import triton
+from triton.runtime import JITFunction
 
 
 def is_interpreted(kernel) -> bool:
-    """True when ``kernel`` was decorated under ``TRITON_INTERPRET=1`` (runs on CPU tensors, in numpy).
-
-    Checked by class name: the tests load a private copy of triton (see ``testing.py``).
-    """
-    return type(kernel).__name__ == "InterpretedFunction"
+    """True when ``kernel`` was decorated under ``TRITON_INTERPRET=1`` (runs on CPU tensors, in numpy): triton
+    then makes an interpreted function instead of a ``JITFunction``. (A module loaded against a private copy of
+    triton, as the tests do, loads this one with it, so the class is that copy's.)"""
+    return not isinstance(kernel, JITFunction)
 
 
 def triton_runs(kernel, *tensors: torch.Tensor) -> bool:
@@ -55,7 +54,7 @@ def row_block(n_cols: int, max_cols: int, what: str) -> tuple[int, int]:
     if n_cols > max_cols:
         raise ValueError(
             f"{what}: rows of {n_cols} elements exceed the {max_cols} this kernel keeps in registers; "
-            f"call the *_reference function for such shapes"
+            "its torch reference in megatron_zaya/ops takes such shapes"
         )
     block = triton.next_power_of_2(n_cols)
     return block, min(16, max(1, block // 256))

@@ -20,6 +20,8 @@ contiguous slice (the checkpoint layout is the same for every TP size). Context 
 convolutions and the value delay the positions just before each of a rank's chunks, and attention the keys
 and values of the whole sequence (``context_parallel.py``). Packed documents (``documents.py``) stop all three
 mixings, and RoPE's positions, at each document's first token.
+
+Steps 2-6 are ``ops/cca.py``: the torch reference, and the Triton kernels with the ``cca`` kernel op.
 """
 
 from __future__ import annotations
@@ -29,9 +31,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from megatron.core import tensor_parallel
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
@@ -41,121 +41,12 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
 from torch import nn
 
+from ..ops import cca as cca_ops
+from ..ops.cca import delay_channels
 from . import documents
 from .context_parallel import preceding_rows
 from .core_attention import SDPAttention
 from .recompute import Recompute, recomputes
-
-
-def causal_convs(x: torch.Tensor, depthwise_w, depthwise_b, grouped_w, grouped_b, heads: int,
-                 history: torch.Tensor | None = None, document_offsets: torch.Tensor | None = None) -> torch.Tensor:
-    """Step 3 of the module docstring on raw weights: x [s, b, C] -> [s, b, C]; depthwise_w [C, t0],
-    grouped_w [C, C // heads, t1] (one group per head).
-
-    ``history [n, (t0 - 1) + (t1 - 1), b, C]`` (context parallelism): x is n chunks, each preceded by its history
-    instead of zeros. ``document_offsets [s, b]`` (packed documents): each position's earlier tokens in its
-    document. Output p takes input p - l0 - l1 (depthwise tap lag l0, grouped tap lag l1) only where
-    l0 + l1 <= offset(p), as the document alone after zeros would; the depthwise bias enters every grouped tap.
-    """
-    t0, t1 = depthwise_w.shape[-1], grouped_w.shape[-1]
-    pad = (t0 - 1) + (t1 - 1)
-    seq, batch, channels = x.shape
-    chunks = 1 if history is None else history.shape[0]
-    before = x.new_zeros(1, pad, batch, channels) if history is None else history.to(x.dtype)
-    y = torch.cat([before, x.view(chunks, seq // chunks, batch, channels)], dim=1)  # [n, pad + s/n, b, C]
-    if document_offsets is None:
-        y = y.permute(0, 2, 3, 1).reshape(chunks * batch, channels, -1)  # [n·b, C, pad + s/n]
-        y = F.conv1d(y, depthwise_w.unsqueeze(1), depthwise_b, groups=channels)
-        y = F.conv1d(y, grouped_w, grouped_b, groups=heads)
-        return y.view(chunks, batch, channels, -1).permute(0, 3, 1, 2).reshape(seq, batch, channels)
-    offsets, length = document_offsets.view(chunks, seq // chunks, batch, 1), seq // chunks
-    head_dim = channels // heads
-    out = grouped_b.expand(chunks, length, batch, channels)
-    for l1 in range(t1):
-        taps = depthwise_b.expand(chunks, length, batch, channels)
-        for l0 in range(t0):
-            lag = l0 + l1
-            taps = taps + y[:, pad - lag: pad - lag + length] * (offsets >= lag) * depthwise_w[:, t0 - 1 - l0]
-        by_head = taps.unflatten(-1, (heads, head_dim))
-        tap_weight = grouped_w[..., t1 - 1 - l1].view(heads, head_dim, head_dim)  # [head, out, in]
-        out = out + torch.einsum("nlbhi,hoi->nlbho", by_head, tap_weight).flatten(-2)
-    return out.reshape(seq, batch, channels)
-
-
-def causal_qk_conv(q0, k0, conv: "HeadShardedParameters", head_dim: int, history: torch.Tensor | None = None,
-                   document_offsets: torch.Tensor | None = None):
-    """:func:`causal_convs` on ``q0 ‖ k0``: ``[s, b, Cq], [s, b, Ck] -> [s, b, Cq], [s, b, Ck]`` (no skip terms)."""
-    packed = torch.cat([q0, k0], dim=-1)  # [s, b, C]
-    weights = [torch.cat([getattr(conv, f"q_{name}"), getattr(conv, f"k_{name}")]).to(packed.dtype)
-               for name in ("depthwise_weight", "depthwise_bias", "grouped_weight", "grouped_bias")]
-    weights[0] = weights[0].squeeze(1)  # [C, 1, t0] -> [C, t0]
-    mixed = causal_convs(packed, *weights, packed.shape[-1] // head_dim, history, document_offsets)
-    return mixed[..., : q0.shape[-1]], mixed[..., q0.shape[-1]:]
-
-
-def cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, head_dim, config, cp_group,
-           qk_history=None, document_offsets=None):
-    """Steps 2-5: pre-conv projections ``q0 [s,b,nq·d], k0 [s,b,nkv·d]`` -> q ``[s,b,nq,d]``, k ``[s,b,nkv,d]``.
-
-    Computed in fp32 (the reference's high-precision QK path) and returned in fp32. ``qk_history``,
-    ``document_offsets``: see :func:`causal_convs`. ``rotary_pos_emb [s, 1 or b, 1, rot]``.
-    """
-    s, b = q0.shape[:2]
-    q_heads, kv_heads = q0.shape[-1] // head_dim, k0.shape[-1] // head_dim
-    history = None if qk_history is None else qk_history.float()
-    q_conv, k_conv = causal_qk_conv(q0.float(), k0.float(), conv, head_dim, history, document_offsets)
-
-    q0h = q0.float().view(s, b, q_heads, head_dim)
-    k0h = k0.float().view(s, b, kv_heads, head_dim)
-    group = q_heads // kv_heads
-    q_res = (q0h + k0h.repeat_interleave(group, dim=2)) * 0.5
-    k_res = q_res.view(s, b, kv_heads, group, head_dim).mean(dim=3)
-    q = q_conv.view(s, b, q_heads, head_dim) + q_res
-    k = k_conv.view(s, b, kv_heads, head_dim) + k_res
-
-    eps = torch.finfo(torch.float32).eps
-    q = q * (math.sqrt(head_dim) / q.norm(dim=-1, keepdim=True).clamp_min(eps))
-    k = k * (math.sqrt(head_dim) / k.norm(dim=-1, keepdim=True).clamp_min(eps))
-    k = k * key_temperature.float()[None, None, :, None]
-
-    q = apply_rotary_pos_emb(q, rotary_pos_emb, config=config, cp_group=cp_group)
-    k = apply_rotary_pos_emb(k, rotary_pos_emb, config=config, cp_group=cp_group)
-    return q, k
-
-
-def fused_cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, head_dim, config, cp_group,
-                 qk_history=None, document_offsets=None):
-    """:func:`cca_qk` as two Triton passes (``kernels/cca.py``): both convolutions, then the epilogue (skip
-    terms, L2 norm, temperature, partial RoPE). Reads the RoPE angles of this rank's positions from Megatron's
-    rotary table (per sequence with packed documents); returns q and k in q0's dtype."""
-    from ..kernels.cca import cca_qk as kernel
-
-    angles = rotary_pos_emb[:, :, 0, :].float()  # [s, 1 or b, rot]
-    return kernel(q0, k0, conv.q_depthwise_weight.squeeze(1), conv.q_depthwise_bias,
-                  conv.k_depthwise_weight.squeeze(1), conv.k_depthwise_bias, conv.q_grouped_weight,
-                  conv.q_grouped_bias, conv.k_grouped_weight, conv.k_grouped_bias, key_temperature,
-                  angles.cos(), angles.sin(), qk_history, document_offsets)  # depthwise weights as [C, taps]
-
-
-def delay_channels(v: torch.Tensor, first_delayed: int, previous: torch.Tensor | None = None,
-                   document_offsets: torch.Tensor | None = None) -> torch.Tensor:
-    """Shift channels ``[first_delayed:]`` of ``v [s, b, C]`` one token later (zeros at t=0).
-
-    ``previous [n, 1, b, C - first_delayed]`` (context parallelism): ``v`` is ``n`` chunks, each shifted in
-    from its own preceding token. ``document_offsets [s, b]`` (packed documents): zeros at each document's first
-    token (offset 0).
-    """
-    if first_delayed >= v.shape[-1]:
-        return v
-    current, delayed = v[..., :first_delayed], v[..., first_delayed:]
-    if previous is None:
-        delayed = F.pad(delayed[:-1], (0, 0, 0, 0, 1, 0))
-    else:
-        chunks = delayed.view(previous.shape[0], -1, *delayed.shape[1:])
-        delayed = torch.cat([previous, chunks[:, :-1]], dim=1).flatten(0, 1)
-    if document_offsets is not None:
-        delayed = delayed * (document_offsets > 0)[..., None].to(delayed.dtype)
-    return torch.cat([current, delayed], dim=-1)
 
 
 class HeadShardedParameters(MegatronModule):
@@ -170,6 +61,11 @@ class HeadShardedParameters(MegatronModule):
             param = nn.Parameter(local)
             tensor_parallel.set_tensor_model_parallel_attributes(param, True, 0, 1)
             self.register_parameter(name, param)
+
+    def forward(self) -> HeadShardedParameters:
+        """Itself. The attention calls its parameter holders before reading them: hooks on a module run only
+        when it is called, and Megatron's DDP waits for ``--overlap-param-gather``'s all-gather in one."""
+        return self
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         state = {}
@@ -244,7 +140,7 @@ class CompressedConvAttention(MegatronModule):
             attn_mask_type=attn_mask_type, attention_type="self", cp_comm_type=cp_comm_type,
             softmax_scale=1.0 / math.sqrt(d), pg_collection=pg_collection,
         )
-        self.qk = fused_cca_qk if config.uses_kernel("cca") else cca_qk
+        self.qk = cca_ops.choose(config)
         self.linear_proj = build_module(
             submodules.linear_proj, nq * d, config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=False, input_is_parallel=True,
@@ -288,12 +184,13 @@ class CompressedConvAttention(MegatronModule):
                 document_ids = documents.document_ids(attention_mask)
             else:
                 offsets, varlen = packed.tokens_before, packed.bounds
-        qk = partial(self._call_qk, conv=self.conv, rotary_pos_emb=rotary_pos_emb, head_dim=self.head_dim,
-                     config=self.config, cp_group=self.pg_collection.cp, document_offsets=offsets)
+        conv, qk_norm = self.conv(), self.qk_norm()
+        qk = partial(self._call_qk, conv=conv, rotary_pos_emb=rotary_pos_emb, head_dim=self.head_dim,
+                     document_offsets=offsets)
         recompute_qk = recomputes(self.config, "cca_qk", self.training)
         if recompute_qk:
-            qk = Recompute(qk, [*self.conv.parameters(), *self.qk_norm.parameters()])
-        q, k = qk(q0, k0, self.qk_norm.key_temperature, qk_history)
+            qk = Recompute(qk, [*conv.parameters(), *qk_norm.parameters()])
+        q, k = qk(q0, k0, qk_norm.key_temperature, qk_history)
         v = delay_channels(v, self.first_delayed_channel, v_previous, offsets).view(s, b, self.kv_heads, self.head_dim)
         dtype = v.dtype
         attend = partial(self.core_attention, attention_mask=document_ids, attn_mask_type=self.attn_mask_type,

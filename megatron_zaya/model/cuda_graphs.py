@@ -47,6 +47,7 @@ from functools import partial
 import torch
 
 from ..config import ZayaConfigError
+from ..ops import experts
 from ..runtime import print_rank_0
 
 WARMUP_PASSES = 2
@@ -158,19 +159,16 @@ def _add_to_main_grads(params, grads) -> list[bool]:
 def _step_untouched(layers):
     """Warm-up passes must not add to the routers' token counts of this step, nor to the gradients (the grouped
     experts' kernel and Megatron's gradient-accumulation fusion add to ``main_grad`` from inside a backward)."""
-    from ..kernels.grouped_gemm import ACCUMULATE_INTO_MAIN_GRAD
-
     routers = [layer.mlp.router for layer in layers]
     fused_linears = [m for layer in layers for m in layer.modules() if getattr(m, "gradient_accumulation_fusion", 0)]
     for router in routers:
         router.count_tokens = False
     for linear in fused_linears:
         linear.gradient_accumulation_fusion = False
-    ACCUMULATE_INTO_MAIN_GRAD["enabled"] = False
     try:
-        yield
+        with experts.main_grad_untouched():
+            yield
     finally:
-        ACCUMULATE_INTO_MAIN_GRAD["enabled"] = True
         for linear in fused_linears:
             linear.gradient_accumulation_fusion = True
         for router in routers:

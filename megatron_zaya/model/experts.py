@@ -1,9 +1,8 @@
 """ZAYA1's experts: Megatron's ``SequentialMLP`` of SwiGLU MLPs (one ``linear_fc1`` [2F, D] holding gate then up
-rows, one ``linear_fc2`` [D, F] per expert). With the ``experts`` kernel op they run as two Triton grouped GEMMs
-(``kernels/grouped_gemm.py``) around the probability-weighted SwiGLU kernel (``kernels/swiglu.py``) instead of
-``SequentialMLP``'s loop: 2 launches instead of 32 per layer for 16 experts, and no host sync on the token
-counts. The grouped GEMMs read each expert's own weights by address (no stacked copy), so parameters and
-checkpoint layout are ``SequentialMLP``'s either way.
+rows, one ``linear_fc2`` [D, F] per expert). With the ``experts`` kernel op they run as ``ops/experts.py``'s
+grouped experts (two Triton grouped GEMMs around the probability-weighted SwiGLU kernel) instead of
+``SequentialMLP``'s loop. The grouped GEMMs read each expert's own weights by address (no stacked copy), so
+parameters and checkpoint layout are ``SequentialMLP``'s either way.
 
 The tokens may come in a static-size buffer whose tail belongs to no expert (``ZayaMoELayer``'s single-rank
 dispatch: the tokens of the skip class); their output rows are zero.
@@ -13,6 +12,8 @@ from __future__ import annotations
 
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
+
+from ..ops import experts
 
 
 class ZayaExperts(SequentialMLP):
@@ -27,27 +28,15 @@ class ZayaExperts(SequentialMLP):
         # the data-parallel group, so the gradients are reduced over the same ranks either way.)
         for param in self.parameters():
             param.allreduce = False
-        cfg = self.config
-        # Expert tensor parallelism, fp8/fp4, biases and probabilities applied on the input keep the loop.
-        self.grouped = cfg.uses_kernel("experts") and not (
-            cfg.fp8 or cfg.fp4 or cfg.moe_apply_probs_on_input or self.tp_group.size() > 1 or cfg.add_bias_linear)
+        self.grouped = experts.choose(self.config, self.tp_group.size())  # None: the loop
 
     def forward(self, permuted_hidden: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor):
-        if self.grouped:
-            return self.grouped_forward(permuted_hidden, tokens_per_expert, permuted_probs), None
+        if self.grouped is not None:
+            fc1 = [expert.linear_fc1.weight for expert in self.local_experts]  # [2F, D] each, read in place
+            fc2 = [expert.linear_fc2.weight for expert in self.local_experts]  # [D, F] each
+            return self.grouped(permuted_hidden, fc1, fc2, tokens_per_expert, permuted_probs), None
         routed = int(tokens_per_expert.sum())  # the per-expert loop needs host counts anyway
         if routed == permuted_hidden.shape[0]:
             return super().forward(permuted_hidden, tokens_per_expert, permuted_probs)
         output, bias = super().forward(permuted_hidden[:routed], tokens_per_expert, permuted_probs[:routed])
         return torch.cat([output, output.new_zeros(permuted_hidden.shape[0] - routed, output.shape[-1])]), bias
-
-    def grouped_forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
-        """The experts as two grouped GEMMs; the buffer's tail past the routed tokens gives zero rows."""
-        from ..kernels.grouped_gemm import grouped_gemm
-        from ..kernels.swiglu import swiglu
-
-        counts = tokens_per_expert.to(device=hidden.device, dtype=torch.int64)
-        fc1 = [expert.linear_fc1.weight for expert in self.local_experts]  # [2F, D] each, read in place
-        fc2 = [expert.linear_fc2.weight for expert in self.local_experts]  # [D, F] each
-        intermediate = swiglu(grouped_gemm(hidden, fc1, counts, padded_rows=True), weights=probs.unsqueeze(-1))
-        return grouped_gemm(intermediate.to(hidden.dtype), fc2, counts, padded_rows=True)

@@ -30,40 +30,6 @@ from .norm import InputScaling, residual_dtype
 from .recompute import Recompute, recomputes
 
 
-def norm_residual(norm, residual: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A sublayer's input: ``norm`` of the (fp32) residual stream cast to the model ``dtype``."""
-    return norm(residual.to(dtype))
-
-
-def merge_and_norm(merge, norm, hidden: torch.Tensor, residual: torch.Tensor, dtype: torch.dtype):
-    """Merge a sublayer's output into the residual stream and normalise it for the next sublayer.
-
-    Returns ``(next sublayer's input, new residual)``.
-    """
-    residual = merge(hidden, residual)
-    return norm_residual(norm, residual, dtype), residual
-
-
-def residual_ops(config):
-    """``(norm_residual, merge_and_norm)`` for layers of ``config``: the Triton kernels of
-    ``kernels/residual_rmsnorm.py`` (for the fp32 stream; the merge also needs residual scaling) or
-    the references above."""
-    if not (config.uses_kernel("residual") and config.fp32_residual_connection):
-        return norm_residual, merge_and_norm
-    from ..kernels.residual_rmsnorm import residual_norm, residual_rms_norm  # Triton: imported once chosen
-
-    def fused_norm_residual(norm, residual: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """:func:`norm_residual` as one Triton pass each way, the cast folded in."""
-        return residual_norm(residual, norm.weight, norm.eps)
-
-    def fused_merge_and_norm(merge, norm, hidden: torch.Tensor, residual: torch.Tensor, dtype: torch.dtype):
-        """:func:`merge_and_norm` as one Triton pass each way (residual scaling's merge and the RMSNorm)."""
-        return residual_rms_norm(hidden, residual, merge.hidden_states_bias, merge.hidden_states_scale,
-                                 merge.residual_bias, merge.residual_scale, norm.weight, norm.eps)
-
-    return fused_norm_residual, (fused_merge_and_norm if config.residual_scaling else merge_and_norm)
-
-
 def stage_tensor_width(config) -> int:
     """Channels of the tensor between pipeline stages: the residual stream, plus the router state under EDA."""
     return config.hidden_size + (config.router_hidden_size if config.router_eda else 0)
@@ -74,7 +40,6 @@ class ZayaTransformerLayer(TransformerLayer):
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        self.norm_residual, self.merge_and_norm = residual_ops(config)
 
     @property
     def attention_type(self) -> str:
@@ -85,16 +50,12 @@ class ZayaTransformerLayer(TransformerLayer):
         dtype = self.config.params_dtype
         residual = hidden_states
         norms = recomputes(self.config, "layernorm", self.training)
+        input_norm = partial(self.input_layernorm, dtype=dtype)
+        pre_mlp_norm = partial(self.self_attn_bda, norm=self.pre_mlp_layernorm, dtype=dtype)
         if norms:  # the norms' outputs are dropped until the backward reaches their sublayer
-            input_norm = Recompute(lambda x: self.norm_residual(self.input_layernorm, x, dtype),
-                                   self.input_layernorm.parameters())
-            pre_mlp_norm = Recompute(
-                lambda h, x: self.merge_and_norm(self.self_attn_bda, self.pre_mlp_layernorm, h, x, dtype),
-                [*self.self_attn_bda.parameters(), *self.pre_mlp_layernorm.parameters()],
-            )
-        else:
-            input_norm = partial(self.norm_residual, self.input_layernorm, dtype=dtype)
-            pre_mlp_norm = partial(self.merge_and_norm, self.self_attn_bda, self.pre_mlp_layernorm, dtype=dtype)
+            input_norm = Recompute(input_norm, self.input_layernorm.parameters())
+            pre_mlp_norm = Recompute(pre_mlp_norm, [*self.self_attn_bda.parameters(),
+                                                    *self.pre_mlp_layernorm.parameters()])
         attention_output, _ = self.self_attention(input_norm(residual), attention_mask=attention_mask,
                                                   rotary_pos_emb=rotary_pos_emb)
         if norms:
@@ -135,7 +96,6 @@ class ZayaTransformerBlock(TransformerBlock):
                          pg_collection=pg_collection, vp_stage=vp_stage)
         if pre_process and config.residual_scaling:
             self.input_residual_scaling = InputScaling(config)
-        self.norm_residual = residual_ops(config)[0]
         self.cuda_graphs = None
         if config.cuda_graphs:
             check_cuda_graphs(self)
@@ -162,7 +122,7 @@ class ZayaTransformerBlock(TransformerBlock):
         if not self.post_process:
             return self._pack_stage_output(hidden_states, router_state)
         if self.final_layernorm is not None:
-            hidden_states = self.norm_residual(self.final_layernorm, hidden_states, self.config.params_dtype)
+            hidden_states = self.final_layernorm(hidden_states, self.config.params_dtype)
         return hidden_states
 
     def _run_layers(self, hidden_states, router_state, attention_mask, rotary_pos_emb):

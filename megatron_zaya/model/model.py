@@ -21,6 +21,7 @@ from megatron.core.transformer.enums import ModelType
 from torch import nn
 
 from ..config import ZayaConfig, ZayaConfigError
+from ..ops import lm_head
 from . import documents
 from .documents import rotary_table
 from .layer import ZayaTransformerBlock
@@ -46,8 +47,7 @@ class ZayaModel(LanguageModule):
         self.pre_process, self.post_process = pre_process, post_process
         self.parallel_output = parallel_output
         self.share_embeddings_and_output_weights = config.tie_embeddings
-        # The LM head fused with the loss (kernels/cross_entropy.py) needs the whole vocabulary on this rank.
-        self.fused_lm_head = config.uses_kernel("lm_head") and self.pg_collection.tp.size() == 1
+        self.fused_lm_head = lm_head.choose(config, self.pg_collection.tp.size())  # None: Megatron's head and loss
         self.vocab_size = config.vocab_size
         self.max_sequence_length = config.max_position_embeddings
         self.model_type = ModelType.encoder_or_decoder
@@ -131,18 +131,13 @@ class ZayaModel(LanguageModule):
     def lm_head_loss(self, hidden: torch.Tensor, weight: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy ``[b, s]`` of the final hidden states ``[s, b, D]``.
 
-        With the ``lm_head`` kernel op, ``kernels.cross_entropy.linear_cross_entropy`` multiplies the bf16 hidden
-        states and weights with fp32 accumulation and output (the products of the fp32 head) chunk by chunk,
-        keeping only a per-token logsumexp: the [tokens, V] logits (4.3 GB per 4096 tokens at V = 262k) never
-        exist. ``lm_head_grad_in_forward`` computes the gradients during the forward (3 GEMMs, not 4).
+        With the ``lm_head`` kernel op, ``ops.lm_head``'s fused head and loss: the [tokens, V] logits never exist.
         """
-        if not self.fused_lm_head:
+        if self.fused_lm_head is None:
             return self.compute_language_model_loss(labels, self.lm_logits(hidden, weight))
-        from ..kernels.cross_entropy import linear_cross_entropy
-
         weight = weight if weight is not None else self.output_layer.weight
         seq, batch, width = hidden.shape
-        loss = linear_cross_entropy(hidden.reshape(seq * batch, width), weight.to(hidden.dtype),
-                                    labels.transpose(0, 1).reshape(-1),
-                                    grad_in_forward=self.config.lm_head_grad_in_forward)
+        loss = self.fused_lm_head(hidden.reshape(seq * batch, width), weight.to(hidden.dtype),
+                                  labels.transpose(0, 1).reshape(-1),
+                                  grad_in_forward=self.config.lm_head_grad_in_forward)
         return loss.view(seq, batch).transpose(0, 1).contiguous()

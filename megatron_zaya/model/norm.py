@@ -1,4 +1,4 @@
-"""RMSNorm and ZAYA1's residual scaling (docs/architecture.md §1-§2).
+"""RMSNorm and ZAYA1's residual scaling as modules (docs/architecture.md §1-§2); the math is ops/residual_norm.py.
 
 ``RMSNorm`` follows the reference numerics: statistics in fp32, the normalised value cast back to the input
 dtype, then scaled by the weight. Unlike Megatron's ``WrappedTorchNorm`` it supports sequence parallelism
@@ -8,24 +8,11 @@ with TP needs when neither Transformer Engine nor apex is installed.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from torch import nn
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * (x / rms(x))`` with the statistics in fp32; ``x`` [..., D]."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
-
-
-def residual_merge(hidden, residual, hidden_bias, hidden_scale, residual_bias, residual_scale,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """ZAYA1's residual merge ``(h + β_h) ⊙ α_h + (r + β_r) ⊙ α_r``, computed and returned in ``dtype``."""
-    h = (hidden.to(dtype) + hidden_bias.to(dtype)) * hidden_scale.to(dtype)
-    return h + (residual.to(dtype) + residual_bias.to(dtype)) * residual_scale.to(dtype)
+from ..ops import residual_norm
+from ..ops.residual_norm import rms_norm
 
 
 def residual_dtype(config) -> torch.dtype:
@@ -41,15 +28,30 @@ def _vector(config, value: float) -> nn.Parameter:
 
 
 class RMSNorm(nn.Module):
-    """Megatron ``LayerNormBuilder``-compatible RMSNorm: ``RMSNorm(config=, hidden_size=, eps=)``."""
+    """Megatron ``LayerNormBuilder``-compatible RMSNorm: ``RMSNorm(config=, hidden_size=, eps=)``.
+
+    Each norm of the residual stream is a call of this module (with the residual merge folded in where a
+    :class:`ResidualScaling` calls it), never a read of its weight from outside: hooks on a module run only when
+    it is called, and Megatron's DDP waits for ``--overlap-param-gather``'s all-gather of a weight in one.
+    """
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         self.weight.sequence_parallel = bool(config.sequence_parallel)
+        self.ops = residual_norm.choose(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, dtype: torch.dtype | None = None, merge: ResidualScaling | None = None,
+                hidden: torch.Tensor | None = None):
+        """``x`` normalised. With ``dtype``, ``x`` is the residual stream and a sublayer's input in ``dtype`` is
+        returned; with ``merge`` too, ``hidden`` (a sublayer's output) is first merged into the stream, in one
+        pass where the kernel is chosen: -> (the next sublayer's input, the new stream)."""
+        if merge is not None:
+            return self.ops.merge_and_norm(hidden, x, *merge.vectors, self.weight, self.eps, dtype,
+                                           merge.residual_dtype)
+        if dtype is not None:
+            return self.ops.norm(x, self.weight, self.eps, dtype)
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -68,15 +70,20 @@ class ResidualScaling(nn.Module):
         self.hidden_states_bias = _vector(config, 0.0)
         self.residual_scale = _vector(config, 1.0)
         self.residual_bias = _vector(config, 0.0)
-        self.merge = partial(residual_merge, dtype=self.residual_dtype)
-        if config.uses_kernel("residual") and self.residual_dtype == torch.float32:
-            from ..kernels.residual_rmsnorm import residual_merge as fused_merge  # one pass each way, in fp32
+        self.merge = residual_norm.choose(config).merge
 
-            self.merge = fused_merge
+    @property
+    def vectors(self) -> tuple[torch.Tensor, ...]:
+        """The merge's parameters in ``ops.residual_norm``'s order: β_h, α_h, β_r, α_r."""
+        return self.hidden_states_bias, self.hidden_states_scale, self.residual_bias, self.residual_scale
 
-    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.merge(hidden_states, residual, self.hidden_states_bias, self.hidden_states_scale,
-                          self.residual_bias, self.residual_scale)
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor, norm: RMSNorm | None = None,
+                dtype: torch.dtype | None = None):
+        """The new residual stream; with ``norm``, also the next sublayer's input in ``dtype``, merged and
+        normalised by one call of ``norm`` -> (input, stream)."""
+        if norm is not None:
+            return norm(residual, dtype, merge=self, hidden=hidden_states)
+        return self.merge(hidden_states, residual, *self.vectors, dtype=self.residual_dtype)
 
 
 class ResidualAdd(nn.Module):
@@ -86,8 +93,11 @@ class ResidualAdd(nn.Module):
         super().__init__()
         self.residual_dtype = residual_dtype(config)
 
-    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return hidden_states.to(self.residual_dtype) + residual.to(self.residual_dtype)
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor, norm: RMSNorm | None = None,
+                dtype: torch.dtype | None = None):
+        """As :meth:`ResidualScaling.forward`."""
+        residual = hidden_states.to(self.residual_dtype) + residual.to(self.residual_dtype)
+        return residual if norm is None else (norm(residual, dtype), residual)
 
 
 class InputScaling(nn.Module):

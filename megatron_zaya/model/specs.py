@@ -9,8 +9,8 @@ The layer is a ``TransformerLayer``-shaped spec whose slots hold ZAYA1's modules
     mlp                ZayaMoELayer(router=ZayaRouter, experts=ZayaExperts: Megatron's SequentialMLP of SwiGLU MLPs)
     mlp_bda            ResidualScaling
 
-Kernel choices are spec arguments: ``core_attention="sdpa"`` (torch, default) or ``"te"`` (Transformer
-Engine's fused attention, when importable).
+The core attention is ``ZayaConfig.core_attention``: ``"sdpa"`` (torch, default) or ``"te"`` (Transformer
+Engine's fused attention, when importable); the other ops choose their kernels themselves (``megatron_zaya/ops``).
 """
 
 from __future__ import annotations
@@ -35,22 +35,19 @@ from .norm import ResidualAdd, ResidualScaling, RMSNorm
 from .router import ZayaRouter
 
 
-def _core_attention(kind: str):
-    if kind == "sdpa":
+def _core_attention(config: ZayaConfig):
+    """The module of ``config.core_attention``."""
+    if config.core_attention == "sdpa":
         return SDPAttention
-    if kind == "te":
-        try:
-            from megatron.core.extensions.transformer_engine import TEDotProductAttention
-        except ImportError as error:  # pragma: no cover - depends on the platform
-            raise ValueError(f"core_attention='te' needs Transformer Engine ({error}); use 'sdpa'") from error
-        return TEDotProductAttention
-    raise ValueError(f"unknown core_attention {kind!r}; use 'sdpa' or 'te'")
+    try:
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    except ImportError as error:  # pragma: no cover - depends on the platform
+        raise ValueError(f"core_attention='te' needs Transformer Engine ({error}); use 'sdpa'") from error
+    return TEDotProductAttention
 
 
-def get_zaya1_layer_spec(config: ZayaConfig, core_attention: str = "sdpa") -> ModuleSpec:
+def get_zaya1_layer_spec(config: ZayaConfig) -> ModuleSpec:
     """The spec of one ZAYA1 layer (a CCA sublayer and an MoE sublayer)."""
-    if core_attention == "te" and "sliding" in config.attention_types:
-        raise ValueError("core_attention='te' does not handle ZAYA1's sliding layers here; use 'sdpa'")
     merge = ModuleSpec(module=ResidualScaling if config.residual_scaling else ResidualAdd, params={"config": config})
     experts = partial(ZayaExperts, submodules=LocalSpecProvider().grouped_mlp_modules(False).keywords["submodules"])
     return ModuleSpec(
@@ -60,7 +57,7 @@ def get_zaya1_layer_spec(config: ZayaConfig, core_attention: str = "sdpa") -> Mo
             self_attention=ModuleSpec(
                 module=CompressedConvAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
-                submodules=CCASubmodules(core_attention=_core_attention(core_attention)),
+                submodules=CCASubmodules(core_attention=_core_attention(config)),
             ),
             self_attn_bda=merge,
             pre_mlp_layernorm=RMSNorm,
@@ -70,20 +67,19 @@ def get_zaya1_layer_spec(config: ZayaConfig, core_attention: str = "sdpa") -> Mo
     )
 
 
-def get_zaya1_decoder_block_spec(config: ZayaConfig, vp_stage: int | None = None, pp_rank: int | None = None,
-                                 core_attention: str = "sdpa") -> TransformerBlockSubmodules:
+def get_zaya1_decoder_block_spec(config: ZayaConfig, vp_stage: int | None = None,
+                                 pp_rank: int | None = None) -> TransformerBlockSubmodules:
     """The layers of this pipeline stage (all ZAYA1 layers are alike) and the final RMSNorm."""
-    layer = get_zaya1_layer_spec(config, core_attention)
+    layer = get_zaya1_layer_spec(config)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=RMSNorm)
 
 
 def build_zaya_model(config: ZayaConfig, pre_process: bool = True, post_process: bool = True,
-                     vp_stage: int | None = None, pg_collection=None, parallel_output: bool = True,
-                     core_attention: str = "sdpa") -> ZayaModel:
+                     vp_stage: int | None = None, pg_collection=None, parallel_output: bool = True) -> ZayaModel:
     """Build a :class:`ZayaModel` for this rank's pipeline stage (parallel state must be initialised)."""
     pp_rank = pg_collection.pp.rank() if pg_collection is not None and hasattr(pg_collection, "pp") else None
-    spec = get_zaya1_decoder_block_spec(config, vp_stage=vp_stage, pp_rank=pp_rank, core_attention=core_attention)
+    spec = get_zaya1_decoder_block_spec(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return ZayaModel(config, spec, pre_process=pre_process, post_process=post_process,
                      parallel_output=parallel_output, pg_collection=pg_collection, vp_stage=vp_stage)
 

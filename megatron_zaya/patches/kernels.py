@@ -1,4 +1,5 @@
-"""Patch group ``kernels``: Triton kernels (megatron_zaya/kernels) swapped in for Megatron-Core defaults.
+"""Patch group ``kernels``: Triton kernels (megatron_zaya/kernels, through megatron_zaya/ops) swapped in for
+Megatron-Core defaults.
 
 One patch per kernel, each for CUDA and ROCm only (on CPU the defaults stay). Each replacement keeps the
 signature of what it replaces and hands anything it does not cover (fp8 activation store, label smoothing,
@@ -24,9 +25,9 @@ def _triton_bias_swiglu(original):
     def bias_swiglu_impl(input, bias, fp8_input_store=False, cpu_offload_input=False):
         if fp8_input_store or cpu_offload_input:
             return original(input, bias, fp8_input_store, cpu_offload_input)
-        from megatron_zaya.kernels.swiglu import swiglu
+        from megatron_zaya.ops.experts import fused_swiglu
 
-        return swiglu(input, bias=bias)
+        return fused_swiglu(input, bias=bias)
 
     return bias_swiglu_impl
 
@@ -36,9 +37,9 @@ def _triton_weighted_bias_swiglu(original):
     def weighted_bias_swiglu_impl(input, bias, weights, fp8_input_store=False):
         if fp8_input_store:
             return original(input, bias, weights, fp8_input_store)
-        from megatron_zaya.kernels.swiglu import swiglu
+        from megatron_zaya.ops.experts import fused_swiglu
 
-        return swiglu(input, weights, bias)
+        return fused_swiglu(input, weights, bias)
 
     return weighted_bias_swiglu_impl
 
@@ -79,9 +80,9 @@ def _tensor_parallel_size(tp_group) -> int:
 
 
 def _triton_loss(logits, target):
-    from megatron_zaya.kernels.cross_entropy import cross_entropy
+    from megatron_zaya.ops.lm_head import fused_cross_entropy
 
-    return cross_entropy(logits, target)
+    return fused_cross_entropy(logits, target)
 
 
 def _triton_vocab_parallel_cross_entropy(original):

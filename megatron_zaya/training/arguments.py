@@ -78,7 +78,6 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--zaya-patches", default=None,
                    help="patch hooks to apply: all | none | ids/groups, comma-separated (zaya-patches list)")
     add_flags(g, ZayaConfig, "zaya_")
-    g.add_argument("--zaya-core-attention", choices=("sdpa", "te"), default="sdpa")
     g.add_argument("--zaya-loss-plot", default=None, help="write the training-loss curve here (PNG)")
     g.add_argument("--zaya-memory-plan", type=int, nargs="?", const=-1, default=None, metavar="WORLD_SIZE",
                    help="print the per-GPU memory plan of this command for WORLD_SIZE GPUs (default: the launcher's "

@@ -17,7 +17,7 @@ from megatron.training import get_args, get_tokenizer, print_rank_0
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
 from ..config import architecture
-from ..kernels.cross_entropy import IGNORE_INDEX
+from ..ops.lm_head import IGNORE_INDEX
 from ..model import build_zaya_model
 from .arguments import zaya_config_from_args
 from .balancing import finalize_model_grads_with_balancing
@@ -36,7 +36,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     args.zaya_tokenizer = tokenizer_identity(get_tokenizer(), args)  # saved too; a resume checks it
     zaya.finalize_model_grads_func = finalize_model_grads_with_balancing
     return build_zaya_model(zaya, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                            pg_collection=pg_collection, core_attention=args.zaya_core_attention)
+                            pg_collection=pg_collection)
 
 
 def get_batch(data_iterator, vp_stage=None):

@@ -102,7 +102,7 @@ def live_balancing_state(model, tokens: torch.Tensor) -> None:
     """Make the reference's balancing state non-trivial: biases ``-mean(p)`` over the batch put every class,
     the skip class too, on an equal footing, so each gets tokens (set layer by layer, since each layer's biases
     change what the next one sees); Adam moments mid-run make the bias step depend on the shares' sizes."""
-    from megatron_zaya.model.router import route_head, route_top1
+    from megatron_zaya.ops.router import route_head, route_top1
 
     routers = [layer.mlp.router for layer in model.decoder.layers]
     heads, logits = [router.route_head for router in routers], []

@@ -10,8 +10,11 @@ import functools
 import pytest
 import torch
 
+import cca_kernel_arguments
+from triton_interpreter import assert_matches_oracle
+
+from megatron_zaya import ops
 from megatron_zaya.kernels import cca, cross_entropy, grouped_gemm, residual_rmsnorm, router, swiglu
-from megatron_zaya.kernels.testing import assert_matches_oracle
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 
@@ -47,7 +50,7 @@ def _compare(names, kernel_fn, reference_fn, tensors, grads, *args, **kwargs):
 def test_rms_norm():
     gen = torch.Generator("cuda").manual_seed(0)
     x, weight = _randn(TOKENS, HIDDEN, gen=gen), 1 + _randn(HIDDEN, scale=0.2, gen=gen)
-    _compare(["out", "d_x", "d_weight"], residual_rmsnorm.rms_norm, residual_rmsnorm.rms_norm_reference,
+    _compare(["out", "d_x", "d_weight"], residual_rmsnorm.rms_norm, ops.residual_norm.rms_norm,
              [x, weight], [_randn(TOKENS, HIDDEN, gen=gen)], 1e-5)  # fmt: skip
 
 
@@ -60,7 +63,7 @@ def test_residual_rms_norm():
     grads = [_randn(SEQ, BATCH, HIDDEN, gen=gen), _randn(SEQ, BATCH, HIDDEN, dtype=torch.float32, gen=gen)]
     names = ["normed", "new_residual", "d_hidden", "d_residual", "d_hidden_bias", "d_hidden_scale",
              "d_residual_bias", "d_residual_scale", "d_weight"]  # fmt: skip
-    _compare(names, residual_rmsnorm.residual_rms_norm, residual_rmsnorm.residual_rms_norm_reference,
+    _compare(names, residual_rmsnorm.residual_rms_norm, ops.residual_norm.residual_rms_norm,
              tensors, grads, 1e-5)  # fmt: skip
 
 
@@ -70,7 +73,7 @@ def test_swiglu(weighted):
     tensors = [_randn(TOKENS, 2 * FFN, scale=2, gen=gen)]
     if weighted:
         tensors.append(torch.rand(TOKENS, 1, generator=gen, device="cuda"))
-    _compare(["out", "d_x", "d_weights"], swiglu.swiglu, swiglu.swiglu_reference, tensors,
+    _compare(["out", "d_x", "d_weights"], swiglu.swiglu, ops.experts.swiglu, tensors,
              [_randn(TOKENS, FFN, gen=gen)])  # fmt: skip
 
 
@@ -78,7 +81,7 @@ def test_router_projection():
     gen = torch.Generator("cuda").manual_seed(8)
     x, weight, bias = _randn(TOKENS, HIDDEN, gen=gen), _randn(256, HIDDEN, scale=0.02, gen=gen), _randn(256, gen=gen)
     grad = torch.randn(TOKENS, 256, device="cuda", generator=gen)
-    _compare(["out", "d_x", "d_weight", "d_bias"], router.router_projection, router.router_projection_reference,
+    _compare(["out", "d_x", "d_weight", "d_bias"], router.router_projection, ops.router.router_projection,
              [x, weight, bias], [grad])
 
 
@@ -88,12 +91,12 @@ def test_residual_norm_and_merge():
     weight = 1 + _randn(HIDDEN, scale=0.3, gen=gen)
     grad = torch.randn(TOKENS, HIDDEN, device="cuda", generator=gen)
     _compare(["out", "d_residual", "d_weight"], residual_rmsnorm.residual_norm,
-             residual_rmsnorm.residual_norm_reference, [residual, weight], [grad], 1e-5)
+             ops.residual_norm.residual_norm, [residual, weight], [grad], 1e-5)
     hidden = _randn(TOKENS, HIDDEN, gen=gen)
     vectors = [_randn(HIDDEN, scale=0.1, gen=gen), 1 + _randn(HIDDEN, scale=0.3, dtype=torch.float32, gen=gen),
                _randn(HIDDEN, scale=0.1, gen=gen), 1 + _randn(HIDDEN, scale=0.3, gen=gen)]
     _compare(["new_residual", "d_hidden", "d_residual", "d_hidden_bias", "d_hidden_scale", "d_residual_bias",
-              "d_residual_scale"], residual_rmsnorm.residual_merge, residual_rmsnorm.residual_merge_reference,
+              "d_residual_scale"], residual_rmsnorm.residual_merge, ops.residual_norm.residual_merge,
              [hidden, residual, *vectors], [grad])
 
 
@@ -118,8 +121,8 @@ def test_route_top1():
         return probs[clear].detach(), routing_map[clear], skip_gate[clear].detach(), counts, d_logits
 
     kernel = outputs_and_grads(router.route_top1)
-    reference = outputs_and_grads(router.route_top1_reference)
-    oracle = outputs_and_grads(router.route_top1_reference, dtype=torch.float64)
+    reference = outputs_and_grads(ops.router.route_top1)
+    oracle = outputs_and_grads(ops.router.route_top1, dtype=torch.float64)
     assert torch.equal(kernel[1], oracle[1]) and int(kernel[3].sum()) == TOKENS
     for i, name in ((0, "probs"), (2, "skip_gate"), (4, "d_logits")):
         assert kernel[i].dtype == reference[i].dtype, f"{name}: {kernel[i].dtype} != {reference[i].dtype}"
@@ -147,10 +150,10 @@ def test_route_head(precision, monkeypatch):
 
     def capture(scores, *args):
         logits.append(scores.detach())
-        return router.route_top1_reference(scores, *args)
+        return ops.router.route_top1(scores, *args)
 
     args = [t.double() for t in tensors] + [biases, 1e-5, EXPERTS]
-    router.route_head_reference(*args, route_top1=capture)
+    ops.router.route_head(*args, route_top1=capture)
     top2 = (logits[0].softmax(-1) + biases).topk(2, dim=-1).values
     clear = top2[:, 0] - top2[:, 1] > 1e-4
     assert clear.float().mean() > 0.99
@@ -164,8 +167,8 @@ def test_route_head(precision, monkeypatch):
         return [probs[clear], routing_map[clear], state, skip_gate[clear], counts, *in_grads]
 
     kernel = outputs_and_grads(router.route_head)
-    reference = outputs_and_grads(router.route_head_reference)
-    oracle = outputs_and_grads(router.route_head_reference, dtype=torch.float64)
+    reference = outputs_and_grads(ops.router.route_head)
+    oracle = outputs_and_grads(ops.router.route_head, dtype=torch.float64)
     assert torch.equal(kernel[1], oracle[1]) and int(kernel[4].sum()) == TOKENS
     names = ["probs", "map", "state", "skip_gate", "counts", "d_u", "d_state_in", "d_eda_scale", "d_norm_weight",
              "d_fc1_weight", "d_fc1_bias", "d_fc2_weight", "d_fc2_bias", "d_out_weight"]  # fmt: skip
@@ -180,7 +183,7 @@ def test_cross_entropy():
     tokens = 2048
     logits = _randn(tokens, VOCAB, scale=3, gen=gen)
     labels = torch.randint(0, VOCAB, (tokens,), generator=gen, device="cuda")
-    _compare(["loss", "d_logits"], cross_entropy.cross_entropy, cross_entropy.cross_entropy_reference, [logits],
+    _compare(["loss", "d_logits"], cross_entropy.cross_entropy, ops.lm_head.cross_entropy, [logits],
              [torch.rand(tokens, generator=gen, device="cuda")], labels)  # fmt: skip
 
 
@@ -194,7 +197,7 @@ def test_linear_cross_entropy(grad_kind):
     grad = (torch.rand(tokens, generator=gen, device="cuda") if grad_kind == "per_token"
             else torch.full((tokens,), 1 / tokens, device="cuda"))
     four_token_chunks = functools.partial(cross_entropy.linear_cross_entropy, token_chunk=512)
-    _compare(["loss", "d_hidden", "d_weight"], four_token_chunks, cross_entropy.linear_cross_entropy_reference,
+    _compare(["loss", "d_hidden", "d_weight"], four_token_chunks, ops.lm_head.linear_cross_entropy,
              [hidden, weight], [grad], labels)  # fmt: skip
 
 
@@ -213,7 +216,8 @@ def test_cca_qk():
     grads = [_randn(SEQ, BATCH, N_Q, HEAD_DIM, gen=gen), _randn(SEQ, BATCH, N_KV, HEAD_DIM, gen=gen)]
     names = ["q", "k", "d_q0", "d_k0", "d_wq1", "d_bq1", "d_wk1", "d_bk1", "d_wq2", "d_bq2", "d_wk2", "d_bk2",
              "d_temp"]  # fmt: skip
-    _compare(names, cca.cca_qk, cca.cca_qk_reference, tensors, grads, angles.cos().to(BF16), angles.sin().to(BF16))
+    # the model's reference computes in fp32 and rounds q and k once, to the attention's dtype
+    _compare(names, cca_kernel_arguments.kernel(cca), cca_kernel_arguments.reference, tensors, grads, angles[:, None])
 
 
 @pytest.mark.parametrize("chunks", [1, 2])
@@ -231,7 +235,7 @@ def test_cca_convolutions(chunks):
         return lambda x, w1, b1, w2, b2, *history: fn(x, w1, b1, w2, b2, N_Q, *history)
 
     names = ["out", "d_x", "d_w1", "d_b1", "d_w2", "d_b2", "d_history"]
-    _compare(names, bind(cca.causal_qk_convs_fused), bind(cca.causal_qk_convs), tensors,
+    _compare(names, bind(cca.causal_qk_convs_fused), bind(ops.cca.causal_convs), tensors,
              [_randn(SEQ, BATCH, q_ch, gen=gen)])  # fmt: skip
 
 
@@ -242,7 +246,7 @@ def test_grouped_gemm():
     counts[1] += counts[0]
     counts[0] = 0  # an idle expert
     x, weight = _randn(TOKENS, HIDDEN, gen=gen), _randn(EXPERTS, 2 * FFN, HIDDEN, scale=0.02, gen=gen)
-    _compare(["out", "d_x", "d_weight"], grouped_gemm.grouped_gemm, grouped_gemm.grouped_gemm_reference,
+    _compare(["out", "d_x", "d_weight"], grouped_gemm.grouped_gemm, ops.experts.grouped_gemm,
              [x, weight], [_randn(TOKENS, 2 * FFN, gen=gen)], counts.cpu())  # fmt: skip
 
 
@@ -262,7 +266,7 @@ def test_grouped_gemm_separate_expert_weights():
 
     def reference(x, *weights_and_counts):
         *weights, counts = weights_and_counts
-        return grouped_gemm.grouped_gemm_reference(x, torch.stack(weights), counts, padded_rows=True)
+        return ops.experts.grouped_gemm(x, torch.stack(weights), counts, padded_rows=True)
 
     names = ["out", "d_x", *(f"d_weight[{e}]" for e in range(EXPERTS))]
     _compare(names, kernel, reference, [x, *weights], [_randn(TOKENS, 2 * FFN, gen=gen)], counts.cpu())

@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from triton_interpreter import assert_matches_oracle
 
 from megatron_zaya.kernels.newton_schulz import (
     QUINTIC_COEFFICIENTS,
@@ -22,7 +23,6 @@ from megatron_zaya.kernels.newton_schulz import (
     newton_schulz_reference,
     newton_schulz_triton,
 )
-from megatron_zaya.kernels.testing import assert_matches_oracle
 from megatron_zaya.optim import MatrixLayout, MuonConfig, ZayaMuon
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")

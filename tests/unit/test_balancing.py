@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_zaya.config import zaya_config
-from megatron_zaya.model.norm import rms_norm
+from megatron_zaya.ops.residual_norm import rms_norm
 from megatron_zaya.pretrained import build_single_process_model
 from megatron_zaya.training.balancing import step_balancing
 
@@ -102,7 +102,7 @@ def test_balancing_spreads_a_collapsed_router():
         hook.remove()
         # The router MLP's last hidden features for these tokens (its math, spec §4.3).
         h = rms_norm(states[0], router.norm_weight, cfg.layernorm_epsilon)
-        h = F.gelu(F.gelu(router.fc1(h)) @ router.fc2.weight.T + router.fc2.bias)
+        h = F.gelu(F.gelu(F.linear(h, router.fc1.weight, router.fc1.bias)) @ router.fc2.weight.T + router.fc2.bias)
         mean = h.reshape(-1, cfg.router_hidden_size).mean(0)
         with torch.no_grad():
             router.out_proj.weight[0] += 4.0 * mean / mean.pow(2).sum()

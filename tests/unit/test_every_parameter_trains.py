@@ -1,6 +1,7 @@
 """Every trainable parameter gets a gradient from one backward pass: Megatron's overlapped gradient reduction
 (``--overlap-grad-reduce``) waits for each one before it reduces a bucket, and hangs or asserts otherwise."""
 
+import pytest
 import torch
 
 from megatron_zaya.config import zaya_config
@@ -15,3 +16,20 @@ def test_one_backward_reaches_every_parameter():
     assert not missing, missing
     # The first layer's EDA scale has no incoming router state: its gradient exists and is exactly zero.
     assert torch.equal(model.decoder.layers[0].mlp.router.eda_scale.grad, torch.zeros(32))
+
+
+@pytest.mark.parametrize("kernels", ["none", "all"])
+def test_the_forward_calls_the_module_of_every_parameter(kernels):
+    """Megatron's DDP waits for ``--overlap-param-gather``'s all-gather of a weight in a forward pre-hook of the
+    module that holds it, which runs only when that module is called: a module whose weights the forward reads
+    without calling it (a norm fused into its neighbour's kernel) would be read before its weights arrive."""
+    config = zaya_config("test", use_cpu_initialization=True, params_dtype=torch.float32, kernels=kernels)
+    model = build_single_process_model(config)
+    called = set()
+    for module in model.modules():
+        module.register_forward_pre_hook(lambda module, args: called.add(module))
+    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
+    model(tokens[:, :-1], labels=tokens[:, 1:])
+    unwaited = [f"{name}.{param_name}" for name, module in model.named_modules() if module not in called
+                for param_name, _ in module.named_parameters(recurse=False)]
+    assert not unwaited, unwaited

@@ -1,12 +1,17 @@
-"""CCA q/k epilogue Triton kernels (CPU interpreter) against float64 torch and transformers' ZayaCCAProjection."""
+"""CCA q/k Triton kernels (CPU interpreter) against the model's q/k (ops/cca.py) in float64, and that reference
+against transformers' ZayaCCAProjection."""
 
 import pytest
 import torch
+from cca_kernel_arguments import reference
+from cca_kernel_arguments import kernel as with_angles
+from triton_interpreter import assert_matches_oracle, load_kernel_module
 
-from megatron_zaya.kernels.testing import assert_matches_oracle, load_kernel_module
-from megatron_zaya.model.cca import delay_channels
+from megatron_zaya.ops import cca as ops
+from megatron_zaya.ops.cca import delay_channels
 
 kernels = load_kernel_module("megatron_zaya.kernels.cca")
+kernel = with_angles(kernels)
 SEQ, BATCH, N_Q, N_KV, HEAD_DIM, ROT, T0, T1 = 6, 2, 4, 2, 16, 8, 2, 2
 
 
@@ -21,15 +26,12 @@ def _inputs(dtype, rope_per_batch, gen):
                randn(k_ch, HEAD_DIM, T1, scale=0.2), randn(k_ch, scale=0.1),
                (1 + 0.5 * torch.randn(N_KV, generator=gen)).to(dtype)]  # fmt: skip
     angles = torch.rand(SEQ, BATCH if rope_per_batch else 1, ROT // 2, generator=gen) * 6
-    angles = torch.cat([angles, angles], dim=-1)  # NeoX layout
-    if not rope_per_batch:
-        angles = angles[:, 0]
-    return tensors, angles.cos(), angles.sin()
+    return tensors, torch.cat([angles, angles], dim=-1)  # NeoX layout
 
 
-def _run(fn, tensors, cos, sin, grads, dtype=None):
+def _run(fn, tensors, angles, grads, dtype=None):
     leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in tensors]
-    q, k = fn(*leaves, cos.to(dtype or cos.dtype), sin.to(dtype or sin.dtype))
+    q, k = fn(*leaves, angles)
     return [q, k, *torch.autograd.grad([q, k], leaves, [g.to(q.dtype) for g in grads])]
 
 
@@ -39,14 +41,14 @@ NAMES = ["q", "k", "d_q0", "d_k0", "d_wq1", "d_bq1", "d_wk1", "d_bk1", "d_wq2", 
 @pytest.mark.parametrize("dtype,rope_per_batch", [(torch.float32, False), (torch.float16, True)])
 def test_cca_qk_forward_backward(dtype, rope_per_batch):
     gen = torch.Generator().manual_seed(0)
-    tensors, cos, sin = _inputs(dtype, rope_per_batch, gen)
+    tensors, angles = _inputs(dtype, rope_per_batch, gen)
     grads = [torch.randn(SEQ, BATCH, heads, HEAD_DIM, generator=gen) for heads in (N_Q, N_KV)]
 
-    kernel = _run(kernels.cca_qk, tensors, cos, sin, grads)
-    reference = _run(kernels.cca_qk_reference, tensors, cos, sin, grads)
-    oracle = _run(kernels.cca_qk_reference, tensors, cos, sin, grads, dtype=torch.float64)
-    assert kernel[0].shape == (SEQ, BATCH, N_Q, HEAD_DIM) and kernel[0].dtype == dtype
-    for name, k, r, o in zip(NAMES, kernel, reference, oracle):
+    ours = _run(kernel, tensors, angles, grads)
+    model = _run(reference, tensors, angles, grads)
+    oracle = _run(reference, tensors, angles, grads, dtype=torch.float64)
+    assert ours[0].shape == (SEQ, BATCH, N_Q, HEAD_DIM) and ours[0].dtype == dtype
+    for name, k, r, o in zip(NAMES, ours, model, oracle):
         assert k.dtype == r.dtype, name
         assert_matches_oracle(name, k, o, r)
 
@@ -73,11 +75,11 @@ def test_reference_matches_transformers_cca_projection_and_qk_norm():
     q_ch = N_Q * HEAD_DIM
     dw, gw = projection.conv_qk_depthwise, projection.conv_qk_grouped
     sbd = hidden.transpose(0, 1)  # Megatron's [S, B, D]
-    q, k = kernels.cca_qk_reference(
+    q, k = reference(
         projection.q_proj(sbd), projection.k_proj(sbd),
         dw.weight[:q_ch, 0], dw.bias[:q_ch], dw.weight[q_ch:, 0], dw.bias[q_ch:],
         gw.weight[:q_ch], gw.bias[:q_ch], gw.weight[q_ch:], gw.bias[q_ch:],
-        qk_norm.temp, cos.transpose(0, 1), sin.transpose(0, 1),
+        qk_norm.temp, torch.cat([angles, angles], -1).transpose(0, 1),
     )  # fmt: skip
     torch.testing.assert_close(q, q_hf.permute(2, 0, 1, 3))
     torch.testing.assert_close(k, k_hf.permute(2, 0, 1, 3))
@@ -98,27 +100,26 @@ def test_value_time_delay_shifts_the_second_half_by_one_token():
 
 def test_bad_shapes_raise_clear_errors():
     gen = torch.Generator().manual_seed(0)
-    tensors, cos, sin = _inputs(torch.float32, False, gen)
+    tensors, angles = _inputs(torch.float32, False, gen)
     with pytest.raises(ValueError, match="k0 width"):
-        kernels.cca_qk(tensors[0], tensors[1][..., :-1], *tensors[2:], cos, sin)
+        kernel(tensors[0], tensors[1][..., :-1], *tensors[2:], angles)
     with pytest.raises(ValueError, match="even rot"):
-        kernels.cca_qk(*tensors, cos[..., :-1], sin[..., :-1])
+        kernel(*tensors, angles[..., :-1])
 
 
-@pytest.mark.parametrize("fn", ["cca_qk", "cca_qk_reference"])
+@pytest.mark.parametrize("fn", [kernel, reference], ids=["kernel", "reference"])
 def test_chunks_with_history_equal_the_whole_sequence(fn):
     """Context parallelism: two chunks, each given the pre-conv q0‖k0 rows before it, give the whole sequence's
     q and k (the first chunk is preceded by zeros, as the sequence is)."""
     gen = torch.Generator().manual_seed(2)
-    tensors, cos, sin = _inputs(torch.float32, False, gen)
-    whole = getattr(kernels, fn)(*tensors, cos, sin)
+    tensors, angles = _inputs(torch.float32, False, gen)
+    whole = fn(*tensors, angles)
     halo, half = (T0 - 1) + (T1 - 1), SEQ // 2
     packed = torch.cat(tensors[:2], dim=-1)  # [S, B, q‖k]
     history = torch.stack([torch.zeros_like(packed[:halo]), packed[half - halo: half]])
     # Each chunk's rows in a [n·L] layout whose two chunks are swapped: chunk order comes from the history.
     swapped = [torch.cat([t[half:], t[:half]]) for t in tensors[:2]]
-    chunked = getattr(kernels, fn)(*swapped, *tensors[2:], torch.cat([cos[half:], cos[:half]]),
-                                   torch.cat([sin[half:], sin[:half]]), history.flip(0))
+    chunked = fn(*swapped, *tensors[2:], torch.cat([angles[half:], angles[:half]]), history.flip(0))
     for got, want in zip(chunked, whole, strict=True):
         torch.testing.assert_close(torch.cat([got[half:], got[:half]]), want, rtol=1e-5, atol=1e-5)
 
@@ -148,7 +149,7 @@ def test_convolution_kernels_equal_conv1d(taps, with_history):
 
     fp32 = [t.detach().float().requires_grad_() for t in args]
     kernel = run(kernels.causal_qk_convs_fused, fp32)
-    oracle = run(kernels.causal_qk_convs, args)
+    oracle = run(ops.causal_convs, args)
     for name, ours, want in zip(names, kernel, oracle):
         assert ours.dtype == torch.float32, name
         assert_matches_oracle(name, ours, want)
@@ -175,9 +176,9 @@ def test_convolutions_with_documents_equal_each_document_alone(taps):
                torch.randn(heads * d, generator=gen, dtype=torch.float64),
                torch.randn(heads * d, d, t1, generator=gen, dtype=torch.float64),
                torch.randn(heads * d, generator=gen, dtype=torch.float64)]  # fmt: skip
-    packed = kernels.causal_qk_convs(x, *weights, heads, document_offsets=_document_offsets(DOCUMENTS))
+    packed = ops.causal_convs(x, *weights, heads, document_offsets=_document_offsets(DOCUMENTS))
     for b, lengths in enumerate(DOCUMENTS):
-        alone = [kernels.causal_qk_convs(piece, *weights, heads) for piece in x[:, b:b + 1].split(lengths)]
+        alone = [ops.causal_convs(piece, *weights, heads) for piece in x[:, b:b + 1].split(lengths)]
         torch.testing.assert_close(packed[:, b:b + 1], torch.cat(alone), rtol=1e-12, atol=1e-12)
 
 
@@ -207,6 +208,6 @@ def test_convolution_kernels_with_documents_equal_the_reference(taps, with_histo
 
     fp32 = [None if t is None else t.detach().float().requires_grad_() for t in args]
     kernel = run(kernels.causal_qk_convs_fused, fp32)
-    oracle = run(kernels.causal_qk_convs, args)
+    oracle = run(ops.causal_convs, args)
     for name, ours, want in zip(names, kernel, oracle):
         assert_matches_oracle(name, ours, want)

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from megatron_zaya.kernels.testing import assert_matches_oracle, load_kernel_module
+from triton_interpreter import assert_matches_oracle, load_kernel_module
+
+from megatron_zaya.ops import lm_head as ops
 
 kernels = load_kernel_module("megatron_zaya.kernels.cross_entropy")
 VOCAB = 300
@@ -34,8 +36,8 @@ def test_cross_entropy_forward_backward(dtype):
     grad_loss = torch.rand(5, 3, generator=gen)
 
     kernel = _loss_and_grads(kernels.cross_entropy, [logits], labels, grad_loss)
-    reference = _loss_and_grads(kernels.cross_entropy_reference, [logits], labels, grad_loss)
-    oracle = _loss_and_grads(kernels.cross_entropy_reference, [logits], labels, grad_loss, torch.float64)
+    reference = _loss_and_grads(ops.cross_entropy, [logits], labels, grad_loss)
+    oracle = _loss_and_grads(ops.cross_entropy, [logits], labels, grad_loss, torch.float64)
     assert kernel[0].dtype == torch.float32 and kernel[1].dtype == dtype
     assert (kernel[0][labels == kernels.IGNORE_INDEX] == 0).all()
     for name, k, r, o in zip(["loss", "d_logits"], kernel, reference, oracle):
@@ -58,8 +60,8 @@ def test_linear_cross_entropy_forward_backward(dtype, chunks, grad_in_forward, g
     kernel = _loss_and_grads(kernels.linear_cross_entropy, [hidden, weight], labels, grad_loss,
                              token_chunk=token_chunk, vocab_chunk=vocab_chunk,
                              grad_in_forward=grad_in_forward)  # fmt: skip
-    reference = _loss_and_grads(kernels.linear_cross_entropy_reference, [hidden, weight], labels, grad_loss)
-    oracle = _loss_and_grads(kernels.linear_cross_entropy_reference, [hidden, weight], labels, grad_loss, torch.float64)
+    reference = _loss_and_grads(ops.linear_cross_entropy, [hidden, weight], labels, grad_loss)
+    oracle = _loss_and_grads(ops.linear_cross_entropy, [hidden, weight], labels, grad_loss, torch.float64)
     assert kernel[0].dtype == torch.float32 and kernel[1].dtype == kernel[2].dtype == dtype
     for name, k, r, o in zip(["loss", "d_hidden", "d_weight"], kernel, reference, oracle):
         assert_matches_oracle(name, k, o, r)
@@ -84,8 +86,8 @@ def test_a_loss_mask_given_as_ignored_labels_keeps_the_gradients_of_the_forward(
         return [loss, *torch.autograd.grad(loss, leaves)]
 
     kernel = megatron_loss(kernels.linear_cross_entropy, torch.float32, ignored)
-    reference = megatron_loss(kernels.linear_cross_entropy_reference, torch.float32, labels)
-    oracle = megatron_loss(kernels.linear_cross_entropy_reference, torch.float64, labels)
+    reference = megatron_loss(ops.linear_cross_entropy, torch.float32, labels)
+    oracle = megatron_loss(ops.linear_cross_entropy, torch.float64, labels)
     for name, k, r, o in zip(["loss", "d_hidden", "d_weight"], kernel, reference, oracle):
         assert_matches_oracle(name, k, o, r)
 

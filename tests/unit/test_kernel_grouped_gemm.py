@@ -1,6 +1,6 @@
 """Grouped expert GEMM Triton kernels (CPU interpreter) against float64 torch.
 
-The interpreter cannot multiply bfloat16 (see megatron_zaya/kernels/testing.py), so fp32 and fp16 here;
+The interpreter cannot multiply bfloat16 (see tests/triton_interpreter.py), so fp32 and fp16 here;
 bf16 runs in tests/gpu/test_kernels_gpu.py. The interpreter's launch settings (``GEMM_TUNING["cpu"]``) are 16-wide
 tiles: several tiles per expert, ragged edges, several contraction steps.
 """
@@ -8,7 +8,9 @@ tiles: several tiles per expert, ragged edges, several contraction steps.
 import pytest
 import torch
 
-from megatron_zaya.kernels.testing import assert_matches_oracle, load_kernel_module
+from triton_interpreter import assert_matches_oracle, load_kernel_module
+
+from megatron_zaya.ops import experts as ops
 
 kernels = load_kernel_module("megatron_zaya.kernels.grouped_gemm")
 
@@ -29,8 +31,8 @@ def test_grouped_gemm_forward_backward(dtype):
     grad = torch.randn(rows, m_dim, generator=gen)
 
     kernel = _run(kernels.grouped_gemm, x, weight, counts, grad)
-    reference = _run(kernels.grouped_gemm_reference, x, weight, counts, grad)
-    oracle = _run(kernels.grouped_gemm_reference, x, weight, counts, grad, torch.float64)
+    reference = _run(ops.grouped_gemm, x, weight, counts, grad)
+    oracle = _run(ops.grouped_gemm, x, weight, counts, grad, torch.float64)
     assert kernel[0].dtype == kernel[1].dtype == kernel[2].dtype == dtype
     assert (kernel[2][1] == 0).all()  # the idle expert gets a zero gradient
     for name, k, r, o in zip(["out", "d_x", "d_weight"], kernel, reference, oracle):
@@ -47,7 +49,7 @@ def test_padded_rows_are_left_out_with_zero_outputs_and_gradients():
     grad = torch.randn(rows, m_dim, generator=gen)
 
     kernel = _run(kernels.grouped_gemm, x, weight, counts, grad, padded_rows=True)
-    oracle = _run(kernels.grouped_gemm_reference, x[:37], weight, counts, grad[:37], torch.float64)
+    oracle = _run(ops.grouped_gemm, x[:37], weight, counts, grad[:37], torch.float64)
     assert (kernel[0][37:] == 0).all() and (kernel[1][37:] == 0).all()
     for name, k, o in zip(["out", "d_x", "d_weight"], kernel, oracle):
         assert_matches_oracle(name, k[:37] if name != "d_weight" else k, o)
@@ -86,7 +88,7 @@ def test_separate_expert_weights_are_read_in_place(padded_rows):
     out = kernels.grouped_gemm(x, weights, counts, padded_rows=padded_rows)
     got = [out, *torch.autograd.grad(out, [x, *weights], grad)]
     stacked = torch.stack([w.detach() for w in weights])
-    oracle = _run(kernels.grouped_gemm_reference, x, stacked, counts, grad, torch.float64, padded_rows=padded_rows)
+    oracle = _run(ops.grouped_gemm, x, stacked, counts, grad, torch.float64, padded_rows=padded_rows)
     assert_matches_oracle("out", got[0], oracle[0])
     assert_matches_oracle("d_x", got[1], oracle[1])
     for e, grad_e in enumerate(got[2:]):
@@ -104,7 +106,7 @@ def test_gemms_sharing_one_counts_tensor_each_get_their_own_rows():
         x = torch.randn(37 + tail, 40, generator=gen)
         grad = torch.randn(37 + tail, 24, generator=gen)
         got = _run(kernels.grouped_gemm, x, weight, counts, grad, padded_rows=padded_rows)
-        oracle = _run(kernels.grouped_gemm_reference, x, weight, counts, grad, torch.float64, padded_rows=padded_rows)
+        oracle = _run(ops.grouped_gemm, x, weight, counts, grad, torch.float64, padded_rows=padded_rows)
         for name, g, o in zip(["out", "d_x", "d_weight"], got, oracle):
             assert_matches_oracle(f"{name} (tail {tail})", g, o)
 
@@ -134,7 +136,7 @@ def test_weight_gradients_accumulate_into_megatron_main_grad(enabled, gap, monke
     out = kernels.grouped_gemm(x, weights, counts)
     got = torch.autograd.grad(out, weights, grad)
     stacked = torch.stack([w.detach() for w in weights])
-    oracle = _run(kernels.grouped_gemm_reference, x, stacked, counts, grad, torch.float64)[2]
+    oracle = _run(ops.grouped_gemm, x, stacked, counts, grad, torch.float64)[2]
     for e, weight in enumerate(weights):
         assert weight.grad_added_to_main_grad == enabled
         if enabled:

@@ -35,7 +35,7 @@ def test_benchmark_gpt_entry_builds_triton_rmsnorm_in_local_specs(monkeypatch):
     from megatron.core.models import backends
     from megatron.core.models.gpt import gpt_layer_specs
 
-    from megatron_zaya.kernels.residual_rmsnorm import TritonRMSNorm
+    from megatron_zaya.ops.residual_norm import TritonRMSNorm
 
     for module, name in [(backends, "WrappedTorchNorm"), (backends, "LNImpl"), (gpt_layer_specs, "LNImpl")]:
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
@@ -55,7 +55,7 @@ def test_swiglu_patch_routes_megatron_calls_to_the_kernel(monkeypatch):
     from megatron.core.transformer import mlp
     from megatron.core.transformer.moe import experts, shared_experts
 
-    from megatron_zaya.kernels.swiglu import swiglu_reference
+    from megatron_zaya.ops.experts import swiglu as swiglu_reference
 
     originals = []
 
@@ -83,7 +83,7 @@ def test_cross_entropy_patch_takes_the_tp1_loss_and_leaves_the_rest_to_megatron(
     from megatron.core import tensor_parallel
     from megatron.core.models.common.language_module import language_module
 
-    from megatron_zaya.kernels.cross_entropy import cross_entropy_reference
+    from megatron_zaya.ops.lm_head import cross_entropy as cross_entropy_reference
 
     calls = []
     monkeypatch.setattr(tensor_parallel, "vocab_parallel_cross_entropy", lambda *a: calls.append(a) or "megatron")

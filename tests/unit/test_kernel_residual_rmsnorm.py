@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from megatron_zaya.kernels.testing import assert_matches_oracle, load_kernel_module
+from triton_interpreter import assert_matches_oracle, install, load_kernel_module
+
+from megatron_zaya.ops import residual_norm as ops
 
 kernels = load_kernel_module("megatron_zaya.kernels.residual_rmsnorm")
 EPS = 1e-5
@@ -29,8 +31,8 @@ def test_rms_norm_forward_backward(dtype, shape):
     runs = {}
     for name, fn, cast in [
         ("kernel", kernels.rms_norm, None),
-        ("reference", kernels.rms_norm_reference, None),
-        ("oracle", kernels.rms_norm_reference, torch.float64),
+        ("reference", ops.rms_norm, None),
+        ("oracle", ops.rms_norm, torch.float64),
     ]:
         inputs = _leaves(x, weight, dtype=cast)
         out = fn(*inputs, EPS)
@@ -61,8 +63,8 @@ def test_residual_rms_norm_forward_backward(hidden_dtype):
     runs = {}
     for name, fn, cast in [
         ("kernel", kernels.residual_rms_norm, None),
-        ("reference", kernels.residual_rms_norm_reference, None),
-        ("oracle", kernels.residual_rms_norm_reference, torch.float64),
+        ("reference", ops.residual_rms_norm, None),
+        ("oracle", ops.residual_rms_norm, torch.float64),
     ]:
         inputs = _leaves(hidden, residual, *vectors, dtype=cast)
         normed, new_residual = fn(*inputs, EPS)
@@ -89,8 +91,8 @@ def test_residual_norm_rounds_the_fp32_stream_to_the_weight_dtype(weight_dtype):
     runs = {}
     for name, fn, cast in [
         ("kernel", kernels.residual_norm, None),
-        ("reference", kernels.residual_norm_reference, None),
-        ("oracle", lambda r, w, eps: kernels.rms_norm_reference(r.to(weight_dtype).double(), w, eps), torch.float64),
+        ("reference", ops.residual_norm, None),
+        ("oracle", lambda r, w, eps: ops.rms_norm(r.to(weight_dtype).double(), w, eps), torch.float64),
     ]:
         r, w = _leaves(residual, dtype=torch.float32 if cast is None else cast)[0], _leaves(weight, dtype=cast)[0]
         out = fn(r, w, EPS)
@@ -116,8 +118,8 @@ def test_residual_merge_forward_backward(hidden_dtype):
     runs = {}
     for name, fn, cast in [
         ("kernel", kernels.residual_merge, None),
-        ("reference", kernels.residual_merge_reference, None),
-        ("oracle", kernels.residual_merge_reference, torch.float64),
+        ("reference", ops.residual_merge, None),
+        ("oracle", ops.residual_merge, torch.float64),
     ]:
         inputs = _leaves(hidden, residual, *vectors, dtype=cast)
         out = fn(*inputs)
@@ -142,27 +144,32 @@ def test_reference_matches_transformers_zaya_modules():
             p.copy_(torch.randn(p.shape, generator=gen))
     hidden, residual = torch.randn(2, 7, 48, generator=gen), torch.randn(2, 7, 48, generator=gen)
     expected_residual = scaling(hidden, residual)
-    normed, new_residual = kernels.residual_rms_norm_reference(
+    normed, new_residual = ops.residual_rms_norm(
         hidden, residual, scaling.hidden_states_bias, scaling.hidden_states_scale,
         scaling.residual_bias, scaling.residual_scale, norm.weight, EPS,
     )  # fmt: skip
     torch.testing.assert_close(new_residual, expected_residual)
     torch.testing.assert_close(normed, norm(expected_residual))
-    merged = kernels.residual_merge_reference(hidden, residual, scaling.hidden_states_bias,
+    merged = ops.residual_merge(hidden, residual, scaling.hidden_states_bias,
                                               scaling.hidden_states_scale, scaling.residual_bias, scaling.residual_scale)
     torch.testing.assert_close(merged, expected_residual)
 
 
-def test_triton_rms_norm_module_is_a_megatron_norm():
+def test_triton_rms_norm_module_is_a_megatron_norm(monkeypatch):
     from types import SimpleNamespace
 
+    install(monkeypatch, kernels)
+    launches = []
+    monkeypatch.setattr(kernels._norm_forward_kernel, "run", lambda *a, _run=kernels._norm_forward_kernel.run,
+                        **k: launches.append(1) or _run(*a, **k))
     config = SimpleNamespace(sequence_parallel=True, normalization="RMSNorm", layernorm_zero_centered_gamma=False)
-    norm = kernels.TritonRMSNorm(config=config, hidden_size=64, eps=EPS)
+    norm = ops.TritonRMSNorm(config=config, hidden_size=64, eps=EPS)
     assert norm.weight.sequence_parallel and list(norm.state_dict()) == ["weight"]
     x = torch.randn(4, 2, 64)
-    torch.testing.assert_close(norm(x), kernels.rms_norm_reference(x, norm.weight, EPS))
+    torch.testing.assert_close(norm(x), ops.rms_norm(x, norm.weight, EPS))
+    assert launches  # the interpreted kernel, not the fallback
     with pytest.raises(ValueError, match="normalization"):
-        kernels.TritonRMSNorm(SimpleNamespace(**{**vars(config), "normalization": "LayerNorm"}), 64)
+        ops.TritonRMSNorm(SimpleNamespace(**{**vars(config), "normalization": "LayerNorm"}), 64)
 
 
 def test_bad_shapes_raise_clear_errors():

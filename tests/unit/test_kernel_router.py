@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from megatron_zaya.kernels.testing import assert_matches_oracle, load_kernel_module
+from triton_interpreter import assert_matches_oracle, load_kernel_module
+
+from megatron_zaya.ops import router as ops
 
 kernels = load_kernel_module("megatron_zaya.kernels.router")
 EXPERTS = 5
@@ -26,8 +28,8 @@ def test_route_top1_forward_backward(logits_dtype, launch_row, monkeypatch):
     grad_skip = torch.randn(77)
 
     runs = {}
-    for name, fn, cast in [("kernel", kernels.route_top1, None), ("reference", kernels.route_top1_reference, None),
-                           ("oracle", kernels.route_top1_reference, torch.float64)]:  # fmt: skip
+    for name, fn, cast in [("kernel", kernels.route_top1, None), ("reference", ops.route_top1, None),
+                           ("oracle", ops.route_top1, torch.float64)]:  # fmt: skip
         leaf = logits.detach().to(cast or logits.dtype).requires_grad_()
         probs, routing_map, skip_gate, counts = fn(leaf, biases.to(cast or biases.dtype), EXPERTS)
         grads = [grad_probs.to(probs.dtype), grad_skip.to(probs.dtype)]
@@ -55,7 +57,7 @@ def test_reference_matches_transformers_zaya_router_selection():
     hidden = torch.randn(2, 9, 32)
     logits, hf_probs, hf_indices, _ = router(hidden)
 
-    probs, routing_map, skip_gate, counts = kernels.route_top1_reference(logits, router.balancing_biases, EXPERTS)
+    probs, routing_map, skip_gate, counts = ops.route_top1(logits, router.balancing_biases, EXPERTS)
     skipped = skip_gate > 0
     assert 0 < skipped.sum() < 18
     assert torch.equal(routing_map.int().argmax(-1)[~skipped], hf_indices[~skipped, 0])
@@ -81,8 +83,8 @@ def test_router_projection_is_the_fp32_linear_of_bf16_inputs():
 
     runs = {}
     for name, fn, cast in [("kernel", kernels.router_projection, None),
-                           ("reference", kernels.router_projection_reference, None),
-                           ("oracle", kernels.router_projection_reference, torch.float64)]:  # fmt: skip
+                           ("reference", ops.router_projection, None),
+                           ("oracle", ops.router_projection, torch.float64)]:  # fmt: skip
         leaves = [t.detach().to(cast or t.dtype).requires_grad_() for t in (x, weight, bias)]
         out = fn(*leaves)
         runs[name] = (out, *torch.autograd.grad(out, leaves, grad.to(out.dtype)))
@@ -129,8 +131,8 @@ def test_route_head_forward_backward(width, param_dtype, with_state):
     grad_state = torch.randn(u.shape, generator=gen) if with_state else None  # the last MoE layer's state: unused
 
     runs = {}
-    for name, fn, cast in [("kernel", kernels.route_head, None), ("reference", kernels.route_head_reference, None),
-                           ("oracle", kernels.route_head_reference, torch.float64)]:  # fmt: skip
+    for name, fn, cast in [("kernel", kernels.route_head, None), ("reference", ops.route_head, None),
+                           ("oracle", ops.route_head, torch.float64)]:  # fmt: skip
         leaves = [t.detach().to(cast or t.dtype).requires_grad_() for t in [u, *params]]
         state = None if state_in is None else state_in.to(cast or state_in.dtype).requires_grad_()
         if state is not None:

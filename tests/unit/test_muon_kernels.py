@@ -1,6 +1,6 @@
 """The symmetric Newton–Schulz Triton kernels (standard and Gram iterations) vs plain float64, without a GPU.
 
-* Interpreted (``TRITON_INTERPRET=1`` via ``kernels.testing.load_kernel_module``, fp32: the interpreter's
+* Interpreted (``TRITON_INTERPRET=1`` via ``triton_interpreter.load_kernel_module``, fp32: the interpreter's
   bf16 ``tl.dot`` is wrong) on small ragged shapes, so the masks, triangle indexing and mirroring run.
 * Compiled for NVIDIA sm_90 and AMD gfx942 at ZAYA1-8B shapes (``compile_only``): no spills, shared memory
   within the chip's limit.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import megatron_zaya.kernels.newton_schulz as ns_module
-from megatron_zaya.kernels.testing import SHARED_LIMIT, compile_only, gpu_target, load_kernel_module, register_spills
+from triton_interpreter import SHARED_LIMIT, compile_only, gpu_target, load_kernel_module, register_spills
 from megatron_zaya.kernels.utils import is_interpreted
 
 pytest.importorskip("triton")

@@ -3,19 +3,17 @@ Triton kernels run by Triton's interpreter on CPU, equals the one built with non
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 
 import pytest
 import torch
+from triton_interpreter import install, load_kernel_module
 
-import megatron_zaya.kernels
 from megatron_zaya.config import KERNEL_OPS, zaya_config
-from megatron_zaya.kernels.testing import load_kernel_module
 from megatron_zaya.pretrained import build_single_process_model
 
 ALL_OPS = ",".join(KERNEL_OPS)  # named ops take their kernel functions on any device
-# The kernel modules the model's ops call (off a GPU, without the interpreter, each falls back to its reference).
+# The kernel modules the model's ops call (off a GPU, without the interpreter, the ops compute their references).
 MODEL_KERNELS = ("cca", "cross_entropy", "grouped_gemm", "residual_rmsnorm", "router", "swiglu")
 
 
@@ -26,11 +24,10 @@ def interpreted():
 
 @pytest.fixture
 def launches(interpreted, monkeypatch) -> Counter:
-    """While the test runs, the model imports the interpreted kernel modules; counts the launches of each."""
+    """While the test runs, the model's ops import the interpreted kernel modules; counts the launches of each."""
     counts = Counter()
     for name, module in interpreted.items():
-        monkeypatch.setitem(sys.modules, f"megatron_zaya.kernels.{name}", module)
-        monkeypatch.setattr(megatron_zaya.kernels, name, module, raising=False)
+        install(monkeypatch, module)
         for kernel in (v for v in vars(module).values() if type(v).__name__ == "InterpretedFunction"):
             def run(*args, _launch=kernel.run, _name=name, **kwargs):
                 counts[_name] += 1
@@ -56,7 +53,7 @@ def test_kernel_choice_is_made_when_the_model_is_built():
     assert not layer.mlp.experts.grouped and fused_layer.mlp.experts.grouped
     assert layer.self_attention.qk is not fused_layer.self_attention.qk
     assert layer.mlp.router.route_head is not fused_layer.mlp.router.route_head
-    assert layer.merge_and_norm is not fused_layer.merge_and_norm
+    assert layer.pre_mlp_layernorm.ops is not fused_layer.pre_mlp_layernorm.ops
     assert not zaya_config("test").uses_kernel("cca")  # "all" on a CPU: the references
 
 

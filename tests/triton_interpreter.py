@@ -1,4 +1,5 @@
-"""Test support for the Triton kernels: run them on CPU (interpreter), compile them for GPUs without one.
+"""Test support for the Triton kernels (megatron_zaya/kernels): run them on CPU (interpreter), compile them for
+GPUs without one.
 
 Loading. triton 3.8 reads ``TRITON_INTERPRET`` when ``@triton.jit`` decorates a function: for our kernels
 when their module is imported, for triton's library functions (``tl.sum``, ``tl.max``, ...) when triton is
@@ -36,7 +37,7 @@ from types import ModuleType
 
 import torch
 
-_PACKAGE = __name__.rsplit(".", 1)[0]
+_PACKAGE = "megatron_zaya.kernels"
 
 
 def _is_triton_python(name: str) -> bool:
@@ -44,8 +45,8 @@ def _is_triton_python(name: str) -> bool:
 
 
 def _private(name: str) -> bool:
-    """Modules a private load re-imports: triton's Python side and our kernel modules (not this one)."""
-    return _is_triton_python(name) or (name.startswith(_PACKAGE + ".") and name != __name__)
+    """Modules a private load re-imports: triton's Python side and our kernel modules."""
+    return _is_triton_python(name) or name.startswith(_PACKAGE + ".")
 
 
 @contextlib.contextmanager
@@ -87,7 +88,7 @@ def _run_with_private_triton(kernel, module: ModuleType) -> None:
 
 def load_kernel_module(module_name: str, *, interpret: bool = True) -> ModuleType:
     """A private import of ``module_name`` with its kernels interpreted (CPU) or compiled (see compile_only)."""
-    package = sys.modules[_PACKAGE]
+    package = importlib.import_module(_PACKAGE)
     saved_modules = {name: sys.modules.pop(name) for name in list(sys.modules) if _private(name)}
     saved_package = dict(vars(package))
     try:
@@ -199,3 +200,10 @@ def register_spills(kernel, target_name: str, triton) -> int:
                                    capture_output=True, text=True, check=True).stdout  # fmt: skip
         return sum(int(n) for n in re.findall(r"LOCAL:(\d+)", usage))
     return sum(int(n) for n in re.findall(r"\.[sv]gpr_spill_count:\s+(\d+)", kernel.asm["amdgcn"]))
+
+
+def install(monkeypatch, module: ModuleType) -> None:
+    """For the test: ``megatron_zaya.ops`` imports ``module`` (from :func:`load_kernel_module`) as its kernel."""
+    name = module.__name__
+    monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(importlib.import_module(_PACKAGE), name.rsplit(".", 1)[1], module, raising=False)

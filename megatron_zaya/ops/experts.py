@@ -1,0 +1,98 @@
+"""ZAYA1's experts: top-1 SwiGLU MLPs over tokens sorted by expert (docs/architecture.md §4.6); kernel op ``experts``.
+
+Each expert has ``fc1 [2F, D]`` (gate rows, then up rows) and ``fc2 [D, F]``; a token's output is
+``fc2 (silu(gate) ⊙ up ⊙ p)`` with p its router probability. Without the kernel the model runs Megatron's
+``SequentialMLP`` loop over the experts (the same math); with it, two Triton grouped GEMMs
+(``kernels/grouped_gemm.py``) around the probability-weighted SwiGLU kernel (``kernels/swiglu.py``): 2 launches
+instead of 32 per layer for 16 experts, and no host sync on the token counts.
+
+The tokens may come in a static-size buffer whose tail belongs to no expert (``padded_rows``): its output rows
+are zero.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+
+def swiglu(x: torch.Tensor, weights: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up [* weights]: x [..., 2F], weights [..., 1] or None, bias [2F] or None -> [..., F]."""
+    if bias is not None:
+        x = x + bias
+    gate, up = x.chunk(2, dim=-1)
+    out = F.silu(gate) * up
+    return out if weights is None else (out * weights).to(x.dtype)
+
+
+def grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padded_rows: bool = False) -> torch.Tensor:
+    """x [N, K] sorted by expert, weight [E, M, K] (or E tensors [M, K]), tokens_per_expert [E] -> [N, M] in x's
+    dtype. ``padded_rows``: the counts may sum to less than N; the remaining rows of the output are zero."""
+    weight = weight if isinstance(weight, torch.Tensor) else torch.stack(list(weight))
+    counts = tokens_per_expert.tolist()
+    tail = x.shape[0] - sum(counts) if padded_rows else 0
+    pieces = x.split([*counts, tail])
+    out = [piece @ weight[e].t() for e, piece in enumerate(pieces[: len(counts)])]
+    return torch.cat([*out, x.new_zeros(tail, weight.shape[1])])
+
+
+def experts(hidden: torch.Tensor, fc1, fc2, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
+            grouped_gemm=grouped_gemm, swiglu=swiglu) -> torch.Tensor:
+    """The experts on ``hidden [N, D]`` sorted by expert (a zero tail past the routed tokens), ``fc1``/``fc2`` the
+    experts' weights (lists of ``[2F, D]`` and ``[D, F]``), ``probs [N]`` -> ``[N, D]`` in hidden's dtype."""
+    counts = tokens_per_expert.to(device=hidden.device, dtype=torch.int64)
+    intermediate = swiglu(grouped_gemm(hidden, fc1, counts, padded_rows=True), weights=probs.unsqueeze(-1))
+    return grouped_gemm(intermediate.to(hidden.dtype), fc2, counts, padded_rows=True)
+
+
+# ----------------------------------------------------------------------------------------- the Triton kernels
+
+
+def fused_swiglu(x: torch.Tensor, weights: torch.Tensor | None = None, bias: torch.Tensor | None = None):
+    """:func:`swiglu` by the Triton kernel (fp32 math, one pass each way) where it runs, else the reference."""
+    from ..kernels import swiglu as kernel  # imported when first called: triton only where a kernel is chosen
+
+    if kernel.runs_on(*(t for t in (x, weights, bias) if t is not None)):
+        return kernel.swiglu(x, weights, bias)
+    return swiglu(x, weights, bias)
+
+
+def fused_grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padded_rows: bool = False):
+    """:func:`grouped_gemm` by the Triton kernel where it runs (separate expert weights read in place)."""
+    from ..kernels import grouped_gemm as kernel
+
+    weights = [weight] if isinstance(weight, torch.Tensor) else list(weight)
+    if kernel.runs_on(x, *weights):
+        return kernel.grouped_gemm(x, weight, tokens_per_expert, padded_rows)
+    return grouped_gemm(x, weight, tokens_per_expert, padded_rows)
+
+
+def fused_experts(hidden, fc1, fc2, tokens_per_expert, probs) -> torch.Tensor:
+    """:func:`experts` as two grouped GEMMs around the weighted SwiGLU, by the Triton kernels."""
+    return experts(hidden, fc1, fc2, tokens_per_expert, probs, grouped_gemm=fused_grouped_gemm, swiglu=fused_swiglu)
+
+
+@contextmanager
+def main_grad_untouched():
+    """Within: the grouped GEMM's weight gradients stay out of Megatron's ``main_grad`` (it adds them there from
+    inside the backward otherwise), e.g. for warm-up passes."""
+    from ..kernels import grouped_gemm as kernel
+
+    kernel.ACCUMULATE_INTO_MAIN_GRAD["enabled"] = False
+    try:
+        yield
+    finally:
+        kernel.ACCUMULATE_INTO_MAIN_GRAD["enabled"] = True
+
+
+# ----------------------------------------------------------------------------------------- the choice
+
+
+def choose(config, tensor_parallel_size: int):
+    """:func:`fused_experts` with the ``experts`` op, else None (Megatron's ``SequentialMLP`` loop). Expert tensor
+    parallelism, fp8/fp4, biases and probabilities applied on the input keep the loop."""
+    loop_only = (config.fp8 or config.fp4 or config.moe_apply_probs_on_input or tensor_parallel_size > 1
+                 or config.add_bias_linear)
+    return fused_experts if config.uses_kernel("experts") and not loop_only else None
