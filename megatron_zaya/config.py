@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from .errors import ZayaConfigError
 from .settings import setting
 
 ATTENTION_TYPES = ("global", "sliding")
@@ -32,10 +33,6 @@ RECOMPUTE_MODULES = {
     "moe": "the whole MoE sublayer (router, dispatch, experts: one more MoE forward in the backward)",
 }
 DEFAULT_RECOMPUTE_MODULES = ("layernorm", "cca_qk", "router")
-
-
-class ZayaConfigError(ValueError):
-    """An invalid ZAYA1 configuration; the message is one line naming the problem and the fix."""
 
 
 def kernel_selection(kernels: str) -> tuple[str, ...]:

@@ -57,7 +57,8 @@ def _has(argv: list[str], *flags: str) -> bool:
 def build_argv(argv: list[str], cuda: bool) -> list[str]:
     """ZAYA1's flags, the preset's, platform and main-job defaults, then the user's (last wins)."""
     from .config import PRESETS, preset
-    from .training.arguments import ZAYA_FLAGS, UsageError, preset_flags
+    from .errors import UsageError
+    from .training.arguments import ZAYA_FLAGS, preset_flags
     from .training.checkpoint_tiers import implied_flags
 
     name = _flag_value(argv, "--zaya-preset") or "tiny"  # explicit model flags override its values
@@ -115,7 +116,7 @@ def _memory_plan_world_size(argv: list[str]) -> int | None:
     if value is None or value.startswith("-"):
         return int(os.environ.get("WORLD_SIZE", "1"))
     if not value.isdigit() or int(value) < 1:
-        from .training.arguments import UsageError
+        from .errors import UsageError
 
         raise UsageError(f"--zaya-memory-plan {value}: give a number of GPUs >= 1, or nothing")
     return int(value)
@@ -171,7 +172,8 @@ def _parse(argv: list[str], planning: bool = False):
     from megatron.training.global_vars import get_tokenizer
 
     from .data.preprocess import embedded_dataset_prefix
-    from .training.arguments import UsageError, add_zaya_args, check_args, check_data
+    from .errors import UsageError
+    from .training.arguments import add_zaya_args, check_args, check_data
 
     sys.argv = ["zaya-pretrain", *argv]
     flags = parse_args(add_zaya_args)
@@ -215,10 +217,9 @@ def run(argv: list[str]) -> None:
     import torch
 
     from .patches import apply_patches
-    from .patches.registry import PatchError
+    from .errors import PatchError, UsageError
     from .patches.registry import check_selection as check_patch_selection
     from .runtime import START_LOG, end_data_workers_at_exit, end_helpers_with_this_process, write_start_log
-    from .training.arguments import UsageError
 
     end_helpers_with_this_process()  # no helper outlives a killed trainer
     end_data_workers_at_exit()  # nor waits forever on data-loader workers at exit
@@ -258,9 +259,10 @@ def run(argv: list[str]) -> None:
         raise UsageError("pipeline parallelism needs the pipeline.stage_tensor_width patch (stages exchange hidden + "
                          "router-state channels); add it to --zaya-patches")
     if plan_size is not None:
-        from . import memory_plan
+        from .memory_plan import report
+        from .training.arguments import memory_plan_inputs
 
-        print(memory_plan.report(*memory_plan.from_args(args)), flush=True)
+        print(report(*memory_plan_inputs(args)), flush=True)
         return
     resuming = save_dir.check_save_and_load(args, user_argv)
     if args.save:
@@ -349,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     with one_line_for_missing_packages():  # what run() imports: Megatron's training stack
         import megatron.training.training  # noqa: F401
 
-        from .training.arguments import UsageError
-        from .training.reliability import FAULT_EXIT_CODE, TrainingFault
+        from .errors import TrainingFault, UsageError
+        from .training.reliability import FAULT_EXIT_CODE
         from .training.steps import forward_step  # noqa: F401
     if not _has(argv, "--zaya-memory-plan"):
         _relaunch_on_all_gpus(argv)

@@ -32,14 +32,12 @@ import logging
 import os
 from collections.abc import Callable, Iterable
 
+from ..errors import PatchError
+
 logger = logging.getLogger("megatron_zaya.patches")
 
 PLATFORMS = ("cpu", "cuda", "rocm")
 ENV_VAR = "ZAYA_PATCHES"
-
-
-class PatchError(RuntimeError):
-    """A patch that was asked for cannot be applied (target moved, wrong Megatron version, ...)."""
 
 
 @dataclasses.dataclass(frozen=True)

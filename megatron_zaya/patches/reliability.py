@@ -220,7 +220,8 @@ def save_failure() -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from megatron_zaya.checkpoint import read_tracker, step_name
-    from megatron_zaya.training.reliability import DISK_FULL, TrainingFault, describe_latest_checkpoint, full_disk
+    from megatron_zaya.errors import TrainingFault
+    from megatron_zaya.training.reliability import DISK_FULL, describe_latest_checkpoint, full_disk
 
     original = training.save_checkpoint
 

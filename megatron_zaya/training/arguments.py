@@ -15,14 +15,12 @@ from pathlib import Path
 
 import torch
 
-from ..config import ATTENTION_TYPES, PRESETS, ZayaConfig, ZayaConfigError, kernel_selection, preset
+from ..config import ATTENTION_TYPES, PRESETS, ZayaConfig, kernel_selection, preset
+from ..errors import UsageError, ZayaConfigError
+from ..memory_plan import Parallel, Run
 from ..settings import add_flags, flagged_fields, values_from_args
 from ..optim import add_muon_args
 from .data_checks import DEFAULT_SPLIT, indexed_dataset_problem, split_problem
-
-
-class UsageError(ValueError):
-    """Bad command-line input: printed as one line ``zaya-pretrain: error: ...``, exit code 2."""
 
 
 # ZAYA1's architecture, expressed in Megatron's flags.
@@ -152,6 +150,29 @@ def zaya_config_from_args(args) -> ZayaConfig:
         return core_transformer_config_from_args(view, ZayaConfig)
     except ZayaConfigError as error:
         raise UsageError(str(error)) from error
+
+
+def memory_plan_inputs(args) -> tuple[ZayaConfig, Parallel, Run]:
+    """The memory plan's inputs (``memory_plan.report(*inputs)``) of a parsed ``zaya-pretrain`` command line."""
+    cfg = zaya_config_from_args(args)
+    par = Parallel(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                   ep=args.expert_model_parallel_size,
+                   etp=args.expert_tensor_parallel_size or args.tensor_model_parallel_size,
+                   cp=args.context_parallel_size, dp=args.data_parallel_size)
+    model_parallel = par.pp * par.ep * par.etp
+    par.expert_dp = max(1, args.world_size // model_parallel)
+    # Megatron turns --use-distributed-optimizer into its layer-wise flag for optimizers other than Adam and SGD
+    # (arguments.py:1680); zaya_muon shards by data-parallel owner under it (optim/zero.py).
+    sharded_optimizer = args.use_distributed_optimizer or getattr(args, "use_layer_wise_distributed_optimizer", False)
+    run = Run(micro_batch=args.micro_batch_size, seq=args.seq_length, global_batch=args.global_batch_size,
+              optimizer=args.optimizer, bf16=bool(args.bf16), distributed_optimizer=bool(sharded_optimizer),
+              grad_bf16=not args.accumulate_allreduce_grads_in_fp32 if args.bf16 else False,
+              bf16_momentum=getattr(args, "zaya_muon_momentum_dtype", "fp32") == "bf16",
+              recompute=args.recompute_granularity,
+              recompute_modules=tuple(cfg.zaya_recompute_modules), cuda_graphs=bool(args.zaya_cuda_graphs),
+              sequence_parallel=bool(args.sequence_parallel),
+              lm_head_grad_in_forward=cfg.lm_head_grad_in_forward, async_save=bool(args.async_save))
+    return cfg, par, run
 
 
 # --------------------------------------------------------------------------------- checks before Megatron

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import record_written
+from ..errors import UsageError
 from ..memory_plan import GIB, RESERVE_GIB
-from .arguments import UsageError
 
 # Megatron turns --async-save off without --use-persistent-ckpt-worker (arguments.py:1740), and its default
 # strategy imports NVIDIA's resiliency package; Megatron's own ("mcore") writer needs neither.

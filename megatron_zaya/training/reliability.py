@@ -35,15 +35,11 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import TRACKER, read_tracker, step_damage, step_name
-from .arguments import UsageError
+from ..errors import TrainingFault, UsageError
 from .watchdog import WATCHDOG
 
 FAULT_EXIT_CODE = 3
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left, or the user's quota used up
-
-
-class TrainingFault(RuntimeError):
-    """The run stopped on a fault; the message names it, the last good checkpoint and what to do."""
 
 
 def describe_latest_checkpoint(save_dir: str | None) -> str:
