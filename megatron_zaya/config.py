@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .errors import ZayaConfigError
-from .settings import setting
+from .dataclass_flags import setting
 
 ATTENTION_TYPES = ("global", "sliding")
 SKIP_MODES = ("zero", "identity")

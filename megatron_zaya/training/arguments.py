@@ -18,7 +18,7 @@ import torch
 from ..config import ATTENTION_TYPES, PRESETS, ZayaConfig, kernel_selection, preset
 from ..errors import UsageError, ZayaConfigError
 from ..memory_plan import Parallel, Run
-from ..settings import add_flags, flagged_fields, values_from_args
+from ..dataclass_flags import add_flags, flagged_fields, values_from_args
 from ..optim import add_muon_args
 from .data_checks import DEFAULT_SPLIT, indexed_dataset_problem, split_problem
 

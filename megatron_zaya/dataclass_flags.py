@@ -1,4 +1,4 @@
-"""Settings declared once: a dataclass field holds its default, its command-line flag and its help.
+"""Command-line flags declared on dataclass fields: a field holds its default, its flag and its help.
 
 ``setting(default, flag=..., help=...)`` declares a field. ``add_flags(parser, cls, prefix)`` adds the flag of
 every such field of a dataclass, with the field's default, and ``values_from_args(cls, args, prefix)`` reads the

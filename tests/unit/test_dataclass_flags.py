@@ -1,5 +1,5 @@
-"""Settings declared once (``megatron_zaya.settings``): the flags generated from ZayaConfig's fields give back the
-fields' defaults, and every non-default value a user passes reaches the config."""
+"""Flags declared on dataclass fields (``megatron_zaya.dataclass_flags``): the flags generated from ZayaConfig's
+fields give back the fields' defaults, and every non-default value a user passes reaches the config."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from megatron_zaya.config import ZayaConfig
-from megatron_zaya.settings import add_flags, flagged_fields, values_from_args
+from megatron_zaya.dataclass_flags import add_flags, flagged_fields, values_from_args
 from megatron_zaya.training.arguments import add_zaya_args, preset_flags
 
 
