@@ -69,3 +69,26 @@ def values_from_args(cls, args: argparse.Namespace, prefix: str) -> dict:
             value = tuple(value)
         values[field.name] = value
     return values
+
+
+def megatron_field(default, flag: str | None = None):
+    """A field of Megatron's ``TransformerConfig`` with ZAYA1's value. With ``flag``, Megatron's flag for it:
+    zaya-pretrain passes it before the user's flags (an explicit one wins). Without, the field is no command-line
+    choice: zaya-pretrain sets it over the value Megatron parsed."""
+    return dataclasses.field(default=default, metadata=dict(megatron_flag=flag))
+
+
+def megatron_flags(cls) -> list[str]:
+    """The Megatron flags of the ``megatron_field`` fields of ``cls`` that have one, with their values."""
+    flags = []
+    for field in dataclasses.fields(cls):
+        flag = field.metadata.get("megatron_flag")
+        if flag:  # a boolean's flag stores the field's value
+            flags += [flag] if isinstance(field.default, bool) else [flag, str(field.default)]
+    return flags
+
+
+def fixed_megatron_values(cls) -> dict:
+    """``{field: value}`` of the ``megatron_field`` fields of ``cls`` without a flag."""
+    return {f.name: f.default for f in dataclasses.fields(cls)
+            if "megatron_flag" in f.metadata and f.metadata["megatron_flag"] is None}

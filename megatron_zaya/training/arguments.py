@@ -2,7 +2,7 @@
 
 A preset expands to ordinary Megatron flags placed *before* the user's, so an explicit flag always wins
 (argparse keeps the last value). ZAYA1's fixed choices (RMSNorm, SwiGLU, no biases, RoPE, top-1 routing,
-no aux loss, no dropout) are such a bundle too.
+no aux loss, no dropout) are such a bundle too, made from ZayaConfig's ``megatron_field`` declarations.
 """
 
 from __future__ import annotations
@@ -18,19 +18,14 @@ import torch
 from ..config import ATTENTION_TYPES, PRESETS, ZayaConfig, kernel_selection, preset
 from ..errors import UsageError, ZayaConfigError
 from ..memory_plan import Parallel, Run
-from ..dataclass_flags import add_flags, flagged_fields, values_from_args
+from ..dataclass_flags import add_flags, fixed_megatron_values, flagged_fields, megatron_flags, values_from_args
 from ..optim import add_muon_args
 from .data_checks import DEFAULT_SPLIT, indexed_dataset_problem, split_problem
 
 
-# ZAYA1's architecture, expressed in Megatron's flags.
-ZAYA_FLAGS = [
-    "--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--swiglu", "--disable-bias-linear",
-    "--position-embedding-type", "rope", "--rotary-percent", "0.5", "--no-rope-fusion",
-    "--moe-router-topk", "1", "--moe-router-pre-softmax", "--moe-router-load-balancing-type", "none",
-    "--moe-aux-loss-coeff", "0", "--moe-token-dispatcher-type", "alltoall",
-    "--hidden-dropout", "0", "--attention-dropout", "0", "--transformer-impl", "local",
-    "--ckpt-format", "torch_dist",
+# ZAYA1's architecture and run defaults, expressed in Megatron's flags.
+ZAYA_FLAGS = megatron_flags(ZayaConfig) + [
+    "--position-embedding-type", "rope", "--transformer-impl", "local", "--ckpt-format", "torch_dist",
     "--eval-interval", "1000",  # Megatron leaves it unset and then fails on the first step; any flag overrides it
 ]
 
@@ -133,17 +128,13 @@ def zaya_config_from_args(args) -> ZayaConfig:
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     overrides = dict(
-        values_from_args(ZayaConfig, args, "zaya_"), vocab_size=args.padded_vocab_size,
-        max_position_embeddings=args.max_position_embeddings,
+        fixed_megatron_values(ZayaConfig) | values_from_args(ZayaConfig, args, "zaya_"),
+        vocab_size=args.padded_vocab_size, max_position_embeddings=args.max_position_embeddings,
         tie_embeddings=not args.untie_embeddings_and_output_weights, rotary_percent=args.rotary_percent,
         rotary_base=float(args.rotary_base),
-        attention_types=expand_attention_types(args.zaya_attention_types, args.num_layers), apply_rope_fusion=False,
-        bias_dropout_fusion=False, masked_softmax_fusion=False,
+        attention_types=expand_attention_types(args.zaya_attention_types, args.num_layers),
         gradient_accumulation_fusion=args.gradient_accumulation_fusion and weight_gradient_fusion_available(),
         pipeline_dtype=torch.float32,  # pipeline stages exchange the fp32 residual stream and router state
-        # ZAYA1's residual stream is fp32 (residual_in_fp32). Not Megatron's --fp32-residual-connection flag:
-        # Megatron refuses it without --bf16/--fp16, and with fp32 parameters the setting changes nothing.
-        fp32_residual_connection=True,
     )
     view = argparse.Namespace(**{**vars(args), **overrides})  # Megatron copies same-named fields from args
     try:
