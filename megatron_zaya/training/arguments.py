@@ -8,6 +8,8 @@ no aux loss, no dropout) are such a bundle too, made from ZayaConfig's ``megatro
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import importlib.util
 import os
 import re
@@ -103,6 +105,39 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--zaya-local-ckpt-keep", type=int, default=2,
                    help="with --non-persistent-ckpt-type local: each rank keeps its newest this many local checkpoints")
     return add_muon_args(parser)  # --zaya-muon-* and the --optimizer zaya_muon choice
+
+
+@functools.cache
+def zaya_pretrain_parser() -> argparse.ArgumentParser:
+    """zaya-pretrain's parser: Megatron's with the ZAYA1 flags, as Megatron's ``parse_args(add_zaya_args)`` builds
+    it (the patches that add choices to Megatron's flags aside)."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    return add_zaya_args(add_megatron_arguments(argparse.ArgumentParser(prog="zaya-pretrain", allow_abbrev=False)))
+
+
+# The flags zaya-pretrain reads before Megatron parses the command line: they choose the flags it gives Megatron
+# (preset, main job, implied --load, save on SIGTERM), the patches, and the memory plan.
+EARLY_FLAGS = frozenset({
+    "--zaya-preset", "--zaya-patches", "--zaya-memory-plan", "--zaya-vocab-size", "--zaya-sigterm-deadline",
+    "--zaya-overwrite-save", "--vocab-size", "--tokenizer-type", "--data-path", "--train-data-path",
+    "--data-args-path", "--mock-data", "--train-iters", "--save", "--load", "--tensor-model-parallel-size",
+    "--sequence-parallel", "--async-save"})
+
+
+def early_flags(argv: list[str]) -> argparse.Namespace:
+    """The ``EARLY_FLAGS`` of a command line, and ``help``, parsed as zaya-pretrain's parser declares them (type,
+    number of values, default), the other flags left for later. Choices are left to the full parse and to our
+    checks, which name the fix."""
+    full = zaya_pretrain_parser()
+    early = argparse.ArgumentParser(prog=full.prog, usage=full.usage, add_help=False, allow_abbrev=False)
+    early.add_argument("-h", "--help", action="store_true")
+    for action in full._actions:
+        if EARLY_FLAGS.intersection(action.option_strings):
+            declared = copy.copy(action)
+            declared.choices = None
+            early._add_action(declared)
+    return early.parse_known_args(argv)[0]
 
 
 def expand_attention_types(spec: str | None, num_layers: int) -> list[str] | None:

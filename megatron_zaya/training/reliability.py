@@ -293,6 +293,12 @@ def newest_intact_checkpoint(load_dir: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- SIGTERM
+def saves_on_sigterm(save_dir: str | None, deadline: float) -> bool:
+    """Whether SIGTERM (pre-emption, scancel) saves: with a --save directory, unless --zaya-sigterm-deadline is 0
+    (zaya-pretrain then gives Megatron ``--exit-signal-handler`` and arms the deadline)."""
+    return bool(save_dir) and deadline > 0
+
+
 def arm_sigterm_deadline(seconds: float, save_dir: str | None, exit=os._exit) -> None:
     """After SIGTERM (Megatron's ``--exit-signal-handler`` saves at the end of the current step and exits 0),
     give the save ``seconds``; past them print why and exit with :data:`FAULT_EXIT_CODE`, before the
