@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from .errors import ZayaConfigError
 from .dataclass_flags import megatron_field, setting
+from .errors import ZayaConfigError
 
 ATTENTION_TYPES = ("global", "sliding")
 SKIP_MODES = ("zero", "identity")
@@ -68,7 +68,8 @@ class ZayaConfig(TransformerConfig):
     cca_time1: int = setting(2, flag="--zaya-cca-time1", help="CCA per-head grouped causal conv taps")
     key_temperature_init: float = setting(1.0, flag="--zaya-key-temperature-init",
                                           help="init of the learned per-KV-head key scale; 0 would zero the keys")
-    rotary_percent: float = megatron_field(0.5, "--rotary-percent")  # RoPE on the first half of each head's channels
+    # RoPE on the first half of each head's channels, after QK-norm
+    rotary_percent: float = megatron_field(0.5, "--rotary-percent")
     rotary_base: float = 5_000_000.0  # θ of global-attention layers
     sliding_window: int | None = setting(None, flag="--zaya-sliding-window", type=int,
                                          help="tokens a sliding layer attends to, itself included")
@@ -128,7 +129,7 @@ class ZayaConfig(TransformerConfig):
     # refuses it without --bf16/--fp16, and with fp32 parameters the setting changes nothing.
     fp32_residual_connection: bool = megatron_field(True)
     moe_router_topk: int = megatron_field(1, "--moe-router-topk")
-    # Megatron requires it for top-1; our router does its own softmax
+    # Megatron requires it for top-1; our router does its own softmax.
     moe_router_pre_softmax: bool = megatron_field(True, "--moe-router-pre-softmax")
     moe_router_load_balancing_type: str = megatron_field("none", "--moe-router-load-balancing-type")
     moe_aux_loss_coeff: float = megatron_field(0.0, "--moe-aux-loss-coeff")

@@ -10,9 +10,9 @@ import torch
 from .checkpoint import TRACKER
 from .config import ZayaConfig, zaya_config
 from .convert.hf import hf_to_megatron, zaya_kwargs_from_hf
-from .errors import ConversionError, ZayaConfigError
 from .convert.hf_base import base_weights_to_hf, is_base_layout
 from .convert.hf_io import read_hf_config, read_hf_weights
+from .errors import ConversionError, ZayaConfigError
 
 # Single-process use: nothing to dispatch across ranks, so the simplest dispatcher serves.
 _RUNTIME = dict(use_cpu_initialization=True, moe_token_dispatcher_type="allgather")

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from ..config import ATTENTION_TYPES, PRESETS, ZayaConfig, kernel_selection, preset
+from ..dataclass_flags import add_flags, fixed_megatron_values, flagged_fields, megatron_flags, values_from_args
 from ..errors import UsageError, ZayaConfigError
 from ..memory_plan import Parallel, Run
-from ..dataclass_flags import add_flags, fixed_megatron_values, flagged_fields, megatron_flags, values_from_args
 from ..optim import add_muon_args
 from .data_checks import DEFAULT_SPLIT, indexed_dataset_problem, split_problem
 

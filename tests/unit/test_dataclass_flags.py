@@ -80,7 +80,7 @@ def test_zaya_flags_give_megatron_the_config_values_and_the_rest_is_set_over_the
     dests = {"gated_linear_unit": "swiglu"}  # Megatron derives the field from --swiglu
     parsed = {name: getattr(args, dests.get(name, name)) for name in flagged}
     # Megatron parses a per-layer list for some flags; its validation turns one value into a scalar
-    parsed = {name: value[0] if isinstance(value, list) and len(value) == 1 else value for name, value in parsed.items()}
+    parsed = {name: v[0] if isinstance(v, list) and len(v) == 1 else v for name, v in parsed.items()}
     assert parsed == {name: fields[name].default for name in flagged}
     assert fixed_megatron_values(ZayaConfig) == dict(
         fp32_residual_connection=True, bias_dropout_fusion=False, masked_softmax_fusion=False)

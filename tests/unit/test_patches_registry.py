@@ -9,9 +9,9 @@ import importlib
 
 import pytest
 
+from megatron_zaya.errors import PatchError
 from megatron_zaya.patches import registry
 from megatron_zaya.patches.cli import main as zaya_patches
-from megatron_zaya.errors import PatchError
 from megatron_zaya.patches.registry import apply_patches, register, resolve
 
 CALLS: list[str] = []
