@@ -177,6 +177,9 @@ def test_cli_show_prints_the_docstring(throwaway_patches, capsys):
     out = capsys.readouterr().out
     assert "replaces   zztest.module.kernel" in out and "skipped: no such kernel here" in out
     assert out.rstrip().endswith("A kernel patch whose requirement never holds (a test patch).")
+    zaya_patches(["show", "reliability.step_guard"])
+    assert "replaces   megatron.training.training.get_megatron_optimizer, around optim.zaya_muon" in (
+        capsys.readouterr().out)
 
 
 def test_cli_show_unknown_id_is_a_one_line_error():
