@@ -29,7 +29,7 @@ from ..runtime import (START_LOG, end_data_workers_at_exit, end_helpers_with_thi
                        write_start_log)
 from . import reliability, save_dir
 from .arguments import (ZAYA_FLAGS, add_zaya_args, check_args, check_data, early_flags, memory_plan_inputs,
-                        preset_flags)
+                        preset_flags, zaya_pretrain_parser)
 from .checkpoint_tiers import ASYNC_FLAGS
 from .loss_curve import LOSS_CURVE
 from .steps import forward_step, model_provider, train_valid_test_datasets_provider
@@ -118,19 +118,21 @@ def _memory_plan_world_size(early) -> int | None:
     return early.zaya_memory_plan
 
 
-# Flags that name data: (flag, number of values; None: every value up to the next flag).
-DATA_FLAGS = {"--data-path": None, "--train-data-path": None, "--valid-data-path": None, "--test-data-path": None,
-              "--data-args-path": 1, "--per-split-data-args-path": 1, "--tokenizer-type": 1, "--tokenizer-model": 1}
+# The flags that name data or its tokenizer.
+DATA_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path", "--data-args-path",
+              "--per-split-data-args-path", "--tokenizer-type", "--tokenizer-model")
 
 
 def _planned_argv(argv: list[str]) -> list[str]:
     """The command a memory plan builds: its data and tokenizer files may exist only on the cluster, and the plan
     needs neither (the vocabulary is the model's, --zaya-vocab-size or the preset's), so --mock-data stands in."""
+    takes_one_value = {flag: action.nargs is None for action in zaya_pretrain_parser()._actions
+                       for flag in action.option_strings if flag in DATA_FLAGS}  # else every value up to a flag
     kept, skip_values = [], 0
     for token in argv:
         flag = token.split("=", 1)[0]
-        if flag in DATA_FLAGS:
-            skip_values = 0 if "=" in token else (DATA_FLAGS[flag] or -1)
+        if flag in takes_one_value:
+            skip_values = 0 if "=" in token else (1 if takes_one_value[flag] else -1)
         elif skip_values and not token.startswith("--"):
             skip_values -= 1
         else:
