@@ -162,7 +162,7 @@ def zaya_config_from_args(args) -> ZayaConfig:
     """The model config of a (validated) Megatron args namespace."""
     from megatron.training.argument_utils import core_transformer_config_from_args
 
-    overrides = dict(
+    overrides = dict(  # over what Megatron parsed: ZAYA1's fixed values that no flag sets, then the --zaya-* flags
         fixed_megatron_values(ZayaConfig) | values_from_args(ZayaConfig, args, "zaya_"),
         vocab_size=args.padded_vocab_size, max_position_embeddings=args.max_position_embeddings,
         tie_embeddings=not args.untie_embeddings_and_output_weights, rotary_percent=args.rotary_percent,
