@@ -5,6 +5,10 @@ every such field of a dataclass, with the field's default, and ``values_from_arg
 parsed values back as field values; an argument's ``dest`` is ``prefix + field name``. Booleans become
 ``store_true`` flags, ``store_false`` ones when the flag says ``-no-``, or ``--x / --no-x`` pairs with
 ``negatable=True``. A field whose command-line values are words maps them with ``choices={word: value}``.
+
+``megatron_field(value, flag)`` declares a field of Megatron's ``TransformerConfig`` with ZAYA1's value, and
+Megatron's flag for it if it has one: ``megatron_flags`` gives Megatron's parser those flags, and
+``fixed_megatron_values`` the values of the fields without one.
 """
 
 from __future__ import annotations
