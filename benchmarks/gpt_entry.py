@@ -1,4 +1,4 @@
-"""Megatron's GPT baseline as the benchmarks run it: ``tests/gpt_cpu_entry.py`` with RMSNorm on the Triton kernel.
+"""Megatron's GPT baseline as the benchmarks run it: ``benchmarks/gpt_pretrain.py`` with RMSNorm on the Triton kernel.
 
     python -m benchmarks.probe -m benchmarks.gpt_entry GPT_FLAGS
 
@@ -9,7 +9,7 @@ RMSNorm, so the baseline gets it too, for a fair comparison: :func:`use_triton_r
 ``gpt_layer_specs`` (where they are ``WrappedTorchNorm``, i.e. apex is absent) by a factory that builds
 ``TritonRMSNorm`` for RMSNorm (one read and one write per element, sequence parallelism supported, the same
 checkpoint layout) and Megatron's norm otherwise. It is benchmark-only: the library never applies it. Off: run
-``tests/gpt_cpu_entry.py`` instead (GPUs only; on CPU the entry runs as it is).
+``benchmarks/gpt_pretrain.py`` instead (GPUs only; on CPU the entry runs as it is).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-ENTRY = Path(__file__).resolve().parents[1] / "tests" / "gpt_cpu_entry.py"
+ENTRY = Path(__file__).resolve().with_name("gpt_pretrain.py")
 
 
 class TritonOrTorchNorm:

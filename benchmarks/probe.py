@@ -1,7 +1,7 @@
 """Run a training entry point unchanged, with measurement probes (benchmarks only)::
 
     ZAYA_BENCH_OUT=DIR [ZAYA_BENCH_PROFILE=FIRST:COUNT] python -m benchmarks.probe -m megatron_zaya.pretrain ARGS
-    ZAYA_BENCH_OUT=DIR python -m benchmarks.probe tests/gpt_cpu_entry.py ARGS
+    ZAYA_BENCH_OUT=DIR python -m benchmarks.probe benchmarks/gpt_pretrain.py ARGS
 
 The entry runs as ``__main__`` (as ``python -m megatron_zaya.pretrain`` / ``python script`` would, except that a
 script finds the repository root, not its own folder, on ``sys.path``: ``--spec benchmarks.gqa_sdpa ...``). The probes

@@ -26,16 +26,13 @@ from pathlib import Path
 
 import torch
 
-from .config import ARCHITECTURE_FIELDS, ZayaConfig, ZayaConfigError, architecture, zaya_config
+from .config import ARCHITECTURE_FIELDS, ZayaConfig, architecture, zaya_config
+from .errors import CheckpointError, ZayaConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKSUMS = "zaya_checksums.json"
 _CHUNK = 16 << 20
 _THREADS = 16  # zlib.crc32 releases the GIL: threads hash files in parallel, bounded by the disk
-
-
-class CheckpointError(ValueError):
-    """Not a usable ZAYA1 Megatron checkpoint; the message names the problem and the fix."""
 
 
 def read_tracker(ckpt_dir: str | os.PathLike) -> str | None:

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from .settings import setting
+from .dataclass_flags import megatron_field, setting
+from .errors import ZayaConfigError
 
 ATTENTION_TYPES = ("global", "sliding")
 SKIP_MODES = ("zero", "identity")
@@ -33,10 +34,6 @@ RECOMPUTE_MODULES = {
     "moe": "the whole MoE sublayer (router, dispatch, experts: one more MoE forward in the backward)",
 }
 DEFAULT_RECOMPUTE_MODULES = ("layernorm", "cca_qk", "router")
-
-
-class ZayaConfigError(ValueError):
-    """An invalid ZAYA1 configuration; the message is one line naming the problem and the fix."""
 
 
 def kernel_selection(kernels: str) -> tuple[str, ...]:
@@ -72,7 +69,8 @@ class ZayaConfig(TransformerConfig):
     cca_time1: int = setting(2, flag="--zaya-cca-time1", help="CCA per-head grouped causal conv taps")
     key_temperature_init: float = setting(1.0, flag="--zaya-key-temperature-init",
                                           help="init of the learned per-KV-head key scale; 0 would zero the keys")
-    rotary_percent: float = 0.5  # RoPE on the first half of each head's channels, after QK-norm
+    # RoPE on the first half of each head's channels, after QK-norm
+    rotary_percent: float = megatron_field(0.5, "--rotary-percent")
     rotary_base: float = 5_000_000.0  # θ of global-attention layers
     sliding_window: int | None = setting(None, flag="--zaya-sliding-window", type=int,
                                          help="tokens a sliding layer attends to, itself included")
@@ -124,24 +122,27 @@ class ZayaConfig(TransformerConfig):
     # leaves Megatron's field empty, so that Megatron's own layer and MoE code recompute nothing.
     zaya_recompute_modules: tuple[str, ...] = ()
 
-    # -- Megatron fields with ZAYA1's values ------------------------------------------------------------
-    normalization: str = "RMSNorm"
-    layernorm_epsilon: float = 1e-5
-    gated_linear_unit: bool = True
-    activation_func: object = F.silu
-    add_bias_linear: bool = False
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    fp32_residual_connection: bool = True
-    moe_router_topk: int = 1
-    moe_router_pre_softmax: bool = True  # Megatron requires it for top-1; our router does its own softmax
-    moe_router_load_balancing_type: str = "none"
-    moe_aux_loss_coeff: float = 0.0
-    moe_token_dispatcher_type: str = "alltoall"
-    bias_dropout_fusion: bool = False
-    apply_rope_fusion: bool = False
-    masked_softmax_fusion: bool = False
-    gradient_accumulation_fusion: bool = False
+    # -- Megatron fields with ZAYA1's values (megatron_field: zaya-pretrain's Megatron flags come from these) ----
+    normalization: str = megatron_field("RMSNorm", "--normalization")
+    layernorm_epsilon: float = megatron_field(1e-5, "--norm-epsilon")
+    gated_linear_unit: bool = megatron_field(True, "--swiglu")
+    activation_func: object = F.silu  # SwiGLU with gated_linear_unit (Megatron's --swiglu sets both)
+    add_bias_linear: bool = megatron_field(False, "--disable-bias-linear")
+    hidden_dropout: float = megatron_field(0.0, "--hidden-dropout")
+    attention_dropout: float = megatron_field(0.0, "--attention-dropout")
+    # The residual stream is fp32 (residual_in_fp32). Not Megatron's --fp32-residual-connection flag: Megatron
+    # refuses it without --bf16/--fp16, and with fp32 parameters the setting changes nothing.
+    fp32_residual_connection: bool = megatron_field(True)
+    moe_router_topk: int = megatron_field(1, "--moe-router-topk")
+    # Megatron requires it for top-1; our router does its own softmax.
+    moe_router_pre_softmax: bool = megatron_field(True, "--moe-router-pre-softmax")
+    moe_router_load_balancing_type: str = megatron_field("none", "--moe-router-load-balancing-type")
+    moe_aux_loss_coeff: float = megatron_field(0.0, "--moe-aux-loss-coeff")
+    moe_token_dispatcher_type: str = megatron_field("alltoall", "--moe-token-dispatcher-type")
+    bias_dropout_fusion: bool = megatron_field(False)
+    apply_rope_fusion: bool = megatron_field(False, "--no-rope-fusion")
+    masked_softmax_fusion: bool = megatron_field(False)
+    gradient_accumulation_fusion: bool = False  # zaya-pretrain turns it on where the fused kernel is present
 
     def __post_init__(self):
         self.validate_zaya()

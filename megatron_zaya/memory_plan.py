@@ -190,7 +190,7 @@ def parameter_counts(cfg, par: Parallel, stage: int = 0) -> dict[str, float]:
 # ---- the plan ----------------------------------------------------------------------------------------------
 @dataclass
 class Run:
-    """What the plan needs from the command line (``from_args``)."""
+    """What the plan needs from the command line (``training.arguments.memory_plan_inputs``)."""
 
     micro_batch: int
     seq: int
@@ -295,27 +295,3 @@ def report(cfg, par: Parallel, run: Run) -> str:
                      "for the rest)")
     return "\n".join(lines)
 
-
-def from_args(args) -> tuple[object, Parallel, Run]:
-    """(ZayaConfig, Parallel, Run) of a parsed ``zaya-pretrain`` command line."""
-    from .training.arguments import zaya_config_from_args
-
-    cfg = zaya_config_from_args(args)
-    par = Parallel(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                   ep=args.expert_model_parallel_size,
-                   etp=args.expert_tensor_parallel_size or args.tensor_model_parallel_size,
-                   cp=args.context_parallel_size, dp=args.data_parallel_size)
-    model_parallel = par.pp * par.ep * par.etp
-    par.expert_dp = max(1, args.world_size // model_parallel)
-    # Megatron turns --use-distributed-optimizer into its layer-wise flag for optimizers other than Adam and SGD
-    # (arguments.py:1680); zaya_muon shards by data-parallel owner under it (optim/zero.py).
-    sharded_optimizer = args.use_distributed_optimizer or getattr(args, "use_layer_wise_distributed_optimizer", False)
-    run = Run(micro_batch=args.micro_batch_size, seq=args.seq_length, global_batch=args.global_batch_size,
-              optimizer=args.optimizer, bf16=bool(args.bf16), distributed_optimizer=bool(sharded_optimizer),
-              grad_bf16=not args.accumulate_allreduce_grads_in_fp32 if args.bf16 else False,
-              bf16_momentum=getattr(args, "zaya_muon_momentum_dtype", "fp32") == "bf16",
-              recompute=args.recompute_granularity,
-              recompute_modules=tuple(cfg.zaya_recompute_modules), cuda_graphs=bool(args.zaya_cuda_graphs),
-              sequence_parallel=bool(args.sequence_parallel),
-              lm_head_grad_in_forward=cfg.lm_head_grad_in_forward, async_save=bool(args.async_save))
-    return cfg, par, run

@@ -8,10 +8,11 @@ from pathlib import Path
 import torch
 
 from .checkpoint import TRACKER
-from .config import ZayaConfig, ZayaConfigError, zaya_config
-from .convert.hf import ConversionError, hf_to_megatron, zaya_kwargs_from_hf
+from .config import ZayaConfig, zaya_config
+from .convert.hf import hf_to_megatron, zaya_kwargs_from_hf
 from .convert.hf_base import base_weights_to_hf, is_base_layout
 from .convert.hf_io import read_hf_config, read_hf_weights
+from .errors import ConversionError, ZayaConfigError
 
 # Single-process use: nothing to dispatch across ranks, so the simplest dispatcher serves.
 _RUNTIME = dict(use_cpu_initialization=True, moe_token_dispatcher_type="allgather")
@@ -59,7 +60,7 @@ def load_hf(hf_dir: str | os.PathLike, dtype: torch.dtype | None = None):
 
 def load_megatron(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = None):
     """Build a ZayaModel from the latest step of a megatron-zaya ``torch_dist`` checkpoint, once its files match
-    the checksums recorded at save (:class:`~megatron_zaya.checkpoint.CheckpointError` if not); returns
+    the checksums recorded at save (:class:`~megatron_zaya.errors.CheckpointError` if not); returns
     ``(model, config)``."""
     from . import checkpoint
 

@@ -19,11 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from megatron_zaya.errors import CheckpointError, ConversionError, UsageError
+
 DTYPES = {"auto": None, "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # torch's names: --help needs no torch
-
-
-class UsageError(ValueError):
-    pass
 
 
 def _check_output(out: Path) -> None:
@@ -135,8 +133,6 @@ def main(argv: list[str] | None = None) -> int:
     with one_line_for_missing_packages():
         import torch
 
-        from megatron_zaya.checkpoint import CheckpointError
-        from megatron_zaya.convert.hf import ConversionError
         from megatron_zaya.pretrained import load_hf  # noqa: F401  (Megatron's model stack)
 
     dtype = None if DTYPES[args.dtype] is None else getattr(torch, DTYPES[args.dtype])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ZayaConfig
-from . import ConversionError
+from ..errors import ConversionError
 from .hf_base import base_kwargs_from_hf, is_base_layout
 
 HF_LAYER_TYPES = {"hybrid": "global", "hybrid_sliding": "sliding"}

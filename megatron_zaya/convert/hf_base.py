@@ -55,7 +55,7 @@ import re
 
 import torch
 
-from . import ConversionError
+from ..errors import ConversionError
 
 # Keys whose presence marks the fork's alternating-sublayer config (absent from the ZAYA1-8B schema).
 _BASE_MARKERS = ("zaya_layers", "ffn_hidden_size", "ffn_hidden_size_list", "zaya_mlp_expansion", "cca_num_q_heads")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from . import ConversionError
+from ..errors import ConversionError
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -6,7 +6,7 @@ import argparse
 
 from megatron_zaya.kernels.newton_schulz import DEFAULT_STEPS, QUINTIC_COEFFICIENTS
 
-from ..settings import add_flags, values_from_args
+from ..dataclass_flags import add_flags, values_from_args
 from .muon import MuonConfig
 
 OPTIMIZER_NAME = "zaya_muon"

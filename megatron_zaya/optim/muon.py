@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from megatron_zaya.kernels.newton_schulz import DEFAULT_STEPS, QUINTIC_COEFFICIENTS, newton_schulz
 
-from ..settings import setting
+from ..dataclass_flags import setting
 
 from .plan import WorkItem, assign_owners, build_items
 from .roles import MatrixLayout

@@ -49,7 +49,8 @@ def background_saves() -> None:
     replace_attr(checkpointing, "schedule_async_save", schedule_async_save)
 
 
-@register("checkpointing.one_write_in_flight", target="megatron.training.training.save_checkpoint")
+@register("checkpointing.one_write_in_flight", target="megatron.training.training.save_checkpoint",
+          wraps=("reliability.watchdog_saves",))
 def one_write_in_flight() -> None:
     """With ``--async-save``, a save first waits for the background saves in flight and finalizes them, so that
     the checkpoint before it is named (tracker and ``zaya_checksums.json``) before the next one's directory

@@ -1,7 +1,7 @@
 """``zaya-patches``: list the registered patch hooks, or show one's documentation.
 
     zaya-patches list          # id, group, target, platforms, megatron-core range, kernel?, applies here?, summary
-    zaya-patches show cpu.rng  # the full docstring: what it replaces, why, how to turn it off
+    zaya-patches show cpu.rng  # what it replaces (around which patches of its target), why, how to turn it off
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def show_patch(patch_id: str) -> str:
     reason = registry.skip_reason(patch)
     facts = [
         f"{patch.id}  (group {patch.group}{', kernel' if patch.kernel else ''})",
-        f"replaces   {patch.target}",
+        f"replaces   {patch.target}" + (f", around {', '.join(patch.wraps)}" if patch.wraps else ""),
         f"platforms  {', '.join(patch.platforms)};  megatron-core {patch.megatron}",
         f"here       {'applies' if reason is None else 'skipped: ' + reason}",
     ]

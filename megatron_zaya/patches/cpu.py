@@ -34,7 +34,8 @@ import types
 
 import torch
 
-from .registry import PatchError, register, replace_attr
+from ..errors import PatchError
+from .registry import register, replace_attr
 
 CPU = torch.device("cpu")
 _FACTORIES = (

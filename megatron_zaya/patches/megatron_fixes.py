@@ -178,7 +178,7 @@ def optimizer_split_changed() -> None:
     """
     from megatron.core.optimizer.optimizer import ChainedOptimizer
 
-    from megatron_zaya.training.arguments import UsageError
+    from megatron_zaya.errors import UsageError
 
     original = ChainedOptimizer.load_state_dict
 
@@ -277,7 +277,7 @@ def schedule_mismatch() -> None:
     """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_zaya.training.arguments import UsageError
+    from megatron_zaya.errors import UsageError
 
     original = OptimizerParamScheduler._check_and_set
 

@@ -9,6 +9,8 @@ Megatron default) is changed here, through a *patch*: a function registered with
 * the ``platforms`` it is meant for (``cpu``, ``cuda``, ``rocm``) and the Megatron-Core versions it was
   written against (``megatron``, a PEP 440 specifier);
 * ``kernel=True`` for kernel swaps: a kernel patch asked for by name that cannot apply is an error;
+* ``wraps``: the ids of the patches of the same target that it wraps (it applies after them). Patches of one
+  target must be ordered this way, each pair of them, or resolving a selection fails;
 * a docstring saying what it replaces, why, and how to turn it off.
 
 A library call that applies patches (``load_pretrained``) leaves torch as it found it: within
@@ -16,9 +18,9 @@ A library call that applies patches (``load_pretrained``) leaves torch as it fou
 
 Selection: ``--zaya-patches all|none|<id or group>[,...]`` on the CLI, or the ``ZAYA_PATCHES`` environment
 variable elsewhere (default ``all``: every patch whose platform and version conditions hold). The selected
-patches apply in registration order (module by module, as ``_load_patch_modules`` lists them), so patches of one
-target nest the same way whatever the selection's order. Applying is idempotent, and rank 0 logs one line per
-patch (applied or skipped, with the reason).
+patches apply in registration order (module by module, as ``_load_patch_modules`` lists them) except that a patch
+applies after those it ``wraps``, so patches of one target nest as declared whatever the selection's order.
+Applying is idempotent, and rank 0 logs one line per patch (applied or skipped, with the reason).
 ``zaya-patches list`` prints the table.
 """
 
@@ -32,14 +34,12 @@ import logging
 import os
 from collections.abc import Callable, Iterable
 
+from ..errors import PatchError
+
 logger = logging.getLogger("megatron_zaya.patches")
 
 PLATFORMS = ("cpu", "cuda", "rocm")
 ENV_VAR = "ZAYA_PATCHES"
-
-
-class PatchError(RuntimeError):
-    """A patch that was asked for cannot be applied (target moved, wrong Megatron version, ...)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,7 @@ class Patch:
     kernel: bool
     fn: Callable[[], None]
     requires: Callable[[], str | None] | None = None
+    wraps: tuple[str, ...] = ()
 
     @property
     def doc(self) -> str:
@@ -76,8 +77,10 @@ def register(
     megatron: str = "==0.19.2",
     kernel: bool = False,
     requires: Callable[[], str | None] | None = None,
+    wraps: Iterable[str] = (),
 ):
-    """Decorator: register ``fn`` as patch ``id`` (``group.name``). ``requires`` returns a reason to skip."""
+    """Decorator: register ``fn`` as patch ``id`` (``group.name``). ``requires`` returns a reason to skip;
+    ``wraps`` names the patches of the same target that this one wraps."""
     group = id.split(".", 1)[0]
     platforms = tuple(platforms)
     assert set(platforms) <= set(PLATFORMS), platforms
@@ -85,7 +88,7 @@ def register(
     def decorate(fn: Callable[[], None]) -> Callable[[], None]:
         if not (fn.__doc__ or "").strip():
             raise PatchError(f"patch {id} needs a docstring saying what it replaces, why, and how to turn it off")
-        REGISTRY[id] = Patch(id, group, target, platforms, megatron, kernel, fn, requires)
+        REGISTRY[id] = Patch(id, group, target, platforms, megatron, kernel, fn, requires, tuple(wraps))
         return fn
 
     return decorate
@@ -126,14 +129,60 @@ def _load_patch_modules() -> None:
         importlib.import_module(f"{__package__}.{name}")
 
 
+def _wrapped(patch: Patch) -> set[str]:
+    """The ids of the patches ``patch`` wraps, directly or through others."""
+    found, todo = set(), list(patch.wraps)
+    while todo:
+        inner = todo.pop()
+        if inner not in found and inner in REGISTRY:
+            found.add(inner)
+            todo += REGISTRY[inner].wraps
+    return found
+
+
+def check_nesting() -> None:
+    """Raise :class:`PatchError` unless every two patches of one target declare which wraps the other."""
+    by_target: dict[str, list[Patch]] = {}
+    for patch in REGISTRY.values():
+        by_target.setdefault(patch.target, []).append(patch)
+        for inner in patch.wraps:
+            if inner not in REGISTRY or REGISTRY[inner].target != patch.target:
+                raise PatchError(f"patch {patch.id} wraps {inner!r}, which is no patch of its target {patch.target}")
+        if patch.id in _wrapped(patch):
+            raise PatchError(f"patch {patch.id} wraps itself through {', '.join(sorted(_wrapped(patch)))}")
+    for target, patches in by_target.items():
+        for i, outer in enumerate(patches):
+            for inner in patches[i + 1:]:
+                if inner.id not in _wrapped(outer) and outer.id not in _wrapped(inner):
+                    raise PatchError(f"patches {outer.id} and {inner.id} both wrap {target} without a declared order; "
+                                     "name the one inside in the other's wraps=(...)")
+
+
+def _in_nesting_order(patches: list[Patch]) -> list[Patch]:
+    """``patches`` in registration order, those of one target reordered among themselves so that each comes
+    after the ones it wraps."""
+    order = list(REGISTRY.values())
+    patches = sorted(patches, key=order.index)
+    by_target: dict[str, list[int]] = {}
+    for slot, patch in enumerate(patches):
+        by_target.setdefault(patch.target, []).append(slot)
+    for slots in by_target.values():
+        nested = sorted((patches[slot] for slot in slots), key=lambda patch: len(_wrapped(patch)))
+        for slot, patch in zip(slots, nested):
+            patches[slot] = patch
+    return patches
+
+
 def resolve(selection: str | None) -> tuple[list[Patch], set[str]]:
-    """The patches a selection names, and the subset named explicitly (by id or group, not via ``all``)."""
+    """The patches a selection names, in the order they apply, and the subset named explicitly (by id or group,
+    not via ``all``)."""
     _load_patch_modules()
+    check_nesting()
     selection = (selection if selection is not None else os.environ.get(ENV_VAR, "all")).strip() or "all"
     if selection == "none":
         return [], set()
     if selection == "all":
-        return list(REGISTRY.values()), set()
+        return _in_nesting_order(list(REGISTRY.values())), set()
     chosen: list[Patch] = []
     for token in (t.strip() for t in selection.split(",") if t.strip()):
         if token == "all":
@@ -144,10 +193,7 @@ def resolve(selection: str | None) -> tuple[list[Patch], set[str]]:
             known = ", ".join(sorted({p.group for p in REGISTRY.values()} | set(REGISTRY)))
             raise PatchError(f"unknown patch or group {token!r} in --zaya-patches; known: all, none, {known}")
         chosen += [p for p in matches if p not in chosen]
-    # Registration order, whatever the selection's: patches wrapping one target (``optim.zaya_muon`` and
-    # ``reliability.step_guard`` both wrap ``get_megatron_optimizer``) then always nest the same way.
-    order = list(REGISTRY.values())
-    chosen.sort(key=order.index)
+    chosen = _in_nesting_order(chosen)
     explicit = {p.id for p in chosen} if "all" not in selection.split(",") else set()
     return chosen, explicit
 
@@ -215,8 +261,9 @@ def torch_as_it_was():
     try:
         yield
     finally:
-        for patch_id in reversed([p for p in REGISTRY if p in _APPLIED - before and REGISTRY[p].target.startswith(
-                "torch.")]):
+        undone = [p.id for p in _in_nesting_order(list(REGISTRY.values()))
+                  if p.id in _APPLIED - before and p.target.startswith("torch.")]
+        for patch_id in reversed(undone):
             for owner, name, old, owned in reversed(_REPLACED.pop(patch_id)):
                 if owned:
                     setattr(owner, name, old)

@@ -168,7 +168,8 @@ def checkpoint_fits_run() -> None:
     replace_attr(checkpointing, "_load_base_checkpoint", _load_base_checkpoint)
 
 
-@register("reliability.step_guard", target="megatron.training.training.get_megatron_optimizer")
+@register("reliability.step_guard", target="megatron.training.training.get_megatron_optimizer",
+          wraps=("optim.zaya_muon",))
 def step_guard() -> None:
     """Install megatron-zaya's :class:`~megatron_zaya.training.reliability.StepGuard` on the optimizer.
 
@@ -220,7 +221,8 @@ def save_failure() -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from megatron_zaya.checkpoint import read_tracker, step_name
-    from megatron_zaya.training.reliability import DISK_FULL, TrainingFault, describe_latest_checkpoint, full_disk
+    from megatron_zaya.errors import TrainingFault
+    from megatron_zaya.training.reliability import DISK_FULL, describe_latest_checkpoint, full_disk
 
     original = training.save_checkpoint
 
@@ -249,13 +251,14 @@ def save_failure() -> None:
     replace_attr(training, "save_checkpoint", save_checkpoint)
 
 
-@register("reliability.watchdog_saves", target="megatron.training.training.save_checkpoint")
+@register("reliability.watchdog_saves", target="megatron.training.training.save_checkpoint",
+          wraps=("reliability.save_failure",))
 def watchdog_saves() -> None:
     """Give checkpoint saves their own allowance under ``--zaya-watchdog-seconds``: the progress watchdog declares
     no hang while a save runs (a save of a large model takes minutes where a step takes seconds).
 
-    Wraps the name ``save_checkpoint`` that ``megatron.training.training`` imported (with the other patches that
-    wrap it, in any order: the pause covers whatever runs inside). Off: leave ``reliability.watchdog_saves``
+    Wraps the name ``save_checkpoint`` that ``megatron.training.training`` imported, around
+    ``reliability.save_failure``: the pause covers whatever runs inside. Off: leave ``reliability.watchdog_saves``
     out of ``--zaya-patches`` (a save longer than the watchdog's allowance then counts as a hang).
     """
     import megatron.training.training as training

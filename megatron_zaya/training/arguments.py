@@ -2,12 +2,14 @@
 
 A preset expands to ordinary Megatron flags placed *before* the user's, so an explicit flag always wins
 (argparse keeps the last value). ZAYA1's fixed choices (RMSNorm, SwiGLU, no biases, RoPE, top-1 routing,
-no aux loss, no dropout) are such a bundle too.
+no aux loss, no dropout) are such a bundle too, made from ZayaConfig's ``megatron_field`` declarations.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import importlib.util
 import os
 import re
@@ -15,24 +17,17 @@ from pathlib import Path
 
 import torch
 
-from ..config import ATTENTION_TYPES, PRESETS, ZayaConfig, ZayaConfigError, kernel_selection, preset
-from ..settings import add_flags, flagged_fields, values_from_args
+from ..config import ATTENTION_TYPES, PRESETS, ZayaConfig, kernel_selection, preset
+from ..dataclass_flags import add_flags, fixed_megatron_values, flagged_fields, megatron_flags, values_from_args
+from ..errors import UsageError, ZayaConfigError
+from ..memory_plan import Parallel, Run
 from ..optim import add_muon_args
 from .data_checks import DEFAULT_SPLIT, indexed_dataset_problem, split_problem
 
 
-class UsageError(ValueError):
-    """Bad command-line input: printed as one line ``zaya-pretrain: error: ...``, exit code 2."""
-
-
-# ZAYA1's architecture, expressed in Megatron's flags.
-ZAYA_FLAGS = [
-    "--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--swiglu", "--disable-bias-linear",
-    "--position-embedding-type", "rope", "--rotary-percent", "0.5", "--no-rope-fusion",
-    "--moe-router-topk", "1", "--moe-router-pre-softmax", "--moe-router-load-balancing-type", "none",
-    "--moe-aux-loss-coeff", "0", "--moe-token-dispatcher-type", "alltoall",
-    "--hidden-dropout", "0", "--attention-dropout", "0", "--transformer-impl", "local",
-    "--ckpt-format", "torch_dist",
+# ZAYA1's architecture and run defaults, expressed in Megatron's flags.
+ZAYA_FLAGS = megatron_flags(ZayaConfig) + [
+    "--position-embedding-type", "rope", "--transformer-impl", "local", "--ckpt-format", "torch_dist",
     "--eval-interval", "1000",  # Megatron leaves it unset and then fails on the first step; any flag overrides it
 ]
 
@@ -111,6 +106,39 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return add_muon_args(parser)  # --zaya-muon-* and the --optimizer zaya_muon choice
 
 
+@functools.cache
+def zaya_pretrain_parser() -> argparse.ArgumentParser:
+    """zaya-pretrain's parser: Megatron's with the ZAYA1 flags, as Megatron's ``parse_args(add_zaya_args)`` builds
+    it (the patches that add choices to Megatron's flags aside)."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    return add_zaya_args(add_megatron_arguments(argparse.ArgumentParser(prog="zaya-pretrain", allow_abbrev=False)))
+
+
+# The flags zaya-pretrain reads before Megatron parses the command line: they choose the flags it gives Megatron
+# (preset, main job, implied --load, save on SIGTERM), the patches, and the memory plan.
+EARLY_FLAGS = frozenset({
+    "--zaya-preset", "--zaya-patches", "--zaya-memory-plan", "--zaya-vocab-size", "--zaya-sigterm-deadline",
+    "--zaya-overwrite-save", "--vocab-size", "--tokenizer-type", "--data-path", "--train-data-path",
+    "--data-args-path", "--mock-data", "--train-iters", "--save", "--load", "--tensor-model-parallel-size",
+    "--sequence-parallel", "--async-save"})
+
+
+def early_flags(argv: list[str]) -> argparse.Namespace:
+    """The ``EARLY_FLAGS`` of a command line, and ``help``, parsed as zaya-pretrain's parser declares them (type,
+    number of values, default), the other flags left for later. Choices are left to the full parse and to our
+    checks, which name the fix."""
+    full = zaya_pretrain_parser()
+    early = argparse.ArgumentParser(prog=full.prog, usage=full.usage, add_help=False, allow_abbrev=False)
+    early.add_argument("-h", "--help", action="store_true")
+    for action in full._actions:
+        if EARLY_FLAGS.intersection(action.option_strings):
+            declared = copy.copy(action)
+            declared.choices = None
+            early._add_action(declared)
+    return early.parse_known_args(argv)[0]
+
+
 def expand_attention_types(spec: str | None, num_layers: int) -> list[str] | None:
     if spec is None:
         return None
@@ -133,24 +161,43 @@ def zaya_config_from_args(args) -> ZayaConfig:
     """The model config of a (validated) Megatron args namespace."""
     from megatron.training.argument_utils import core_transformer_config_from_args
 
-    overrides = dict(
-        values_from_args(ZayaConfig, args, "zaya_"), vocab_size=args.padded_vocab_size,
-        max_position_embeddings=args.max_position_embeddings,
+    overrides = dict(  # over what Megatron parsed: ZAYA1's fixed values that no flag sets, then the --zaya-* flags
+        fixed_megatron_values(ZayaConfig) | values_from_args(ZayaConfig, args, "zaya_"),
+        vocab_size=args.padded_vocab_size, max_position_embeddings=args.max_position_embeddings,
         tie_embeddings=not args.untie_embeddings_and_output_weights, rotary_percent=args.rotary_percent,
         rotary_base=float(args.rotary_base),
-        attention_types=expand_attention_types(args.zaya_attention_types, args.num_layers), apply_rope_fusion=False,
-        bias_dropout_fusion=False, masked_softmax_fusion=False,
+        attention_types=expand_attention_types(args.zaya_attention_types, args.num_layers),
         gradient_accumulation_fusion=args.gradient_accumulation_fusion and weight_gradient_fusion_available(),
         pipeline_dtype=torch.float32,  # pipeline stages exchange the fp32 residual stream and router state
-        # ZAYA1's residual stream is fp32 (residual_in_fp32). Not Megatron's --fp32-residual-connection flag:
-        # Megatron refuses it without --bf16/--fp16, and with fp32 parameters the setting changes nothing.
-        fp32_residual_connection=True,
     )
     view = argparse.Namespace(**{**vars(args), **overrides})  # Megatron copies same-named fields from args
     try:
         return core_transformer_config_from_args(view, ZayaConfig)
     except ZayaConfigError as error:
         raise UsageError(str(error)) from error
+
+
+def memory_plan_inputs(args) -> tuple[ZayaConfig, Parallel, Run]:
+    """The memory plan's inputs (``memory_plan.report(*inputs)``) of a parsed ``zaya-pretrain`` command line."""
+    cfg = zaya_config_from_args(args)
+    par = Parallel(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                   ep=args.expert_model_parallel_size,
+                   etp=args.expert_tensor_parallel_size or args.tensor_model_parallel_size,
+                   cp=args.context_parallel_size, dp=args.data_parallel_size)
+    model_parallel = par.pp * par.ep * par.etp
+    par.expert_dp = max(1, args.world_size // model_parallel)
+    # Megatron turns --use-distributed-optimizer into its layer-wise flag for optimizers other than Adam and SGD
+    # (arguments.py:1680); zaya_muon shards by data-parallel owner under it (optim/zero.py).
+    sharded_optimizer = args.use_distributed_optimizer or getattr(args, "use_layer_wise_distributed_optimizer", False)
+    run = Run(micro_batch=args.micro_batch_size, seq=args.seq_length, global_batch=args.global_batch_size,
+              optimizer=args.optimizer, bf16=bool(args.bf16), distributed_optimizer=bool(sharded_optimizer),
+              grad_bf16=not args.accumulate_allreduce_grads_in_fp32 if args.bf16 else False,
+              bf16_momentum=getattr(args, "zaya_muon_momentum_dtype", "fp32") == "bf16",
+              recompute=args.recompute_granularity,
+              recompute_modules=tuple(cfg.zaya_recompute_modules), cuda_graphs=bool(args.zaya_cuda_graphs),
+              sequence_parallel=bool(args.sequence_parallel),
+              lm_head_grad_in_forward=cfg.lm_head_grad_in_forward, async_save=bool(args.async_save))
+    return cfg, par, run
 
 
 # --------------------------------------------------------------------------------- checks before Megatron

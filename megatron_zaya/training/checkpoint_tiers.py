@@ -15,17 +15,13 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import record_written
+from ..errors import UsageError
 from ..memory_plan import GIB, RESERVE_GIB
-from .arguments import UsageError
 
-# Megatron turns --async-save off without --use-persistent-ckpt-worker (arguments.py:1740), and its default
-# strategy imports NVIDIA's resiliency package; Megatron's own ("mcore") writer needs neither.
+# The flags --async-save implies, placed before the user's (an explicit one wins): --async-save alone gives a
+# background save. Megatron turns --async-save off without --use-persistent-ckpt-worker (arguments.py:1740), and its
+# default strategy imports NVIDIA's resiliency package; Megatron's own ("mcore") writer needs neither.
 ASYNC_FLAGS = ["--use-persistent-ckpt-worker", "--async-strategy", "mcore"]
-
-
-def implied_flags(argv: list[str]) -> list[str]:
-    """Flags placed before the user's (an explicit one wins): ``--async-save`` alone gives a background save."""
-    return ASYNC_FLAGS if "--async-save" in argv else []
 
 
 def _resiliency_package() -> bool:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import CHECKSUMS, TRACKER, damage, recorded_files, step_name, write_checksums
-from .arguments import UsageError
+from ..errors import UsageError
 from .checkpoint_tiers import stage, take_copies
 
 STATE = "state.pt"

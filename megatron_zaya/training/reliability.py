@@ -35,15 +35,11 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import TRACKER, read_tracker, step_damage, step_name
-from .arguments import UsageError
+from ..errors import TrainingFault, UsageError
 from .watchdog import WATCHDOG
 
 FAULT_EXIT_CODE = 3
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left, or the user's quota used up
-
-
-class TrainingFault(RuntimeError):
-    """The run stopped on a fault; the message names it, the last good checkpoint and what to do."""
 
 
 def describe_latest_checkpoint(save_dir: str | None) -> str:
@@ -297,6 +293,12 @@ def newest_intact_checkpoint(load_dir: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- SIGTERM
+def saves_on_sigterm(save_dir: str | None, deadline: float) -> bool:
+    """Whether SIGTERM (pre-emption, scancel) saves: with a --save directory, unless --zaya-sigterm-deadline is 0
+    (zaya-pretrain then gives Megatron ``--exit-signal-handler`` and arms the deadline)."""
+    return bool(save_dir) and deadline > 0
+
+
 def arm_sigterm_deadline(seconds: float, save_dir: str | None, exit=os._exit) -> None:
     """After SIGTERM (Megatron's ``--exit-signal-handler`` saves at the end of the current step and exits 0),
     give the save ``seconds``; past them print why and exit with :data:`FAULT_EXIT_CODE`, before the

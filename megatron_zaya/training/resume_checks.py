@@ -10,7 +10,8 @@ import hashlib
 import json
 
 from ..checkpoint import architecture_differences
-from .arguments import UsageError, field_flag, zaya_config_from_args
+from ..errors import UsageError
+from .arguments import field_flag, zaya_config_from_args
 
 
 def tokenizer_identity(tokenizer, args) -> dict:

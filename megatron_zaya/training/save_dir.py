@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from ..checkpoint import CHECKSUMS, TRACKER, read_tracker
-from .arguments import UsageError
+from ..errors import UsageError
 
 LOCK = "zaya.lock"
 OVERWRITE_FLAG = "--zaya-overwrite-save"

@@ -16,7 +16,7 @@ import pytest
 import torch
 from gloo import run_ranks
 
-from megatron_zaya.training.arguments import UsageError
+from megatron_zaya.errors import UsageError
 
 
 def _sharded_state(iteration: int, rank: int, world: int, fill: bool = True):

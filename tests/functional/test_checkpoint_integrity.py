@@ -16,7 +16,7 @@ from zaya_cli import QUICK, losses, pretrain
 from megatron_zaya.checkpoint import CHECKSUMS, TRACKER, damage, recorded_files
 from megatron_zaya.convert.cli import main as convert
 from megatron_zaya.data import embedded_tokenizer_dir
-from megatron_zaya.training.arguments import UsageError
+from megatron_zaya.errors import UsageError
 from megatron_zaya.training.reliability import newest_intact_checkpoint
 
 SHARD = "__0_0.distcp"

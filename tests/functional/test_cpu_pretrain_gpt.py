@@ -1,8 +1,8 @@
 """Megatron's stock ``pretrain()`` trains a tiny GPT-MoE on CPU with gloo, behind the ``startup`` and ``cpu`` patches.
 
 The model has 2 layers (RMSNorm, RoPE, SwiGLU, dropout 0.1), the second one MoE. Each run launches
-``tests/gpt_cpu_entry.py`` (a cut-down ``pretrain_gpt.py``) under torchrun with ``--mock-data`` and the
-NullTokenizer; the entry records every micro-batch loss exactly (``GPT_CPU_ENTRY_LOSSES``). Checked
+``benchmarks/gpt_pretrain.py`` (a cut-down ``pretrain_gpt.py``) under torchrun with ``--mock-data`` and the
+NullTokenizer; the entry records every micro-batch loss exactly (``GPT_PRETRAIN_LOSSES``). Checked
 against independent references:
 
 * one rank, 10 iterations: the first loss is ln(vocab) (an untrained model), and the loss falls;
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ENTRY = Path(__file__).parents[1] / "gpt_cpu_entry.py"
+ENTRY = Path(__file__).parents[2] / "benchmarks" / "gpt_pretrain.py"
 VOCAB = 128
 MODEL = (
     "--transformer-impl local --num-layers 2 --hidden-size 32 --num-attention-heads 4 --ffn-hidden-size 64 "
@@ -49,7 +49,7 @@ def pretrain(tmp: Path, name: str, extra: str = "") -> dict[int, list[float]]:
     """Run the entry on one gloo process; ``{iteration: [loss sums of its micro-batches]}``."""
     record = tmp / name
     env = os.environ | {
-        "GPT_CPU_ENTRY_LOSSES": str(record),
+        "GPT_PRETRAIN_LOSSES": str(record),
         "ZAYA_PATCHES": "startup,cpu",
         "OMP_NUM_THREADS": "1",  # same kernels in every run: bit-exact comparisons
     }

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import ZayaConfig as HFZayaConfig
 
-from megatron_zaya.config import ZayaConfigError, zaya_config
+from megatron_zaya.config import zaya_config
+from megatron_zaya.errors import ZayaConfigError
 from megatron_zaya.convert.hf import hf_config_from_zaya
 
 

@@ -136,7 +136,7 @@ def test_a_damaged_checkpoint_is_not_exported(megatron_dir, tmp_path, capsys):
 LOAD_IN_A_NEW_PROCESS = """
 import sys, torch
 from megatron_zaya import load_pretrained
-from megatron_zaya.checkpoint import CheckpointError
+from megatron_zaya.errors import CheckpointError
 tensor_cuda, current_device = torch.Tensor.cuda, torch.cuda.current_device
 model = load_pretrained(sys.argv[1])
 assert torch.Tensor.cuda is tensor_cuda and torch.cuda.current_device is current_device, "torch was patched"

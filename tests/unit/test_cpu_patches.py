@@ -250,7 +250,7 @@ def test_megatron_fusions_run_eagerly_and_match_float64(single_rank):
 
 
 def test_module_view_refuses_a_module_without_torch():
-    from megatron_zaya.patches import PatchError
+    from megatron_zaya.errors import PatchError
     from megatron_zaya.patches.cpu import _see_cpu_torch
 
     with pytest.raises(PatchError, match="json has no module-global `torch`"):

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_zaya.config import ZayaConfigError, zaya_config
+from megatron_zaya.config import zaya_config
+from megatron_zaya.errors import ZayaConfigError
 from megatron_zaya.model.cuda_graphs import check_cuda_graphs
 from megatron_zaya.pretrained import build_single_process_model
 

@@ -438,7 +438,7 @@ PARSE_WITH_ZAYA_PRETRAIN = """
 import json, sys
 from megatron.training.arguments import parse_args
 from megatron_zaya.patches import apply_patches
-from megatron_zaya.pretrain import build_argv
+from megatron_zaya.training.command import build_argv
 from megatron_zaya.training.arguments import add_zaya_args
 apply_patches(None)
 parsed = []

@@ -9,7 +9,8 @@ import pytest
 import torch
 from zaya_cli import pretrain
 
-from megatron_zaya.config import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_MODULES, ZayaConfigError, zaya_config
+from megatron_zaya.config import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_MODULES, zaya_config
+from megatron_zaya.errors import ZayaConfigError
 from megatron_zaya.memory_plan import GPUS_GIB, GRAPH_GRAD_BYTES, RESERVE_GIB, Parallel, parameter_counts, stack_bytes
 from megatron_zaya.optim.roles import classify
 from megatron_zaya.pretrained import build_single_process_model

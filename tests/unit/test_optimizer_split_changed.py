@@ -2,8 +2,8 @@
 
 import pytest
 
+from megatron_zaya.errors import UsageError
 from megatron_zaya.patches import apply_patches
-from megatron_zaya.training.arguments import UsageError
 
 
 def test_a_mixed_split_is_refused_and_a_matching_one_passes_through():

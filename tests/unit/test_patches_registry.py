@@ -9,9 +9,10 @@ import importlib
 
 import pytest
 
+from megatron_zaya.errors import PatchError
 from megatron_zaya.patches import registry
 from megatron_zaya.patches.cli import main as zaya_patches
-from megatron_zaya.patches.registry import PatchError, apply_patches, register, resolve
+from megatron_zaya.patches.registry import apply_patches, register, resolve
 
 CALLS: list[str] = []
 
@@ -55,6 +56,44 @@ def test_patches_of_one_target_nest_the_same_way_whatever_the_selection_order():
     """``reliability.step_guard`` must wrap what ``optim.zaya_muon`` installs, or the guard is skipped."""
     for selection in ("optim.zaya_muon,reliability.step_guard", "reliability.step_guard,optim.zaya_muon"):
         assert [p.id for p in resolve(selection)[0]] == ["optim.zaya_muon", "reliability.step_guard"], selection
+
+
+def test_every_patch_applies_after_the_patches_it_wraps():
+    """Each pair of patches of one target declares which wraps the other, and the order they apply keeps it."""
+    registry.check_nesting()
+    for selection in ("all", ",".join(reversed(list(registry.REGISTRY)))):
+        position = {patch.id: i for i, patch in enumerate(resolve(selection)[0])}
+        for patch in registry.REGISTRY.values():
+            assert all(position[inner] < position[patch.id] for inner in patch.wraps), (selection, patch.id)
+    nested = [p.id for p in resolve("all")[0] if p.target == "megatron.training.training.save_checkpoint"]
+    assert nested == ["reliability.save_failure", "reliability.watchdog_saves", "checkpointing.one_write_in_flight"]
+
+
+def test_two_patches_of_one_target_without_a_declared_order_are_refused(throwaway_patches):
+    @register("zztest.unordered", target="zztest.module.symbol")
+    def unordered():
+        """Wraps the same target as zztest.counted, declaring no order (a test patch)."""
+
+    try:
+        with pytest.raises(PatchError, match=r"zztest\.counted and zztest\.unordered both wrap zztest\.module\.symbol "
+                                             r"without a declared order"):
+            resolve("zztest")
+        registry.REGISTRY.pop("zztest.unordered")
+
+        @register("zztest.unordered", target="zztest.module.symbol", wraps=("zztest.counted",))
+        def ordered():
+            """Wraps zztest.counted (a test patch)."""
+
+        assert [p.id for p in resolve("zztest.unordered,zztest.counted")[0]] == ["zztest.counted", "zztest.unordered"]
+
+        @register("zztest.counted", target="zztest.module.symbol", wraps=("zztest.unordered",))
+        def counted_outside():
+            """Wraps zztest.unordered, which wraps it (a test patch)."""
+
+        with pytest.raises(PatchError, match=r"zztest\.\w+ wraps itself"):
+            resolve("zztest")
+    finally:
+        registry.REGISTRY.pop("zztest.unordered", None)
 
 
 def test_environment_variable_selects_when_no_selection_is_given(throwaway_patches, monkeypatch):
@@ -138,6 +177,9 @@ def test_cli_show_prints_the_docstring(throwaway_patches, capsys):
     out = capsys.readouterr().out
     assert "replaces   zztest.module.kernel" in out and "skipped: no such kernel here" in out
     assert out.rstrip().endswith("A kernel patch whose requirement never holds (a test patch).")
+    zaya_patches(["show", "reliability.step_guard"])
+    assert "replaces   megatron.training.training.get_megatron_optimizer, around optim.zaya_muon" in (
+        capsys.readouterr().out)
 
 
 def test_cli_show_unknown_id_is_a_one_line_error():

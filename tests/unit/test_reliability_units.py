@@ -19,7 +19,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_zaya.data import embedded_tokenizer_dir
 from megatron_zaya.data.preprocess import write_indexed_dataset
-from megatron_zaya.training.arguments import UsageError
+from megatron_zaya.errors import UsageError
 from megatron_zaya.training.data_checks import indexed_dataset_problem
 from megatron_zaya.training.reliability import arm_sigterm_deadline, check_save_dir
 
@@ -163,7 +163,8 @@ def test_latest_moves_only_past_a_checked_save_whose_checksums_the_writers_recor
     import torch.distributed.checkpoint as dcp
     from megatron.core.msc_utils import maybe_msc
 
-    from megatron_zaya.checkpoint import CHECKSUMS, CheckpointError, check_written, record_written, recorded_files
+    from megatron_zaya.checkpoint import CHECKSUMS, check_written, record_written, recorded_files
+    from megatron_zaya.errors import CheckpointError
     from megatron_zaya.patches.reliability import _AtomicTrackerStorage
 
     step = tmp_path / "iter_0000002"

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from megatron_zaya.training.arguments import UsageError
+from megatron_zaya.errors import UsageError
 from megatron_zaya.training.save_dir import LOCK, SaveDirLock, resume_command
 
 

@@ -1,5 +1,5 @@
-"""Settings declared once (``megatron_zaya.settings``): the flags generated from ZayaConfig's fields give back the
-fields' defaults, and every non-default value a user passes reaches the config."""
+"""Flags declared on dataclass fields (``megatron_zaya.dataclass_flags``): the flags generated from ZayaConfig's
+fields give back the fields' defaults, and every non-default value a user passes reaches the config."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from megatron_zaya.config import ZayaConfig
-from megatron_zaya.settings import add_flags, flagged_fields, values_from_args
+from megatron_zaya.dataclass_flags import add_flags, flagged_fields, values_from_args
 from megatron_zaya.training.arguments import add_zaya_args, preset_flags
 
 
@@ -64,3 +64,24 @@ def test_muon_flags_give_back_muon_config_defaults_and_user_values():
          "--zaya-muon-kernel", "torch", "--zaya-muon-ns-steps", "2"]))
     assert (chosen.nesterov, chosen.ns_graphs, chosen.momentum_dtype, chosen.backend, len(chosen.coefficients)) == (
         False, False, torch.bfloat16, "torch", 2)
+
+
+def test_zaya_flags_give_megatron_the_config_values_and_the_rest_is_set_over_them():
+    """ZAYA1's fixed Megatron choices are declared once, on ZayaConfig: its Megatron flags parse back to the
+    fields' values, and the fields without a flag are set over what Megatron parsed."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_zaya.dataclass_flags import fixed_megatron_values
+    from megatron_zaya.training.arguments import ZAYA_FLAGS
+
+    args = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)).parse_args(ZAYA_FLAGS)
+    fields = {f.name: f for f in dataclasses.fields(ZayaConfig) if "megatron_flag" in f.metadata}
+    flagged = {name for name, f in fields.items() if f.metadata["megatron_flag"]}
+    dests = {"gated_linear_unit": "swiglu"}  # Megatron derives the field from --swiglu
+    parsed = {name: getattr(args, dests.get(name, name)) for name in flagged}
+    # Megatron parses a per-layer list for some flags; its validation turns one value into a scalar
+    parsed = {name: v[0] if isinstance(v, list) and len(v) == 1 else v for name, v in parsed.items()}
+    assert parsed == {name: fields[name].default for name in flagged}
+    assert fixed_megatron_values(ZayaConfig) == dict(
+        fp32_residual_connection=True, bias_dropout_fusion=False, masked_softmax_fusion=False)
+    assert (args.position_embedding_type, args.transformer_impl, args.ckpt_format) == ("rope", "local", "torch_dist")

@@ -1,10 +1,14 @@
-"""Settings declared once: a dataclass field holds its default, its command-line flag and its help.
+"""Command-line flags declared on dataclass fields: a field holds its default, its flag and its help.
 
 ``setting(default, flag=..., help=...)`` declares a field. ``add_flags(parser, cls, prefix)`` adds the flag of
 every such field of a dataclass, with the field's default, and ``values_from_args(cls, args, prefix)`` reads the
 parsed values back as field values; an argument's ``dest`` is ``prefix + field name``. Booleans become
 ``store_true`` flags, ``store_false`` ones when the flag says ``-no-``, or ``--x / --no-x`` pairs with
 ``negatable=True``. A field whose command-line values are words maps them with ``choices={word: value}``.
+
+``megatron_field(value, flag)`` declares a field of Megatron's ``TransformerConfig`` with ZAYA1's value, and
+Megatron's flag for it if it has one: ``megatron_flags`` gives Megatron's parser those flags, and
+``fixed_megatron_values`` the values of the fields without one.
 """
 
 from __future__ import annotations
@@ -69,3 +73,26 @@ def values_from_args(cls, args: argparse.Namespace, prefix: str) -> dict:
             value = tuple(value)
         values[field.name] = value
     return values
+
+
+def megatron_field(default, flag: str | None = None):
+    """A field of Megatron's ``TransformerConfig`` with ZAYA1's value. With ``flag``, Megatron's flag for it:
+    zaya-pretrain passes it before the user's flags (an explicit one wins). Without, the field is no command-line
+    choice: zaya-pretrain sets it over the value Megatron parsed."""
+    return dataclasses.field(default=default, metadata=dict(megatron_flag=flag))
+
+
+def megatron_flags(cls) -> list[str]:
+    """The Megatron flags of the ``megatron_field`` fields of ``cls`` that have one, with their values."""
+    flags = []
+    for field in dataclasses.fields(cls):
+        flag = field.metadata.get("megatron_flag")
+        if flag:  # a boolean's flag stores the field's value
+            flags += [flag] if isinstance(field.default, bool) else [flag, str(field.default)]
+    return flags
+
+
+def fixed_megatron_values(cls) -> dict:
+    """``{field: value}`` of the ``megatron_field`` fields of ``cls`` without a flag."""
+    return {f.name: f.default for f in dataclasses.fields(cls)
+            if "megatron_flag" in f.metadata and f.metadata["megatron_flag"] is None}

@@ -1,10 +1,12 @@
-"""A GPT pretrain entry for the CPU tests: Megatron's stock ``pretrain()`` behind the megatron-zaya patches.
+"""Megatron's stock GPT ``pretrain()`` behind the megatron-zaya patches: the GPT-MoE baseline of the benchmarks
+(``benchmarks/gpt_entry.py``), and on CPU the check that the patches let Megatron's own training run
+(tests/functional/test_cpu_pretrain_gpt.py).
 
 Modelled on Megatron-LM's ``pretrain_gpt.py`` (branch core_r0.19.0), cut down to a mock-data GPT:
 the model comes from ``gpt_config_from_args`` (Megatron's own GPTModelBuilder), the data from
 ``MockGPTDataset``. Launch (CPU, gloo), with the usual Megatron flags:
 
-    python tests/gpt_cpu_entry.py --distributed-backend gloo --transformer-impl local --mock-data \
+    python benchmarks/gpt_pretrain.py --distributed-backend gloo --transformer-impl local --mock-data \
         --tokenizer-type NullTokenizer --vocab-size 128 ...            # or torchrun --nproc-per-node 2
 """
 
@@ -28,7 +30,7 @@ from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
-LOSS_RECORD = os.environ.get("GPT_CPU_ENTRY_LOSSES")  # if set, each rank appends its exact micro-batch losses here
+LOSS_RECORD = os.environ.get("GPT_PRETRAIN_LOSSES")  # if set, each rank appends its exact micro-batch losses here
 
 
 def get_batch(data_iterator):
