@@ -6,6 +6,7 @@ import gzip
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -93,8 +94,10 @@ def peak_memory_growth(function, *args, **kwargs) -> int:
             before = _high_water_mark()
             function(*args, **kwargs)
             os.write(write, str(_high_water_mark() - before).encode())
-        finally:
-            os._exit(0)
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
     os.close(write)
     with os.fdopen(read) as result:
         growth = result.read()
