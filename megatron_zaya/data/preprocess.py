@@ -62,7 +62,7 @@ def load_tokenizer(name_or_dir: str):
 
 
 def encode_documents(tokenizer, texts: Iterable[str], eod: int | None) -> list[np.ndarray]:
-    """Token ids of each document, `eod` appended unless it is None. Returns int64 arrays [n_tokens].
+    """Token ids of each document, `eod` appended unless it is None. Returns int32 arrays [n_tokens].
 
     A document longer than PIECE_CHARS is tokenised in pieces (`_encode_in_pieces`): the tokenizer holds
     about 170 bytes per character of the text it is given, so a 34 MB line would take 5 GB at once.
@@ -72,14 +72,14 @@ def encode_documents(tokenizer, texts: Iterable[str], eod: int | None) -> list[n
     short = [text for text in texts if len(text) <= PIECE_CHARS]
     short = iter(tokenizer(short, verbose=False)["input_ids"] if short else [])
     return [
-        np.asarray(next(short) + tail, dtype=np.int64) if len(text) <= PIECE_CHARS
+        np.asarray(next(short) + tail, dtype=np.int32) if len(text) <= PIECE_CHARS
         else _encode_in_pieces(tokenizer, text, tail)
         for text in texts
     ]
 
 
-PIECE_CHARS = 1 << 15  # characters the tokenizer is given at once
-SEAM_CHARS = 1 << 9  # context on either side of a cut that must tokenise the same cut or whole
+PIECE_CHARS = 1 << 14  # characters the tokenizer is given at once
+SEAM_CHARS = 1 << 8  # context on either side of a cut that must tokenise the same cut or whole
 SEAM_TRIES = 64  # candidates tried for one cut before the rest of the document is tokenised whole
 _CUT_CANDIDATES = re.compile(r"(?<=\S)(?=\s)|(?<=\s)(?=\S)")  # where whitespace begins or ends
 
@@ -102,9 +102,9 @@ def _encode_in_pieces(tokenizer, text: str, tail: list[int]) -> np.ndarray:
             at = next(i for i in range(len(with_special) - len(ids) + 1) if with_special[i : i + len(ids)] == ids)
             suffix = with_special[at + len(ids) :]
             ids = with_special[: at + len(ids)]
-        pieces.append(np.asarray(ids, dtype=np.int32))  # half of int64 until the one concatenation
+        pieces.append(np.asarray(ids, dtype=np.int32))
         start = end
-    return np.concatenate([*pieces, np.asarray(suffix + tail, dtype=np.int64)])
+    return np.concatenate([*pieces, np.asarray(suffix + tail, dtype=np.int32)])
 
 
 def _cut(tokenizer, text: str, target: int) -> int:
