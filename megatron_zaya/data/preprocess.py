@@ -62,7 +62,8 @@ def load_tokenizer(name_or_dir: str):
 
 
 def encode_documents(tokenizer, texts: Iterable[str], eod: int | None) -> list[np.ndarray]:
-    """Token ids of each document, `eod` appended unless it is None. Returns int32 arrays [n_tokens].
+    """Token ids of each document, `eod` appended unless it is None. Returns int32 arrays [n_tokens] (a
+    dataset's dtype is uint16 or int32: `DType.optimal_dtype`).
 
     A document longer than PIECE_CHARS is tokenised in pieces (`_encode_in_pieces`): the tokenizer holds
     about 170 bytes per character of the text it is given, so a 34 MB line would take 5 GB at once.
