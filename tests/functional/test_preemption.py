@@ -13,7 +13,7 @@ import time
 
 import psutil
 import pytest
-from zaya_cli import KILLED_RUN, QUICK, losses
+from zaya_cli import KILLED_RUN, QUICK, loss_csv, losses
 
 from megatron_zaya.training.reliability import newest_intact_checkpoint
 
@@ -100,10 +100,10 @@ def _launch_under(launcher: str, argv: list[str], cwd, log):
                                 cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def test_sigterm_to_zaya_torchrun_saves_on_both_ranks_and_exits_0(tmp_path):
+def test_sigterm_to_zaya_torchrun_saves_on_both_ranks_and_exits_0(tmp_path, uninterrupted):
     """SIGTERM to the launcher's process group (scancel, the sbatch script's requeue): zaya-torchrun passes it to
     the two gloo ranks, which save and exit 0, and exits 0 itself (torchrun exits 1: its agent raises the signal
-    again once the workers are gone)."""
+    again once the workers are gone). The same command resumes with the one-process run's losses."""
     ckpt = tmp_path / "ckpt"
     flags = KILLED_RUN + ["--save", str(ckpt), "--save-interval", "1000"]
     log = tmp_path / "run.log"
@@ -118,9 +118,17 @@ def test_sigterm_to_zaya_torchrun_saves_on_both_ranks_and_exits_0(tmp_path):
     assert "zaya-torchrun: stopped by SIGTERM; all 2 workers exited 0 after it: exit 0" in output
     assert f"; resume with: zaya-torchrun ... -m megatron_zaya.pretrain {shlex.join(flags)}\n" in output
     saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
-    assert saved == max(losses(output)) >= 3  # the step the signal found
+    assert saved == max(losses(output)) and 3 <= saved < max(uninterrupted)  # the step the signal found
     assert newest_intact_checkpoint(str(ckpt)) == str(saved)  # both ranks' files, checksums recorded
     assert not [rank.pid for rank in ranks if rank.is_running() and rank.status() != psutil.STATUS_ZOMBIE]
+
+    resumed = tmp_path / "resumed.log"
+    argv = ["-m", "megatron_zaya.pretrain", *flags, "--exit-interval", str(saved + 1)]
+    assert _launch_under("megatron_zaya.launch", argv, tmp_path, resumed).wait(timeout=300) == 0, resumed.read_text()
+    curve = loss_csv(ckpt / "loss.csv")
+    assert min(losses(resumed.read_text())) == saved + 1 and sorted(curve) == list(range(1, saved + 2))
+    for step in curve:  # data parallelism sums the same gradients in another order
+        assert abs(curve[step] - uninterrupted[step]) <= 1e-5 * uninterrupted[step], (step, curve, uninterrupted)
 
 
 @pytest.mark.parametrize(("exit_codes", "launcher_exit"), [("0,0", 0), ("0,3", 1)])
