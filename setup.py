@@ -45,6 +45,7 @@ setup(
             "zaya-convert=megatron_zaya.convert.cli:main",
             "zaya-preprocess=megatron_zaya.data.preprocess:main",
             "zaya-patches=megatron_zaya.patches.cli:main",
+            "zaya-torchrun=megatron_zaya.launch:main",
         ]
     },
 )

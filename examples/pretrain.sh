@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train ZAYA1 on one machine with torchrun, on one GPU or on all GPUs of a node.
+# Train ZAYA1 on one machine with zaya-torchrun, on one GPU or on all GPUs of a node.
 #
 #   ZAYA_PLATFORM=h200 MODEL=tiny bash examples/pretrain.sh
 #   ZAYA_PLATFORM=h200 MODEL=zaya1-8b-shallow bash examples/pretrain.sh
@@ -95,7 +95,7 @@ read -r -a extra_args <<<"${EXTRA_ARGS:-}"
 
 mkdir -p "$RUN_DIR"
 zaya_print_env
-exec torchrun --standalone --nproc-per-node="$NGPUS" --no-python zaya-pretrain \
+exec zaya-torchrun --standalone --nproc-per-node="$NGPUS" --no-python zaya-pretrain \
   --zaya-preset "$MODEL" "${model_args[@]}" "${data_args[@]}" \
   --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --ckpt-format torch_dist \
   --tensorboard-dir "$RUN_DIR/tensorboard" "${extra_args[@]}"

@@ -5,7 +5,7 @@ the run uses the embedded corpus and tokenizer (the "main job": the ``tiny`` pre
 a checkpoint, a loss-curve PNG). Examples::
 
     zaya-pretrain                                              # the embedded main job (CPU or GPU)
-    torchrun --nproc-per-node 8 -m megatron_zaya.pretrain --zaya-preset zaya1-8b \\
+    zaya-torchrun --nproc-per-node 8 -m megatron_zaya.pretrain --zaya-preset zaya1-8b \\
         --data-path /data/corpus_text_document --tokenizer-type HuggingFaceTokenizer \\
         --tokenizer-model google/gemma-3-4b-pt --seq-length 4096 --micro-batch-size 1 \\
         --global-batch-size 512 --train-iters 100000 --lr 2e-3 --bf16 --save ckpt --load ckpt
@@ -20,11 +20,11 @@ import sys
 
 
 def _relaunch_on_all_gpus(argv: list[str]) -> None:
-    """Started without a launcher on a machine with several GPUs: re-run under torchrun on all of them."""
+    """Started without a launcher on a machine with several GPUs: re-run under zaya-torchrun on all of them."""
     import torch
 
     if torch.cuda.device_count() > 1 and "WORLD_SIZE" not in os.environ:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        command = [sys.executable, "-m", "megatron_zaya.launch", "--standalone",
                    f"--nproc-per-node={torch.cuda.device_count()}", "-m", "megatron_zaya.pretrain", *argv]
         os.execv(sys.executable, command)
 

@@ -112,7 +112,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--torch-backend", choices=("rocm", "cuda"), help="also require this torch build")
     args = parser.parse_args()
-    # `python -m` (so `torchrun -m`) puts the working directory first; a console script does not,
+    # `python -m` (so `zaya-torchrun -m`) puts the working directory first; a console script does not,
     # so checking it is stricter than a console script needs, never looser.
     sys.path.insert(0, os.getcwd())
     summary, problems = find_problems(args.torch_backend)

@@ -76,7 +76,7 @@ zaya_default CUDA_DEVICE_MAX_CONNECTIONS 1
 zaya_default TORCH_NCCL_HIGH_PRIORITY 1
 # Log lines reach torchrun/Slurm log files when printed, not when a buffer fills.
 zaya_default PYTHONUNBUFFERED 1
-# On SIGTERM (pre-emption, Slurm time limit) torchrun gives the ranks this long to finish the
+# On SIGTERM (pre-emption, Slurm time limit) zaya-torchrun gives the ranks this long to finish the
 # checkpoint Megatron's --exit-signal-handler writes, instead of 30 s, before it kills them.
 zaya_default TORCH_ELASTIC_SHUTDOWN_TIMEOUT 300
 ZAYA_ENV_VARS+=(NCCL_SOCKET_IFNAME NCCL_IB_HCA)

@@ -105,8 +105,8 @@ zaya_srun_prefix() {
 
 # zaya_run_requeueable COMMAND...: run a training step so that a time-limit warning
 # (#SBATCH --signal=B:USR1@...) or a pre-emption SIGTERM stops it cleanly and requeues the job.
-# On either signal: SIGTERM to the step (srun passes it to torchrun, torchrun to the ranks, and
-# Megatron's --exit-signal-handler saves a checkpoint and exits), wait for it, `scontrol requeue`.
+# On either signal: SIGTERM to the step (srun passes it to zaya-torchrun, zaya-torchrun to the ranks;
+# Megatron's --exit-signal-handler saves a checkpoint, and the step exits 0), wait for it, `scontrol requeue`.
 # The restarted job resumes from that checkpoint. Returns the step's exit status otherwise.
 zaya_run_requeueable() {
   trap _zaya_stop_and_requeue USR1 TERM

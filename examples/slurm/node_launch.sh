@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One node of a multi-node job: load the launch presets, check the install, start torchrun.
+# One node of a multi-node job: load the launch presets, check the install, start zaya-torchrun
+# (torchrun, exiting 0 after a pre-emption that every rank saved).
 #
 #   srun --ntasks-per-node=1 ... examples/slurm/node_launch.sh zaya-pretrain --zaya-preset zaya1-8b ...
 #
 # Started once per node by the sbatch scripts in this folder (inside the container when there is
-# one). Runs `torchrun --no-python COMMAND ARGS...` with GPUS_PER_NODE processes.
+# one). Runs `zaya-torchrun --no-python COMMAND ARGS...` with GPUS_PER_NODE processes.
 # Reads:
 #   ZAYA_PLATFORM            platform presets (examples/launch/presets.sh)
 #   MASTER_ADDR, MASTER_PORT rendezvous host and port (exported by the batch script)
@@ -27,5 +28,5 @@ if [[ $node_rank == 0 ]]; then
   zaya_print_env
 fi
 
-exec torchrun --nnodes="$nnodes" --nproc-per-node="$GPUS_PER_NODE" --node-rank="$node_rank" \
+exec zaya-torchrun --nnodes="$nnodes" --nproc-per-node="$GPUS_PER_NODE" --node-rank="$node_rank" \
   --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" --no-python "$@"

@@ -18,11 +18,11 @@ import hashlib
 import multiprocessing
 import multiprocessing.pool
 import os
+import re
 import sys
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from itertools import batched
 
 import numpy as np
 from tqdm import tqdm
@@ -31,6 +31,7 @@ from .documents import InputError, expand_inputs, read_documents
 from .embedded import EMBEDDED_CORPUS, EMBEDDED_DIR, embedded_tokenizer_dir
 
 DOCUMENTS_PER_BATCH = 64
+BATCH_CHARS = 1 << 20  # a batch ends at this many characters too, so that long documents are not held 64 at a time
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,67 @@ def load_tokenizer(name_or_dir: str):
 
 
 def encode_documents(tokenizer, texts: Iterable[str], eod: int | None) -> list[np.ndarray]:
-    """Token ids of each document, `eod` appended unless it is None. Returns int64 arrays [n_tokens]."""
-    ids = tokenizer(list(texts), verbose=False)["input_ids"]
+    """Token ids of each document, `eod` appended unless it is None. Returns int32 arrays [n_tokens] (a
+    dataset's dtype is uint16 or int32: `DType.optimal_dtype`).
+
+    A document longer than PIECE_CHARS is tokenised in pieces (`_encode_in_pieces`): the tokenizer holds
+    about 170 bytes per character of the text it is given, so a 34 MB line would take 5 GB at once.
+    """
+    texts = list(texts)
     tail = [] if eod is None else [eod]
-    return [np.asarray(doc + tail, dtype=np.int64) for doc in ids]
+    short = [text for text in texts if len(text) <= PIECE_CHARS]
+    short = iter(tokenizer(short, verbose=False)["input_ids"] if short else [])
+    return [
+        np.asarray(next(short) + tail, dtype=np.int32) if len(text) <= PIECE_CHARS
+        else _encode_in_pieces(tokenizer, text, tail)
+        for text in texts
+    ]
+
+
+PIECE_CHARS = 1 << 14  # characters the tokenizer is given at once
+SEAM_CHARS = 1 << 8  # context on either side of a cut that must tokenise the same cut or whole
+SEAM_TRIES = 64  # candidates tried for one cut before the rest of the document is tokenised whole
+_CUT_CANDIDATES = re.compile(r"(?<=\S)(?=\s)|(?<=\s)(?=\S)")  # where whitespace begins or ends
+
+
+def _encode_in_pieces(tokenizer, text: str, tail: list[int]) -> np.ndarray:
+    """The ids `tokenizer(text)` gives, from pieces of about PIECE_CHARS characters.
+
+    Each cut is where whitespace begins or ends and where the tokenizer gives the same ids to the
+    SEAM_CHARS on either side whether they are cut there or not: its pre-tokenizer (byte-level BPE's
+    regexes, Metaspace) splits there anyway, and merges never cross such a split. A text without such
+    a cut is tokenised whole. The special tokens the tokenizer adds around a document (a BOS, say) are
+    taken from the first piece.
+    """
+    pieces, start = [], 0
+    while start < len(text):
+        end = _cut(tokenizer, text, start + PIECE_CHARS)
+        ids = tokenizer(text[start:end], add_special_tokens=False, verbose=False)["input_ids"]
+        if start == 0:  # around the first piece: its ids plus the special tokens of a whole document
+            with_special = tokenizer(text[:end], verbose=False)["input_ids"]
+            at = next(i for i in range(len(with_special) - len(ids) + 1) if with_special[i : i + len(ids)] == ids)
+            suffix = with_special[at + len(ids) :]
+            ids = with_special[: at + len(ids)]
+        pieces.append(np.asarray(ids, dtype=np.int32))
+        start = end
+    return np.concatenate([*pieces, np.asarray(suffix + tail, dtype=np.int32)])
+
+
+def _cut(tokenizer, text: str, target: int) -> int:
+    """The first clean cut at or after `target` (see `_encode_in_pieces`), or the end of the text."""
+    if target >= len(text):
+        return len(text)
+    for tries, candidate in enumerate(_CUT_CANDIDATES.finditer(text, target)):
+        cut = candidate.start()
+        if tries == SEAM_TRIES:
+            return len(text)  # the tokenizer joins across whitespace here: only the whole text is exact
+        left, right = text[max(0, cut - SEAM_CHARS) : cut], text[cut : cut + SEAM_CHARS]
+        apart_left, apart_right, together = tokenizer(
+            [left, right, left + right], add_special_tokens=False, verbose=False
+        )["input_ids"]
+        if apart_left + apart_right == together:
+            return cut
+    return len(text)
 
 
 def write_indexed_dataset(
@@ -100,7 +158,7 @@ def write_indexed_dataset(
     dtype = DType.optimal_dtype(len(tok))
 
     documents = (doc for path in paths for doc in read_documents(path, json_key, split_lines))
-    batches = batched(documents, DOCUMENTS_PER_BATCH)
+    batches = _batches(documents)
     temp_prefix = f"{output_prefix}.tmp-{uuid.uuid4().hex[:12]}"  # unique across ranks and hosts
     n_documents = n_tokens = 0
     builder = IndexedDatasetBuilder(get_bin_path(temp_prefix), dtype=dtype)
@@ -144,6 +202,19 @@ def _check_output(output_prefix: str, overwrite: bool) -> None:
             raise InputError(f"{path} already exists; pass --overwrite to replace it or change --output-prefix")
 
 
+def _batches(documents: Iterable[str]) -> Iterator[list[str]]:
+    """Consecutive documents, DOCUMENTS_PER_BATCH of them or fewer that reach BATCH_CHARS."""
+    batch, chars = [], 0
+    for document in documents:
+        batch.append(document)
+        chars += len(document)
+        if len(batch) == DOCUMENTS_PER_BATCH or chars >= BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
 @contextlib.contextmanager
 def _worker_pool(tok, eod: int | None, workers: int) -> Iterator[multiprocessing.pool.Pool | None]:
     """None for one worker, else `workers` forked processes that inherit the loaded tokenizer.
@@ -182,7 +253,7 @@ def _init_worker(tok, eod: int | None) -> None:
     _worker_state.update(tokenizer=tok, eod=eod)
 
 
-def _encode_in_worker(batch: tuple[str, ...]) -> list[np.ndarray]:
+def _encode_in_worker(batch: list[str]) -> list[np.ndarray]:
     return encode_documents(_worker_state["tokenizer"], batch, _worker_state["eod"])
 
 

@@ -104,7 +104,7 @@ def resume_command(argv: list[str], save: str | None) -> str:
             skip = "=" not in arg
         else:
             kept.append(arg)
-    launcher = "torchrun ... -m megatron_zaya.pretrain" if "TORCHELASTIC_RUN_ID" in os.environ else "zaya-pretrain"
+    launcher = "zaya-torchrun ... -m megatron_zaya.pretrain" if "TORCHELASTIC_RUN_ID" in os.environ else "zaya-pretrain"
     return " ".join([launcher, *map(shlex.quote, kept)])
 
 

@@ -29,7 +29,7 @@ ELSEWHERE = {
                                                    "prints)",
     "zaya-convert export-hf": "tests/functional/test_hf_round_trip.py, tests/functional/test_user_paths.py",
 }
-RUN_HERE = ("zaya-preprocess corpus/*.jsonl", "torchrun --nproc-per-node 8 -m megatron_zaya.pretrain")
+RUN_HERE = ("zaya-preprocess corpus/*.jsonl", "zaya-torchrun --nproc-per-node 8 -m megatron_zaya.pretrain")
 
 # The test model's shape (the documented preset's other settings stay), the embedded tokenizer's vocabulary, and
 # two short steps; a checkpoint at the end.
@@ -59,8 +59,8 @@ def here(command: str, cwd: Path) -> list[str]:
     words = [swaps.get(words[i - 1], word) if i else word for i, word in enumerate(words)]
     words = [match for word in words
              for match in (sorted(str(p.relative_to(cwd)) for p in cwd.glob(word)) if "*" in word else [word])]
-    if words[0] == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", *words[1:], *SMALL]
+    if words[0] == "zaya-torchrun":
+        return [sys.executable, "-m", "megatron_zaya.launch", "--standalone", *words[1:], *SMALL]
     assert words[0] == "zaya-preprocess"
     return [sys.executable, "-m", "megatron_zaya.data.preprocess", *words[1:]]
 
@@ -82,7 +82,7 @@ def test_every_documented_command_runs_here_or_is_named(tmp_path):
         argv = here(command, tmp_path)
         run = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, (command, run.stderr[-3000:])
-        if argv[2] == "torch.distributed.run":
+        if argv[2] == "megatron_zaya.launch":
             assert sorted(losses(run.stdout)) == [1, 2], command
             save = argv[argv.index("--save") + 1]
             assert (tmp_path / save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"

@@ -1,5 +1,6 @@
 """Pre-emption: SIGTERM (what Slurm and scancel send) makes zaya-pretrain save and exit 0 by default when it has a
---save directory; the next launch resumes; no process of the run outlives it."""
+--save directory; the next launch resumes; no process of the run outlives it. Under zaya-torchrun the launcher
+exits 0 too when every rank did."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import sys
 import time
 
 import psutil
-from zaya_cli import QUICK, losses
+import pytest
+from zaya_cli import KILLED_RUN, QUICK, loss_csv, losses
 
 from megatron_zaya.training.reliability import newest_intact_checkpoint
 
@@ -86,3 +88,63 @@ def test_sigkill_leaves_no_process(tmp_path):
     assert proc.wait(timeout=60) == -signal.SIGKILL
     assert _left_in_session(proc.pid) == []
     assert not (ckpt / "latest_checkpointed_iteration.txt").exists()
+
+
+def _launch_under(launcher: str, argv: list[str], cwd, log):
+    """``launcher`` (a module: ``megatron_zaya.launch`` is zaya-torchrun) running ARGV on two local ranks, in a
+    session of its own as a job step is."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("WORLD_SIZE", None)
+    with log.open("w") as out:
+        return subprocess.Popen([sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", *argv],
+                                cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def test_sigterm_to_zaya_torchrun_saves_on_both_ranks_and_exits_0(tmp_path, uninterrupted):
+    """SIGTERM to the launcher's process group (scancel, the sbatch script's requeue): zaya-torchrun passes it to
+    the two gloo ranks, which save and exit 0, and exits 0 itself (torchrun exits 1: its agent raises the signal
+    again once the workers are gone). The same command resumes with the one-process run's losses."""
+    ckpt = tmp_path / "ckpt"
+    flags = KILLED_RUN + ["--save", str(ckpt), "--save-interval", "1000"]
+    log = tmp_path / "run.log"
+    proc = _launch_under("megatron_zaya.launch", ["-m", "megatron_zaya.pretrain", *flags], tmp_path, log)
+    _wait_for(proc, log, lambda output: losses(output).get(3))
+    ranks = psutil.Process(proc.pid).children(recursive=True)
+
+    os.killpg(proc.pid, signal.SIGTERM)
+
+    assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    output = log.read_text()
+    assert "zaya-torchrun: stopped by SIGTERM; all 2 workers exited 0 after it: exit 0" in output
+    assert f"; resume with: zaya-torchrun ... -m megatron_zaya.pretrain {shlex.join(flags)}\n" in output
+    saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert saved == max(losses(output)) and 3 <= saved < max(uninterrupted)  # the step the signal found
+    assert newest_intact_checkpoint(str(ckpt)) == str(saved)  # both ranks' files, checksums recorded
+    assert not [rank.pid for rank in ranks if rank.is_running() and rank.status() != psutil.STATUS_ZOMBIE]
+
+    resumed = tmp_path / "resumed.log"
+    argv = ["-m", "megatron_zaya.pretrain", *flags, "--exit-interval", str(saved + 1)]
+    assert _launch_under("megatron_zaya.launch", argv, tmp_path, resumed).wait(timeout=300) == 0, resumed.read_text()
+    curve = loss_csv(ckpt / "loss.csv")
+    assert min(losses(resumed.read_text())) == saved + 1 and sorted(curve) == list(range(1, saved + 2))
+    for step in curve:  # data parallelism sums the same gradients in another order
+        assert abs(curve[step] - uninterrupted[step]) <= 1e-5 * uninterrupted[step], (step, curve, uninterrupted)
+
+
+@pytest.mark.parametrize(("exit_codes", "launcher_exit"), [("0,0", 0), ("0,3", 1)])
+def test_zaya_torchrun_exits_0_after_a_signal_only_when_every_worker_did(exit_codes, launcher_exit, tmp_path):
+    """A rank whose save failed (exit 3 on SIGTERM) still fails the launch."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import os, signal, sys, time\n"
+        f"code = [{exit_codes}][int(os.environ['LOCAL_RANK'])]\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(code))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(120)\n")
+    log = tmp_path / "launch.log"
+    proc = _launch_under("megatron_zaya.launch", [str(worker)], tmp_path, log)
+    _wait_for(proc, log, lambda output: output.count("ready") == 2)
+
+    os.killpg(proc.pid, signal.SIGTERM)
+
+    assert proc.wait(timeout=60) == launcher_exit, log.read_text()[-3000:]

@@ -1,17 +1,21 @@
 """zaya-preprocess: documents in -> Megatron .bin/.idx out, checked by reading back with Megatron's
 IndexedDataset against the raw `tokenizers` library encoding each document on its own."""
 
+import ctypes
 import gzip
 import json
+import os
+import traceback
 from pathlib import Path
 
 import numpy as np
 import pytest
-from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from tokenizers import Tokenizer
 
 from megatron_zaya.data import embedded_tokenizer_dir
-from megatron_zaya.data.preprocess import main, write_indexed_dataset
+from megatron_zaya.data.embedded import EMBEDDED_CORPUS
+from megatron_zaya.data.preprocess import load_tokenizer, main, write_indexed_dataset
 
 REFERENCE = Tokenizer.from_file(str(Path(embedded_tokenizer_dir()) / "tokenizer.json"))
 EOS = REFERENCE.token_to_id("<eos>")
@@ -73,6 +77,65 @@ def test_workers_write_the_same_bytes_as_one_process(tmp_path):
     for suffix in (".bin", ".idx"):
         assert (tmp_path / f"w1{suffix}").read_bytes() == (tmp_path / f"w2{suffix}").read_bytes()
     assert read_back(tmp_path / "w2") == [expected_tokens(d) for d in docs]
+
+
+def peak_memory_growth(function, *args, **kwargs) -> int:
+    """Bytes by which the peak resident memory of a forked child grows while it runs `function`.
+
+    The child starts from this process's memory: freed heap is given back and the kernel's high-water
+    mark reset to the current size first, so that reused memory does not hide the growth.
+    """
+    read, write = os.pipe()
+    if (pid := os.fork()) == 0:
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+            Path("/proc/self/clear_refs").write_text("5")  # 5: reset the high-water mark (VmHWM)
+            before = _high_water_mark()
+            function(*args, **kwargs)
+            os.write(write, str(_high_water_mark() - before).encode())
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as result:
+        growth = result.read()
+    assert os.waitpid(pid, 0)[1] == 0 and growth, "the measured child failed"
+    return int(growth)
+
+
+def _high_water_mark() -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("VmHWM:")[1].split()[0]) * 1024
+
+
+def test_a_long_line_is_tokenised_as_a_whole_in_memory_bounded_by_its_size(tmp_path):
+    # 2 MiB of prose in one JSON line, between two short documents of the same batch: the tokenizer takes
+    # about 170 bytes per character of text it is given at once.
+    with gzip.open(EMBEDDED_CORPUS, "rt", encoding="utf-8") as corpus:
+        prose = "\n\n".join(json.loads(line)["text"] for line in corpus) + "  \t \n"
+    long_text = (prose * 2)[: 2 << 20]
+    documents = [DOCUMENTS[0], long_text, DOCUMENTS[2]]
+    write_jsonl(tmp_path / "long.jsonl", documents)
+    write_jsonl(tmp_path / "short.jsonl", DOCUMENTS)
+    load_tokenizer(embedded_tokenizer_dir())  # transformers' modules imported before the fork, as in a real run
+
+    def preprocess(name):
+        write_indexed_dataset([str(tmp_path / f"{name}.jsonl")], str(tmp_path / name), embedded_tokenizer_dir(),
+                              progress=False)
+
+    growth = peak_memory_growth(preprocess, "long") - peak_memory_growth(preprocess, "short")
+
+    line_bytes = len(json.dumps({"id": 1, "text": long_text}))
+    tokenizer_state = 16 << 20  # what the tokenizer holds whatever the length: its cache of words, one piece
+    assert growth < 8 * line_bytes + tokenizer_state, f"grew {growth / 2**20:.1f} MiB for a {line_bytes} byte line"
+    reference = IndexedDatasetBuilder(str(tmp_path / "reference.bin"), dtype=np.uint16)
+    for document in documents:
+        ids = np.array(expected_tokens(document))
+        reference.add_document(ids, [ids.size])
+    reference.finalize(str(tmp_path / "reference.idx"))
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"long{suffix}").read_bytes() == (tmp_path / f"reference{suffix}").read_bytes()
 
 
 def test_overwrite_replaces_existing_output(tmp_path):

@@ -1,7 +1,7 @@
 """The launch scripts under fake Slurm: what every node would run, and with which environment.
 
 examples/launch/presets.sh is checked against the environment this file expects per platform; the
-sbatch scripts run under fake `srun`/`scontrol`/`torchrun`/... (tests/unit/launch_fakebin, which
+sbatch scripts run under fake `srun`/`scontrol`/`zaya-torchrun`/... (tests/unit/launch_fakebin, which
 record their argv and environment) for a 2-node x 8-GPU job, and the tests assert the exact
 torchrun command line and environment of each node, the container and log options, the requeue
 on a time-limit or pre-emption signal, and the one-node examples/pretrain.sh.
@@ -211,7 +211,7 @@ def test_pretrain_sbatch_gives_each_node_its_torchrun_line_and_environment(tmp_p
     if platform == "h100":
         train_args += H100_RECOMPUTE
     train_args += ["--load", f"{run_dir}/checkpoints"]
-    nodes = by_node(records(tmp_path, "torchrun"))
+    nodes = by_node(records(tmp_path, "zaya-torchrun"))
     assert len(nodes) == 2
     for rank, call in enumerate(nodes):
         assert call["argv"][1:] == torchrun_argv(rank, train_args)
@@ -223,7 +223,7 @@ def test_pretrain_sbatch_gives_each_node_its_torchrun_line_and_environment(tmp_p
         other_platform = NVIDIA_ENV if platform.startswith("mi") else ROCM_ENV
         assert not set(other_platform) & set(call["env"])
         log = (run_dir / f"logs/train-{JOB_ID}-restart0-node{rank}.log").read_text()
-        assert f"fake torchrun on node {rank}" in log and "ok: megatron-zaya on megatron-core" in log
+        assert f"fake zaya-torchrun on node {rank}" in log and "ok: megatron-zaya on megatron-core" in log
     # Node 0 prints the environment it trains with.
     node0_log = (run_dir / f"logs/train-{JOB_ID}-restart0-node0.log").read_text().splitlines()
     assert {f"{k}={v}" for k, v in PLATFORM_ENV[platform].items()} <= set(node0_log)
@@ -246,14 +246,14 @@ def test_pretrain_sbatch_checkpoints_then_requeues_on_signal(tmp_path, signum):
     batch = subprocess.Popen(["bash", str(SLURM / "pretrain_zaya1_8b.sbatch")], env=env, cwd=tmp_path,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
-    while len(records(tmp_path, "torchrun")) < 2 and time.monotonic() < deadline:
+    while len(records(tmp_path, "zaya-torchrun")) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(records(tmp_path, "torchrun")) == 2, batch.communicate(timeout=5)
+    assert len(records(tmp_path, "zaya-torchrun")) == 2, batch.communicate(timeout=5)
     batch.send_signal(signum)
     _, stderr = batch.communicate(timeout=30)
     assert batch.returncode == 0, stderr
 
-    stopped = records(tmp_path, "torchrun-terminated")
+    stopped = records(tmp_path, "zaya-torchrun-terminated")
     requeues = [c for c in records(tmp_path, "scontrol") if c["argv"][1] == "requeue"]
     assert sorted(c["env"]["SLURM_NODEID"] for c in stopped) == ["0", "1"]
     assert [c["argv"][1:] for c in requeues] == [["requeue", str(JOB_ID)]]
@@ -295,7 +295,7 @@ def test_hf_roundtrip_imports_trains_exports_and_resumes(tmp_path):
         ["import-hf", str(hf_model), f"{run_dir}/imported"],
         ["export-hf", f"{run_dir}/checkpoints", f"{run_dir}/hf-iter1000", "--tokenizer", str(hf_model)],
     ]
-    for call in records(tmp_path, "torchrun"):
+    for call in records(tmp_path, "zaya-torchrun"):
         assert call["argv"][-3:] == ["--load", f"{run_dir}/imported", "--finetune"]
         assert call["argv"][call["argv"].index("--tokenizer-model") + 1] == str(hf_model)
 
@@ -307,7 +307,7 @@ def test_hf_roundtrip_imports_trains_exports_and_resumes(tmp_path):
     converts = [c["argv"][1:3] for c in records(tmp_path, "zaya-convert")]
     assert converts == [["export-hf", f"{run_dir}/checkpoints"]]
     assert records(tmp_path, "zaya-convert")[0]["argv"][3] == f"{run_dir}/hf-iter1500"
-    for call in records(tmp_path, "torchrun"):
+    for call in records(tmp_path, "zaya-torchrun"):
         assert call["argv"][-2:] == ["--load", f"{run_dir}/checkpoints"]
 
 
@@ -397,7 +397,7 @@ def test_one_node_pretrain_script_runs_torchrun_standalone(tmp_path, settings, n
     env = base_env(tmp_path, **({"ZAYA_PLATFORM": "h200"} | settings))
     proc = run(REPO / "examples/pretrain.sh", env, tmp_path)
     assert proc.returncode == 0, proc.stderr
-    (call,) = records(tmp_path, "torchrun")
+    (call,) = records(tmp_path, "zaya-torchrun")
     run_dir = f"runs/{settings['MODEL']}"
     assert call["argv"][1:] == [
         "--standalone", f"--nproc-per-node={nproc}", "--no-python", "zaya-pretrain",
@@ -421,13 +421,13 @@ def test_one_node_pretrain_script_runs_torchrun_standalone(tmp_path, settings, n
 def test_one_node_pretrain_script_rejects_what_cannot_run(tmp_path, settings, message):
     proc = run(REPO / "examples/pretrain.sh", base_env(tmp_path, ZAYA_PLATFORM="h200", **settings), tmp_path)
     assert proc.returncode == 1 and proc.stderr == message
-    assert not records(tmp_path, "torchrun")
+    assert not records(tmp_path, "zaya-torchrun")
 
 
 def test_full_model_on_one_large_gpu_uses_micro_batch_one(tmp_path):
     proc = run(REPO / "examples/pretrain.sh", base_env(tmp_path, ZAYA_PLATFORM="mi300x", MODEL="zaya1-8b"), tmp_path)
     assert proc.returncode == 0, proc.stderr
-    (call,) = records(tmp_path, "torchrun")
+    (call,) = records(tmp_path, "zaya-torchrun")
     argv = call["argv"]
     assert argv[argv.index("--micro-batch-size") + 1] == "1" and "--nproc-per-node=1" in argv
 
@@ -471,7 +471,7 @@ def test_every_generated_command_line_parses_in_zaya_pretrain(tmp_path):
         assert run(REPO / "examples/pretrain.sh", base_env(one_node, ZAYA_PLATFORM="h200", MODEL=model),
                    one_node).returncode == 0
     for job in ("job", "roundtrip", "tiny", "zaya1-8b-shallow"):
-        call = records(tmp_path / job, "torchrun")[0]["argv"]
+        call = records(tmp_path / job, "zaya-torchrun")[0]["argv"]
         command_lines.append(call[call.index("zaya-pretrain") + 1:])
 
     proc = subprocess.run([sys.executable, "-c", PARSE_WITH_ZAYA_PRETRAIN], input=json.dumps(command_lines),

@@ -1,0 +1,41 @@
+"""Patch group ``launch``: torchrun's elastic agent, in the launcher's own process (``zaya-torchrun``)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+from .registry import register, replace_attr
+
+
+@register("launch.clean_stop_exits_0", target="torch.distributed.elastic.agent.server.api.SimpleElasticAgent.run")
+def clean_stop_exits_0():
+    """The launcher, stopped by a signal, exits 0 when every worker it passed the signal to exited 0.
+
+    On SIGTERM or SIGINT (a pre-emption, ``scancel``, Ctrl-C) torch's elastic agent sends the signal to its
+    workers, waits for them (``--shutdown-timeout``) and raises the signal's exception again, so torchrun exits
+    1 even when every rank saved its checkpoint and exited 0: a scheduler or a requeue script counts a clean
+    pre-emption as a failure. Patched, ``run`` returns success in that case; a worker that exited non-zero, was
+    killed, or whose exit code torch does not keep (function entry points) leaves the exception and exit 1.
+    ``zaya-torchrun`` applies it, and no other patch, in the launcher's process (in a trainer, where no agent
+    runs, it changes nothing). Off: launch with plain ``torchrun``, or leave ``launch`` out of ``ZAYA_PATCHES``.
+    """
+    from torch.distributed.elastic.agent.server.api import RunResult, SimpleElasticAgent, WorkerState
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    run = SimpleElasticAgent.run
+
+    @functools.wraps(run)
+    def run_clean_stop_exits_0(self, *args, **kwargs):
+        try:
+            return run(self, *args, **kwargs)
+        except SignalException as stop:
+            handlers = getattr(getattr(self, "_pcontext", None), "subprocess_handlers", None) or {}
+            codes = [handler.proc.returncode for handler in handlers.values()]
+            if not codes or any(code != 0 for code in codes):
+                raise
+            print(f"zaya-torchrun: stopped by {stop.sigval.name}; all {len(codes)} workers exited 0 after it: "
+                  "exit 0", file=sys.stderr, flush=True)
+            return RunResult(state=WorkerState.SUCCEEDED)
+
+    replace_attr(SimpleElasticAgent, "run", run_clean_stop_exits_0)
