@@ -4,8 +4,7 @@ IndexedDataset against the raw `tokenizers` library encoding each document on it
 import ctypes
 import gzip
 import json
-import os
-import traceback
+import multiprocessing
 from pathlib import Path
 
 import numpy as np
@@ -79,29 +78,27 @@ def test_workers_write_the_same_bytes_as_one_process(tmp_path):
     assert read_back(tmp_path / "w2") == [expected_tokens(d) for d in docs]
 
 
-def peak_memory_growth(function, *args, **kwargs) -> int:
-    """Bytes by which the peak resident memory of a forked child grows while it runs `function`.
+def _grow(result, source: str, prefix: str) -> None:
+    """In a fresh process: the tokenizer loaded (what every run holds), the heap trimmed and the kernel's
+    high-water mark reset, then by how much preprocessing ``source`` raised that mark."""
+    load_tokenizer(embedded_tokenizer_dir())
+    ctypes.CDLL(None).malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # 5: reset the high-water mark (VmHWM)
+    before = _high_water_mark()
+    write_indexed_dataset([source], prefix, embedded_tokenizer_dir(), progress=False)
+    result.put(_high_water_mark() - before)
 
-    The child starts from this process's memory: freed heap is given back and the kernel's high-water
-    mark reset to the current size first, so that reused memory does not hide the growth.
-    """
-    read, write = os.pipe()
-    if (pid := os.fork()) == 0:
-        try:
-            ctypes.CDLL(None).malloc_trim(0)
-            Path("/proc/self/clear_refs").write_text("5")  # 5: reset the high-water mark (VmHWM)
-            before = _high_water_mark()
-            function(*args, **kwargs)
-            os.write(write, str(_high_water_mark() - before).encode())
-        except BaseException:
-            traceback.print_exc()
-            os._exit(1)
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as result:
-        growth = result.read()
-    assert os.waitpid(pid, 0)[1] == 0 and growth, "the measured child failed"
-    return int(growth)
+
+def peak_memory_growth(source: Path, prefix: Path) -> int:
+    """Bytes by which preprocessing ``source`` raises a process's peak resident memory: measured in a spawned
+    child (a fork of this multi-threaded test process could deadlock)."""
+    context = multiprocessing.get_context("spawn")
+    result = context.Queue()
+    child = context.Process(target=_grow, args=(result, str(source), str(prefix)))
+    child.start()
+    child.join(timeout=300)
+    assert child.exitcode == 0, f"the measured child failed (exit code {child.exitcode})"
+    return result.get(timeout=10)
 
 
 def _high_water_mark() -> int:
@@ -118,13 +115,8 @@ def test_a_long_line_is_tokenised_as_a_whole_in_memory_bounded_by_its_size(tmp_p
     documents = [DOCUMENTS[0], long_text, DOCUMENTS[2]]
     write_jsonl(tmp_path / "long.jsonl", documents)
     write_jsonl(tmp_path / "short.jsonl", DOCUMENTS)
-    load_tokenizer(embedded_tokenizer_dir())  # transformers' modules imported before the fork, as in a real run
-
-    def preprocess(name):
-        write_indexed_dataset([str(tmp_path / f"{name}.jsonl")], str(tmp_path / name), embedded_tokenizer_dir(),
-                              progress=False)
-
-    growth = peak_memory_growth(preprocess, "long") - peak_memory_growth(preprocess, "short")
+    growth = (peak_memory_growth(tmp_path / "long.jsonl", tmp_path / "long")
+              - peak_memory_growth(tmp_path / "short.jsonl", tmp_path / "short"))
 
     line_bytes = len(json.dumps({"id": 1, "text": long_text}))
     tokenizer_state = 16 << 20  # what the tokenizer holds whatever the length: its cache of words, one piece
