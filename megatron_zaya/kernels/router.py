@@ -45,7 +45,7 @@ from .utils import matmul_fp32, platform, triton_runs
 
 #: Launch settings per platform (``benchmarks/tune_launch.py --kernel router``): each program of the forward
 #: (backward) kernel takes ``tokens`` (``backward_tokens``) tokens with ``warps`` (``backward_warps``) warps.
-ROUTER_TUNING = {  # H200, 40 settings, T = 8192: forward 4.6 µs, + backward 8.6 µs (was 4.9, 9.4; 2026-11-30)
+ROUTER_TUNING = {  # H200, 40 settings, T = 8192: forward 4.6 µs, + backward 8.6 µs (2026-11-30)
     "cuda": {"tokens": 32, "warps": 8, "backward_tokens": 16, "backward_warps": 8},
     "rocm": {"tokens": 32, "warps": 4, "backward_tokens": 32, "backward_warps": 4},  # not tuned: the CUDA row
     "cpu": {"tokens": 32, "warps": 4, "backward_tokens": 32, "backward_warps": 4},

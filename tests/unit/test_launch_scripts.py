@@ -22,7 +22,7 @@ FAKEBIN = Path(__file__).resolve().parent / "launch_fakebin"
 PRESETS = REPO / "examples/launch/presets.sh"
 SLURM = REPO / "examples/slurm"
 
-# What each platform must get (the brief, AMD's and the lent machine's requirements), written out
+# What each platform must get (the project's launch settings, AMD's ROCm guidance, NVIDIA's), written out
 # here rather than read from presets.sh.
 COMMON_ENV = {
     "GPUS_PER_NODE": "8",
