@@ -61,8 +61,6 @@ def tp_dim_of(param: torch.Tensor, tp_size: int) -> int | None:
     """The TP-sharded dimension of one slice of ``param``, from Megatron's TP attributes."""
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
         return None
-    if getattr(param, "partition_stride", 1) != 1:
-        raise ValueError("ZayaMuon supports TP-sharded parameters with partition_stride 1 only")
     dim = param.partition_dim - (param.dim() - 2)
     if dim not in (0, 1):
         raise ValueError(
@@ -90,6 +88,7 @@ def build_items(
                 raise ValueError(f"ZayaMuon: layout {layout} does not fit a parameter of shape {tuple(param.shape)}")
             size = expert_tp_size if layout.expert else tp_size
             tp_dim = tp_dim_of(param, size)
+            _check_stride(param, layout, tp_dim)
             local = tuple(param.shape[-2:])
             global_ = tuple(n * size if d == tp_dim else n for d, n in enumerate(local))
             shards = size if layout.blocks_per_tp_shard and tp_dim == 0 else 1
@@ -101,6 +100,20 @@ def build_items(
             for s in range(layout.slices):
                 items.append(WorkItem(g, i, s, layout, local, global_, tp_dim))
     return items
+
+
+def _check_stride(param: torch.Tensor, layout: MatrixLayout, tp_dim: int | None) -> None:
+    """A TP shard of stride k holds a k-way interleave of the parameter (Megatron's GLU fc1: each rank's rows of
+    gate, then of up). Gathered shards are then a permutation of the matrix's rows or columns, which
+    orthogonalisation commutes with, so the stride does not matter for whole matrices; row blocks must be the
+    interleave's pieces (``blocks_per_tp_shard``, one block per piece)."""
+    stride = getattr(param, "partition_stride", 1)
+    if tp_dim is None or stride == 1 or layout.row_blocks == 1:
+        return
+    if not (tp_dim == 0 and layout.blocks_per_tp_shard and layout.row_blocks == stride):
+        raise ValueError(f"ZayaMuon: a parameter of shape {tuple(param.shape)} TP-sharded with stride {stride} "
+                         f"cannot be cut into {layout.row_blocks} row blocks; each TP shard must hold one piece of "
+                         "every block (MatrixLayout.blocks_per_tp_shard)")
 
 
 def _default_layout(param: torch.Tensor) -> MatrixLayout:

@@ -120,6 +120,17 @@ def test_items_use_global_shapes_under_tensor_parallelism():
     assert items[0].update_scale(0.2) == pytest.approx(0.2 * 12**0.5)
 
 
+def test_a_strided_shard_is_planned_only_where_its_interleave_is_the_row_blocks():
+    """Megatron's GLU fc1 under TP (stride 2): whole matrices and one block per interleaved piece are planned;
+    row blocks that cut across the interleave are refused."""
+    glu = {"tensor_model_parallel": True, "partition_dim": 0, "partition_stride": 2}
+    whole, per_piece = MatrixLayout(), MatrixLayout(row_blocks=2, blocks_per_tp_shard=True)
+    items = _items([(8, 12), (8, 12)], tp_size=2, attrs=[glu, glu], layouts={0: whole, 1: per_piece})
+    assert [(i.global_shape, i.block_shape) for i in items] == [((16, 12), (16, 12)), ((16, 12), (8, 12))]
+    with pytest.raises(ValueError, match="stride 2 cannot be cut into 2 row blocks"):
+        _items([(8, 12)], tp_size=2, attrs=[glu], layouts={0: MatrixLayout(row_blocks=2)})
+
+
 def test_flags_give_the_config():
     parser = argparse.ArgumentParser()
     parser.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
