@@ -40,7 +40,7 @@ import statistics
 
 import torch
 
-from megatron_zaya.kernels.newton_schulz import (
+from megatron_zaya.ops.newton_schulz import (
     QUINTIC_COEFFICIENTS,
     gram_newton_schulz_flops,
     gram_newton_schulz_reference,

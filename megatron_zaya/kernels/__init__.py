@@ -13,7 +13,7 @@ under ``TRITON_INTERPRET=1``).
 * ``cross_entropy``: ``cross_entropy``, ``linear_cross_entropy`` (LM head + loss without [T, V] logits)
 * ``cca``: ``cca_qk`` (CCA convolutions + skip terms + QK norm + temperature + partial RoPE)
 * ``grouped_gemm``: ``grouped_gemm`` (top-1 experts, tokens sorted by expert)
-* ``newton_schulz``: ``newton_schulz`` (Muon's orthogonalisation: symmetric Gram kernels, CUDA-graph replays)
+* ``newton_schulz``: ``gram`` (the symmetric products of Muon's Newton–Schulz, one triangle of tiles mirrored)
 
 ``megatron_zaya/patches/kernels.py`` swaps SwiGLU, the cross-entropy and the weight-gradient accumulation in for
 Megatron-Core's own.

@@ -1,4 +1,4 @@
-"""The model's ops: for each, its torch reference, a lazy binding to its Triton kernel, and the choice.
+"""The ops of the model and of Muon: for each, its torch reference, a lazy binding to its kernel, the choice.
 
 One module per op (``KERNEL_OPS`` in ``config.py`` names them; ``--zaya-kernels`` / ``ZayaConfig.kernels`` picks):
 
@@ -7,6 +7,11 @@ One module per op (``KERNEL_OPS`` in ``config.py`` names them; ``--zaya-kernels`
 * ``cca``: CCA's convolutions and epilogue with RoPE, and the value delay (op ``cca``)
 * ``experts``: the grouped experts with SwiGLU (op ``experts``)
 * ``lm_head``: the LM head with the cross-entropy (op ``lm_head``)
+
+and Muon's op, set by the ``--zaya-muon-ns-*`` flags (``MuonConfig``), not by the kernels field:
+
+* ``newton_schulz``: the Newton–Schulz orthogonalisation (standard and Gram iterations, CUDA-graph replays);
+  ``newton_schulz_path`` chooses kernel and iteration per call, from the matrix's shape, device and dtype
 
 The reference is the model's math and the oracle of the kernel's tests. ``fused_*`` call the kernel, importing
 ``megatron_zaya/kernels`` on their first call; where the kernel cannot run (a CPU tensor without Triton's

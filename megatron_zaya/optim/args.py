@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_zaya.kernels.newton_schulz import DEFAULT_STEPS, QUINTIC_COEFFICIENTS
+from megatron_zaya.ops.newton_schulz import DEFAULT_STEPS, QUINTIC_COEFFICIENTS
 
 from ..dataclass_flags import add_flags, values_from_args
 from .muon import MuonConfig

@@ -8,7 +8,7 @@ For every matrix ``W`` [rows, cols] with gradient ``G`` (Liu et al., *Muon is sc
     W ← W·(1 − lr·wd) − lr · 0.2·√max(rows, cols) · O
 
 On GPUs with a 16-bit ``ns_dtype``, wide matrices (with the Triton kernels: long side ≥ 1.27× the short one)
-take the Gram form of Newton–Schulz (fewer FLOPs, see ``kernels.newton_schulz``) unless ``--zaya-muon-ns-gram
+take the Gram form of Newton–Schulz (fewer FLOPs, see ``ops.newton_schulz``) unless ``--zaya-muon-ns-gram
 off``, and small batches of matrices replay a CUDA graph of their Newton–Schulz (launch-bound otherwise) unless
 ``--zaya-muon-ns-graphs off``.
 
@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from megatron_zaya.kernels.newton_schulz import DEFAULT_STEPS, QUINTIC_COEFFICIENTS, newton_schulz
+from megatron_zaya.ops.newton_schulz import DEFAULT_STEPS, QUINTIC_COEFFICIENTS, newton_schulz
 
 from ..dataclass_flags import setting
 

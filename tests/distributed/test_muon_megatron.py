@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from gloo import run_ranks
 
-from megatron_zaya.kernels.newton_schulz import QUINTIC_COEFFICIENTS
+from megatron_zaya.ops.newton_schulz import QUINTIC_COEFFICIENTS
 from megatron_zaya.optim import MuonConfig
 
 MUON = MuonConfig(momentum=0.9, ns_dtype=torch.float32, backend="torch")

@@ -1,4 +1,5 @@
-"""Muon's Newton–Schulz Triton kernels at ZAYA1-8B shapes on a GPU (CUDA or ROCm), against float64.
+"""Muon's Newton–Schulz Triton kernel (``gram``) and the iterations built on it at ZAYA1-8B shapes on a GPU
+(CUDA or ROCm), against float64.
 
 Skipped without a GPU. Run: ``python -m pytest -q tests/gpu/test_newton_schulz_gpu.py`` (seconds on an H200).
 Each kernel result must be at least as close to a float64 evaluation as the plain torch path in the same
@@ -14,9 +15,9 @@ import pytest
 import torch
 from triton_interpreter import assert_matches_oracle
 
-from megatron_zaya.kernels.newton_schulz import (
+from megatron_zaya.kernels.newton_schulz import gram
+from megatron_zaya.ops.newton_schulz import (
     QUINTIC_COEFFICIENTS,
-    gram,
     gram_newton_schulz_reference,
     gram_newton_schulz_triton,
     newton_schulz,
@@ -72,7 +73,7 @@ def test_newton_schulz_triton_matches_torch(batch, m, n):
 
 def test_auto_backend_and_iteration(monkeypatch):
     """Triton from 512 rows and columns, torch below; the Gram form for wide bf16 matrices where it saves FLOPs."""
-    import megatron_zaya.kernels.newton_schulz as ns
+    import megatron_zaya.ops.newton_schulz as ns
 
     calls = []
     for name in ("newton_schulz_triton", "gram_newton_schulz_triton", "newton_schulz_reference",

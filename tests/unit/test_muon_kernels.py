@@ -1,7 +1,8 @@
 """The symmetric Newton–Schulz Triton kernels (standard and Gram iterations) vs plain float64, without a GPU.
 
 * Interpreted (``TRITON_INTERPRET=1`` via ``triton_interpreter.load_kernel_module``, fp32: the interpreter's
-  bf16 ``tl.dot`` is wrong) on small ragged shapes, so the masks, triangle indexing and mirroring run.
+  bf16 ``tl.dot`` is wrong) on small ragged shapes, so the masks, triangle indexing and mirroring run; the
+  iterations of ``ops/newton_schulz.py`` run on the interpreted ``gram`` (``triton_interpreter.install``).
 * Compiled for NVIDIA sm_90 and AMD gfx942 at ZAYA1-8B shapes (``compile_only``): no spills, shared memory
   within the chip's limit.
 * The torch fallback where Triton is absent or there is no GPU.
@@ -13,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-import megatron_zaya.kernels.newton_schulz as ns_module
-from triton_interpreter import SHARED_LIMIT, compile_only, gpu_target, load_kernel_module, register_spills
+import megatron_zaya.kernels.newton_schulz as kernel_module
+import megatron_zaya.ops.newton_schulz as ns
+from triton_interpreter import SHARED_LIMIT, compile_only, gpu_target, install, load_kernel_module, register_spills
 from megatron_zaya.kernels.utils import is_interpreted
 
 pytest.importorskip("triton")
@@ -74,28 +76,30 @@ def test_gram_step_products(interpreted, batch, m, block):
 
 
 @pytest.mark.parametrize("shape", [(40, 24), (3, 17, 50)])
-def test_gram_newton_schulz_triton(interpreted, shape):
+def test_gram_newton_schulz_triton(interpreted, shape, monkeypatch):
     """In fp32 the Gram iteration meets the float64 standard iteration (the same map in exact arithmetic); asked
     for bf16 it works in fp16 and stays within two bf16 steps of its torch reference and 1e-2 of float64."""
+    install(monkeypatch, interpreted)
     G = torch.randn(*shape, generator=torch.Generator().manual_seed(6))
-    coefficients = (interpreted.QUINTIC_COEFFICIENTS,) * 5
+    coefficients = (ns.QUINTIC_COEFFICIENTS,) * 5
     ref = torch.from_numpy(_numpy_newton_schulz(G.double().numpy(), coefficients))
-    out = interpreted.newton_schulz(G, coefficients, dtype=torch.float32, backend="triton", iteration="gram")
+    out = ns.newton_schulz(G, coefficients, dtype=torch.float32, backend="triton", iteration="gram")
     assert out.shape == G.shape and out.dtype == torch.float32
     assert (out.double() - ref).abs().max() <= 2e-5
-    out = interpreted.newton_schulz(G, coefficients, dtype=torch.bfloat16, backend="triton", iteration="gram")
+    out = ns.newton_schulz(G, coefficients, dtype=torch.bfloat16, backend="triton", iteration="gram")
     assert out.shape == G.shape and out.dtype == torch.bfloat16
-    torch_gram = interpreted.gram_newton_schulz_reference(G, coefficients, dtype=torch.bfloat16)
+    torch_gram = ns.gram_newton_schulz_reference(G, coefficients, dtype=torch.bfloat16)
     assert (out.double() - torch_gram.double()).abs().max() <= 2 * 2**-8
     assert (out.double() - ref).abs().max() <= 1e-2
 
 
 @pytest.mark.parametrize("shape", [(2, 24, 40), (40, 24)])
-def test_newton_schulz_triton_matches_reference(interpreted, shape):
+def test_newton_schulz_triton_matches_reference(interpreted, shape, monkeypatch):
+    install(monkeypatch, interpreted)
     G = torch.randn(*shape, generator=torch.Generator().manual_seed(5))
-    coefficients = (interpreted.QUINTIC_COEFFICIENTS,) * 5
+    coefficients = (ns.QUINTIC_COEFFICIENTS,) * 5
     ref = torch.from_numpy(_numpy_newton_schulz(G.double().numpy(), coefficients))
-    out = interpreted.newton_schulz(G, coefficients, dtype=torch.float32, backend="triton")
+    out = ns.newton_schulz(G, coefficients, dtype=torch.float32, backend="triton")
     assert out.shape == G.shape
     assert (out.double() - ref).abs().max() <= 2e-5
 
@@ -114,14 +118,14 @@ def _numpy_newton_schulz(G, coefficients, eps=1e-7):
 def test_auto_backend_uses_torch_on_cpu():
     """Without a GPU (and not interpreted) ``auto`` is the torch reference, and ``triton`` is refused clearly."""
     G = torch.randn(3, 16, 20, generator=torch.Generator().manual_seed(2))
-    coefficients = (ns_module.QUINTIC_COEFFICIENTS,) * 5
-    if not is_interpreted(ns_module._gram_kernel):
-        out = ns_module.newton_schulz(G, coefficients, dtype=torch.float32)
-        assert torch.equal(out, ns_module.newton_schulz_reference(G, coefficients, dtype=torch.float32))
+    coefficients = (ns.QUINTIC_COEFFICIENTS,) * 5
+    if not is_interpreted(kernel_module._gram_kernel):
+        out = ns.newton_schulz(G, coefficients, dtype=torch.float32)
+        assert torch.equal(out, ns.newton_schulz_reference(G, coefficients, dtype=torch.float32))
         with pytest.raises(RuntimeError, match="needs Triton and a GPU tensor"):
-            ns_module.newton_schulz(G, coefficients, backend="triton")
+            ns.newton_schulz(G, coefficients, backend="triton")
     with pytest.raises(ValueError, match="unknown Newton–Schulz backend"):
-        ns_module.newton_schulz(G, coefficients, backend="cuda")
+        ns.newton_schulz(G, coefficients, backend="cuda")
 
 
 # ZAYA1-8B Newton–Schulz operands (m <= n after the transpose): experts fc1 (16 at once), q, k.
@@ -129,8 +133,9 @@ ZAYA_SHAPES = [(16, 2048, 4096), (1, 1024, 2048), (1, 256, 2048)]
 
 
 @pytest.mark.parametrize("target_name", ["sm_90", "gfx942"])
-def test_kernels_compile_for_gpus_at_zaya_shapes(target_name):
+def test_kernels_compile_for_gpus_at_zaya_shapes(target_name, monkeypatch):
     module = load_kernel_module("megatron_zaya.kernels.newton_schulz", interpret=False)
+    install(monkeypatch, module)
     target = gpu_target(target_name, module.triton)
     with compile_only(module, target) as compiled:
         for batch, m, n in ZAYA_SHAPES:
@@ -139,7 +144,7 @@ def test_kernels_compile_for_gpus_at_zaya_shapes(target_name):
             module.gram(X)
             module.gram(A, alpha=2.0, aux=A, beta=-4.0)
             # the Gram iteration, in fp16: X·Xᵀ, a·I + b·A + c·A·A, P·A and P·Q
-            module.gram_newton_schulz_triton(X, (module.QUINTIC_COEFFICIENTS,) * 5)
+            ns.gram_newton_schulz_triton(X, (ns.QUINTIC_COEFFICIENTS,) * 5)
     assert len(compiled) >= 5  # bf16: X·Xᵀ, the fused step; fp16: the same, a·I + ... (equal ones compile once)
     for kernel in compiled:
         assert register_spills(kernel, target_name, module.triton) == 0, f"{kernel.name} spills on {target_name}"

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from megatron_zaya.kernels.newton_schulz import QUINTIC_COEFFICIENTS
+from megatron_zaya.ops.newton_schulz import QUINTIC_COEFFICIENTS
 from megatron_zaya.optim import MatrixLayout, MuonConfig, ZayaMuon, classify_named_parameters
 
 QUINTIC = (QUINTIC_COEFFICIENTS,) * 5

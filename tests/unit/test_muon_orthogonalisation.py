@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import megatron_zaya.kernels.newton_schulz as ns_module
-from megatron_zaya.kernels.newton_schulz import QUINTIC_COEFFICIENTS, gram_newton_schulz_reference, newton_schulz
+import megatron_zaya.ops.newton_schulz as ns_module
+from megatron_zaya.ops.newton_schulz import QUINTIC_COEFFICIENTS, gram_newton_schulz_reference, newton_schulz
 
 QUINTIC = (QUINTIC_COEFFICIENTS,) * 5
 EPS = 1e-7
