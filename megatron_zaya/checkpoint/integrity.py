@@ -15,6 +15,7 @@ import torch
 from ..errors import CheckpointError, UsageError
 from .format import TRACKER, file_crcs, read_tracker, recorded_files, step_name
 
+
 def verified_step(ckpt_dir: str | os.PathLike) -> Path:
     """The directory of the checkpoint's latest step, from its tracker file, after every file of it was checked
     against the checksums recorded at save (:class:`CheckpointError` naming the damage, and the newest intact

@@ -20,6 +20,7 @@ from ..config import ARCHITECTURE_FIELDS, ZayaConfig, architecture, zaya_config
 from ..errors import CheckpointError, ZayaConfigError
 from .format import TRACKER, publish_permissions, write_checksums
 
+
 def read_config(step: str | os.PathLike, **runtime) -> ZayaConfig:
     """The :class:`ZayaConfig` the step directory ``step`` (from :func:`verified_step`) was saved with
     (``runtime`` adds non-architecture fields)."""

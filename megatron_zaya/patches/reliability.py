@@ -167,11 +167,10 @@ def save_failure() -> None:
 
     Wraps the name ``save_checkpoint`` that ``megatron.training.training`` imported: an exception raised
     while saving becomes the ``TrainingFault`` of :func:`~megatron_zaya.checkpoint.save_failures.failed_save`,
-    naming the error (a full disk as such), the save directory and the
-    previous checkpoint, which stays loadable because the ``latest`` marker is only replaced after a complete
-    save (``reliability.atomic_tracker``). The failed save's step directory, which ``latest`` does not name, is
-    removed: on a full disk it is what fills it. zaya-pretrain prints the line as ``zaya-pretrain: error: ...``,
-    exit 3.
+    naming the error (a full disk as such), the save directory and the previous checkpoint, which stays loadable
+    because the ``latest`` marker is only replaced after a complete save (``reliability.atomic_tracker``). The
+    failed save's step directory, which ``latest`` does not name, is removed: on a full disk it is what fills it.
+    zaya-pretrain prints the line as ``zaya-pretrain: error: ...``, exit 3.
     Off: leave ``reliability`` out of ``--zaya-patches`` / ``ZAYA_PATCHES`` (Megatron's traceback then).
     """
     import megatron.training.training as training
