@@ -14,6 +14,7 @@ setup(
     python_requires=">=3.12,<3.13",
     packages=[
         "megatron_zaya",
+        "megatron_zaya.checkpoint",
         "megatron_zaya.model",
         "megatron_zaya.convert",
         "megatron_zaya.data",

@@ -258,7 +258,7 @@ def plan(cfg, par: Parallel, run: Run, stage: int = 0) -> dict[str, float]:
     out["between steps"] = state + (graphs * out["activations per micro-batch"])
     out["peak"] = max(backward, state + out["optimizer-step transient"])
     # A background save copies the state on the device, but only into memory beyond the peak (not counted in it);
-    # the training loop waits while the rest is copied to host memory (training/checkpoint_tiers.py). An upper
+    # the training loop waits while the rest is copied to host memory (checkpoint/tiers.py). An upper
     # bound: a rank copies only the tensors it writes, and a fully parallel save spreads the replicated ones.
     out["background-save copies"] = run.async_save * (out["weights"] + out["master weights"] + out["optimizer state"])
     return out

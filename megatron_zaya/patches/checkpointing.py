@@ -2,7 +2,7 @@
 writer, and ZAYA1's local checkpoint tier in Megatron's ``local_checkpoint_manager`` slot, without NVIDIA's
 resiliency package.
 
-The tiers, their flags and their faults: ``megatron_zaya/training/checkpoint_tiers.py``, ``local_tier.py`` and
+The tiers, their flags and their faults: ``megatron_zaya/checkpoint/tiers.py``, ``local_tier.py`` and
 ``docs/reliability.md``.
 """
 
@@ -24,7 +24,7 @@ def background_saves() -> None:
     are written when Megatron finalizes it, from the training loop (``maybe_finalize_async_save``,
     training.py:3740); the ``reliability.atomic_tracker`` patch would then read the whole checkpoint on rank 0
     while training waits. Wraps the name ``schedule_async_save`` that ``save_checkpoint`` calls
-    (checkpointing.py:1121) with :func:`~megatron_zaya.training.checkpoint_tiers.background_request` for a
+    (checkpointing.py:1121) with :func:`~megatron_zaya.checkpoint.tiers.background_request` for a
     ``torch_dist`` request (``FileSystemWriterAsync.write_preloaded_data_multithread``): device copies within
     the memory the steps leave free (the loop waits only for the tensors beyond it), then, in the writer, the
     copies staged, Megatron's write, and the size and CRC-32 of the files written; the finalization takes those
@@ -35,7 +35,7 @@ def background_saves() -> None:
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
     from megatron.training import checkpointing
 
-    from megatron_zaya.training.checkpoint_tiers import background_request
+    from megatron_zaya.checkpoint.tiers import background_request
 
     original = checkpointing.schedule_async_save
     writer = FileSystemWriterAsync.write_preloaded_data_multithread
@@ -114,7 +114,7 @@ def in_process_write_results() -> None:
 
 @register("checkpointing.local_tier", target="megatron.training.training.setup_model_and_optimizer")
 def local_tier() -> None:
-    """``--non-persistent-ckpt-type local`` saves through ZAYA1's :class:`~megatron_zaya.training.local_tier.
+    """``--non-persistent-ckpt-type local`` saves through ZAYA1's :class:`~megatron_zaya.checkpoint.local_tier.
     LocalTier`, without NVIDIA's resiliency package (which ROCm images lack).
 
     Megatron's local type takes its manager from the checkpointing context (``local_checkpoint_manager``:
@@ -131,7 +131,7 @@ def local_tier() -> None:
     from megatron.core.dist_checkpointing import tensor_aware_state_dict
     from megatron.training import arguments, get_args, training
 
-    from megatron_zaya.training.local_tier import LocalTier
+    from megatron_zaya.checkpoint.local_tier import LocalTier
 
     original_validate = arguments.validate_args
 

@@ -25,52 +25,11 @@ class _AtomicTrackerStorage:
     def open(self, path, mode="r", *args, **kwargs):
         from megatron.core.msc_utils import MultiStorageClientFeature
 
-        from megatron_zaya.checkpoint import TRACKER
+        from megatron_zaya.checkpoint.format import TRACKER, AtomicTracker
 
         if mode == "w" and Path(str(path)).name == TRACKER and not MultiStorageClientFeature.is_enabled():
-            return _AtomicTextFile(str(path))
+            return AtomicTracker(str(path))
         return self._storage.open(path, mode, *args, **kwargs)
-
-
-class _AtomicTextFile:
-    """A text file written next to ``path`` and renamed over it on a clean close (never seen half-written)."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.staging = f"{path}.tmp-{os.getpid()}"
-        self.file = open(self.staging, "w")
-
-    def write(self, text: str) -> int:
-        return self.file.write(text)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        if exc_type is not None:
-            os.unlink(self.staging)
-            return False
-        from megatron_zaya.checkpoint import check_written, step_name, write_checksums
-
-        marker = Path(self.staging).read_text().strip()
-        step = Path(self.path).parent / step_name(marker) if marker.isdigit() or marker == "release" else None
-        if step is not None and step.is_dir():
-            try:
-                check_written(step)
-            except Exception:
-                os.unlink(self.staging)
-                raise
-            write_checksums(step)
-        os.replace(self.staging, self.path)
-        directory = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-        return False
 
 
 @register("reliability.atomic_tracker", target="megatron.training.checkpointing.maybe_msc")
@@ -86,7 +45,7 @@ def atomic_tracker() -> None:
     the old one; everything else (and multi-storage-client paths) is untouched. The tracker is written
     after every rank finished its checkpoint files (for ``--async-save``: when Megatron finalizes the
     background write), so it names a complete checkpoint; before it, every byte range the checkpoint's
-    ``.metadata`` records is checked to lie in its file (``checkpoint.check_written``: else the save fails and
+    ``.metadata`` records is checked to lie in its file (``checkpoint.format.check_written``: else the save fails and
     the tracker stays), then the size and CRC-32 of each file go into ``zaya_checksums.json`` (hashed in
     parallel threads, or taken from the background writers' records; written atomically), which
     ``reliability.verified_load`` checks on the next load.
@@ -106,7 +65,7 @@ def verified_load() -> None:
     trusts the files of that checkpoint: flipped bytes in a shard load silently (training continues on
     damaged weights and saves over them), a truncated shard or a garbage ``.metadata``/``metadata.json``
     fails with a traceback, and an empty or garbage tracker ``sys.exit()``s with status 0. The replacement
-    returns the iteration chosen by :func:`~megatron_zaya.training.reliability.newest_intact_checkpoint`:
+    returns the iteration chosen by :func:`~megatron_zaya.checkpoint.integrity.newest_intact_checkpoint`:
     every rank checks its share of the files (sizes, then CRC-32 in parallel threads) against
     ``zaya_checksums.json``, the ranks gather their findings, and a damaged checkpoint is named in one line
     and skipped for the newest older intact one; with none intact the run stops, exit 2. Megatron calls
@@ -120,8 +79,8 @@ def verified_load() -> None:
     from megatron.core.msc_utils import MultiStorageClientFeature
     from megatron.training import checkpointing
 
-    from megatron_zaya.checkpoint import read_tracker
-    from megatron_zaya.training.reliability import newest_intact_checkpoint
+    from megatron_zaya.checkpoint.format import read_tracker
+    from megatron_zaya.checkpoint.integrity import newest_intact_checkpoint
 
     original = checkpointing.read_metadata
     chosen: dict[tuple[str, str | None], str] = {}
@@ -147,13 +106,13 @@ def checkpoint_fits_run() -> None:
     with ``rank0=True``, on every rank; its saved ``args``), then loads the model and optimizer state into the
     built model. A checkpoint of another architecture then fails on shapes, one of another optimizer with a
     40-line traceback about ``param_groups``, and one of another tokenizer loads silently. The wrapper hands the
-    saved ``args`` to :func:`~megatron_zaya.training.resume_checks.check_checkpoint_fits`, which names the
+    saved ``args`` to :func:`~megatron_zaya.checkpoint.fits.check_checkpoint_fits`, which names the
     mismatch and its fix in one line (exit 2). Only for runs with the ``--zaya-*`` flags (zaya-pretrain).
     Off: leave ``reliability`` out of ``--zaya-patches`` / ``ZAYA_PATCHES``.
     """
     from megatron.training import checkpointing
 
-    from megatron_zaya.training.resume_checks import check_checkpoint_fits
+    from megatron_zaya.checkpoint.fits import check_checkpoint_fits
 
     original = checkpointing._load_base_checkpoint
 
@@ -207,22 +166,17 @@ def save_failure() -> None:
     the failed save wrote.
 
     Wraps the name ``save_checkpoint`` that ``megatron.training.training`` imported: an exception raised
-    while saving becomes a ``TrainingFault`` naming the error (a full disk as such), the save directory and the
-    previous checkpoint, which stays loadable because the ``latest`` marker is only replaced after a complete
-    save (``reliability.atomic_tracker``). The failed save's step directory, which ``latest`` does not name, is
-    removed: on a full disk it is what fills it. zaya-pretrain prints the line as ``zaya-pretrain: error: ...``,
-    exit 3.
+    while saving becomes the ``TrainingFault`` of :func:`~megatron_zaya.checkpoint.save_failures.failed_save`,
+    naming the error (a full disk as such), the save directory and the previous checkpoint, which stays loadable
+    because the ``latest`` marker is only replaced after a complete save (``reliability.atomic_tracker``). The
+    failed save's step directory, which ``latest`` does not name, is removed: on a full disk it is what fills it.
+    zaya-pretrain prints the line as ``zaya-pretrain: error: ...``, exit 3.
     Off: leave ``reliability`` out of ``--zaya-patches`` / ``ZAYA_PATCHES`` (Megatron's traceback then).
     """
-    import errno
-    import shutil
-
     import megatron.training.training as training
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from megatron_zaya.checkpoint import read_tracker, step_name
-    from megatron_zaya.errors import TrainingFault
-    from megatron_zaya.training.reliability import DISK_FULL, describe_latest_checkpoint, full_disk
+    from megatron_zaya.checkpoint.save_failures import failed_save
 
     original = training.save_checkpoint
 
@@ -231,22 +185,7 @@ def save_failure() -> None:
         try:
             return original(iteration, *args, **kwargs)
         except (Exception, CheckpointException) as error:  # torch's CheckpointException is a BaseException
-            save_dir = training.get_args().save
-            failures = getattr(error, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
-            cause = next(iter(failures.values()))[0] if failures else error
-            summary = f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
-            full = (f"{errno.errorcode[cause.errno]}: {cause.strerror}" if getattr(cause, "errno", None) in DISK_FULL
-                    else full_disk(save_dir))
-            if full:
-                summary = f"the disk is full, {full}"
-            partial = Path(save_dir) / step_name(iteration)
-            if read_tracker(save_dir) != str(iteration) and partial.is_dir():
-                shutil.rmtree(partial, ignore_errors=True)  # every failing rank: whichever comes first
-                summary += f"; its partial {partial.name} is removed"
-            raise TrainingFault(
-                f"saving the checkpoint of iteration {iteration} to {save_dir} failed ({summary}); free space or "
-                f"fix the directory, then resume with --load {save_dir} from the previous checkpoint, which is "
-                f"intact: {describe_latest_checkpoint(save_dir)}") from error
+            raise failed_save(error, iteration, training.get_args().save) from error
 
     replace_attr(training, "save_checkpoint", save_checkpoint)
 

@@ -275,7 +275,7 @@ def check_args(args, world_size: int, machine_checks: bool = True) -> None:
 
     ``machine_checks=False`` (``--zaya-memory-plan``, which plans for a cluster): what this machine lacks (a GPU,
     Transformer Engine) is not refused."""
-    from .checkpoint_tiers import check_args as check_checkpoint_tiers
+    from ..checkpoint.tiers import check_args as check_checkpoint_tiers
 
     _check_flag_combinations(args)
     check_checkpoint_tiers(args)

@@ -18,6 +18,10 @@ from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_and_validate_args, parse_args
 from megatron.training.global_vars import get_tokenizer
 
+from ..checkpoint import resume, save_lock
+from ..checkpoint.format import describe_latest_checkpoint
+from ..checkpoint.save_failures import check_save_dir
+from ..checkpoint.tiers import ASYNC_FLAGS
 from ..config import PRESETS, preset
 from ..data import embedded_tokenizer_dir
 from ..data.preprocess import embedded_dataset_prefix
@@ -27,10 +31,9 @@ from ..patches import apply_patches
 from ..patches.registry import check_selection as check_patch_selection
 from ..runtime import (START_LOG, end_data_workers_at_exit, end_helpers_with_this_process, free_master_port,
                        write_start_log)
-from . import reliability, save_dir
+from . import reliability
 from .arguments import (ZAYA_FLAGS, add_zaya_args, check_args, check_data, early_flags, memory_plan_inputs,
                         preset_flags, zaya_pretrain_parser)
-from .checkpoint_tiers import ASYNC_FLAGS
 from .loss_curve import LOSS_CURVE
 from .steps import forward_step, model_provider, train_valid_test_datasets_provider
 
@@ -211,12 +214,12 @@ def run(argv: list[str]) -> None:
     if plan_size is not None:
         print(memory_plan_report(*memory_plan_inputs(args)), flush=True)
         return
-    resuming = save_dir.check_save_and_load(args, user_argv)
+    resuming = resume.check_save_and_load(args, user_argv)
     if args.save:
-        reliability.check_save_dir(args.save)
-        save_dir.lock_save_dir(args.save, args.zaya_save_lock_stale_after)
+        check_save_dir(args.save)
+        save_lock.lock_save_dir(args.save, args.zaya_save_lock_stale_after)
         if int(os.environ.get("RANK", "0")) == 0:  # one rank deletes, and says what happens
-            line = save_dir.remove_checkpoints(args.save) if args.zaya_overwrite_save else resuming
+            line = resume.remove_checkpoints(args.save) if args.zaya_overwrite_save else resuming
             if line:
                 print(line, flush=True)
     write_start_log(args.save, sum(state == "applied" for state in patches.values()), len(patches))
@@ -274,8 +277,8 @@ def _finish(args, user_argv: list[str], plot: str | None, stopped_early: bool = 
     if plot and LOSS_CURVE.points():
         lines.append(f"loss curve: {LOSS_CURVE.write(plot)}")
     if stopped_early:
-        then = (f"the last checkpoint: {reliability.describe_latest_checkpoint(args.save)}; resume with: "
-                f"{save_dir.resume_command(user_argv, args.save)}" if args.save else "nothing saved (no --save)")
+        then = (f"the last checkpoint: {describe_latest_checkpoint(args.save)}; resume with: "
+                f"{resume.resume_command(user_argv, args.save)}" if args.save else "nothing saved (no --save)")
         print(f"[zaya] stopped early; {'; '.join(lines) or 'no loss curve'}; {then}", flush=True)
         return
     if args.save:

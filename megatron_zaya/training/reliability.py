@@ -1,4 +1,4 @@
-"""Training that survives faults: non-finite steps, loss spikes, replica drift, pre-emption, save failures.
+"""Training that survives faults: non-finite steps, loss spikes, replica drift, pre-emption.
 
 What happens on each fault, how the tests inject it, and the flags, are in ``docs/reliability.md``.
 
@@ -10,11 +10,7 @@ What happens on each fault, how the tests inject it, and the flags, are in ``doc
   the step's balancing-bias update. ``--zaya-max-nonfinite-steps`` skipped steps in a row stop the run.
   Every ``--zaya-replica-check-interval`` steps it compares per-tensor checksums of the weights across
   data-parallel replicas.
-* :func:`newest_intact_checkpoint` picks the checkpoint a run resumes from: the tracker's, if its files match
-  the checksums recorded at save, else the newest older one that does (installed by the
-  ``reliability.verified_load`` patch).
 * :func:`arm_sigterm_deadline` bounds the time between SIGTERM and the exit.
-* :func:`check_save_dir` refuses an unwritable or too-full ``--save`` before training starts.
 * The progress watchdog (``--zaya-watchdog-seconds``, ``watchdog.py``) hears the guard's beats: each micro-batch's
   forward and each optimizer step.
 """
@@ -22,34 +18,20 @@ What happens on each fault, how the tests inject it, and the flags, are in ``doc
 from __future__ import annotations
 
 import collections
-import errno
 import functools
 import math
 import os
-import shutil
 import signal
 import sys
 import threading
-from pathlib import Path
 
 import torch
 
-from ..checkpoint import TRACKER, read_tracker, step_damage, step_name
-from ..errors import TrainingFault, UsageError
+from ..checkpoint.format import describe_latest_checkpoint
+from ..errors import TrainingFault
 from .watchdog import WATCHDOG
 
 FAULT_EXIT_CODE = 3
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left, or the user's quota used up
-
-
-def describe_latest_checkpoint(save_dir: str | None) -> str:
-    """'ckpt/iter_0000009 (iteration 9)', or why there is none."""
-    if not save_dir:
-        return "none (no --save directory)"
-    marker = read_tracker(save_dir)
-    if marker is None:
-        return f"none yet in {save_dir}"
-    return f"{Path(save_dir) / step_name(marker)} (iteration {marker})"
 
 
 def _iteration() -> int:
@@ -62,9 +44,9 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _print_rank_0(message: str, file=None) -> None:
+def _print_rank_0(message: str) -> None:
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(message, file=file or sys.stdout, flush=True)
+        print(message, flush=True)
 
 
 class StepGuard:
@@ -245,53 +227,6 @@ def check_replicas(model_chunks, iteration: int, save_dir: str | None) -> None:
     _print_rank_0(f" [zaya] iteration {iteration:8d} | data-parallel replicas identical |")
 
 
-# ------------------------------------------------------------------------------------------ resuming
-def _rank_and_size() -> tuple[int, int]:
-    dist = torch.distributed
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
-def _damage_on_all_ranks(path: Path, tracker_named: bool) -> list[str]:
-    """What is wrong with the step directory ``path``; each rank reads only its share of the files."""
-    rank, world = _rank_and_size()
-    problems = step_damage(path, tracker_named, rank, world)
-    if world > 1:
-        gathered = [None] * world
-        torch.distributed.all_gather_object(gathered, problems)
-        problems = sorted({p for part in gathered for p in part})
-    return problems
-
-
-def newest_intact_checkpoint(load_dir: str) -> str:
-    """The tracker marker of the checkpoint to load from ``load_dir`` (collective: every rank calls it).
-
-    The tracker's checkpoint if its files match the checksums recorded at save; else, named in one line,
-    the newest older ``iter_*`` that does (every one when the tracker itself is damaged). None intact:
-    :class:`UsageError` (exit 2), so that a run never trains on damaged weights.
-    """
-    root = Path(load_dir)
-    marker = read_tracker(root)
-    saved = sorted((int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit() and p.is_dir()),
-                   reverse=True)
-    if marker == "release":
-        candidates = ["release"]
-    else:
-        candidates = ([marker] if marker else []) + [str(i) for i in saved if marker is None or i < int(marker)]
-    damaged = [] if marker else [f"{root / TRACKER} (empty or not an iteration)"]
-    for candidate in candidates:
-        path = root / step_name(candidate)
-        problems = _damage_on_all_ranks(path, candidate == marker)
-        if not problems:
-            if damaged:
-                _print_rank_0(f"zaya-pretrain: warning: {'; '.join(damaged)}: damaged; loading the newest intact "
-                              f"checkpoint, {path} (iteration {candidate})", file=sys.stderr)
-            return candidate
-        more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
-        damaged.append(f"{path} ({problems[0]}{more})")
-    raise UsageError(f"no intact checkpoint in --load {load_dir}: {'; '.join(damaged) or 'none saved'}; restore "
-                     "it from a copy, or start afresh with another --save and --load")
-
-
 # ---------------------------------------------------------------------------------------------- SIGTERM
 def saves_on_sigterm(save_dir: str | None, deadline: float) -> bool:
     """Whether SIGTERM (pre-emption, scancel) saves: with a --save directory, unless --zaya-sigterm-deadline is 0
@@ -322,42 +257,3 @@ def arm_sigterm_deadline(seconds: float, save_dir: str | None, exit=os._exit) ->
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-
-
-# ------------------------------------------------------------------------------------------- save dir
-def full_disk(directory: str) -> str | None:
-    """'ENOSPC: No space left on device' if a 1 MiB write in ``directory`` fails for want of space, else None.
-    (A failed checkpoint write reaches us without its errno: Megatron's writer reports only the error's type.)"""
-    probe = Path(directory) / f".zaya-space-probe-{os.getpid()}"
-    try:
-        probe.write_bytes(b"\0" * (1 << 20))
-    except OSError as error:
-        return f"{errno.errorcode[error.errno]}: {error.strerror}" if error.errno in DISK_FULL else None
-    finally:
-        probe.unlink(missing_ok=True)
-    return None
-
-
-def check_save_dir(save_dir: str) -> None:
-    """Raise :class:`UsageError` if ``save_dir`` cannot take the next checkpoint: not creatable or writable,
-    or with less free space than the latest checkpoint in it occupies."""
-    root = Path(save_dir)
-    probe = root / f".zaya-write-probe-{os.getpid()}"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"\0" * 4096)
-        probe.unlink()
-    except OSError as error:
-        if error.errno in DISK_FULL:
-            raise UsageError(f"--save {save_dir}: the disk is full ({errno.errorcode[error.errno]}: {error.strerror}); "
-                             "free space or choose another --save") from error
-        raise UsageError(f"--save {save_dir} is not writable ({error.strerror}: {error.filename}); "
-                            "choose a writable directory or fix its permissions") from error
-    marker = read_tracker(root)
-    if marker is not None:
-        latest = root / step_name(marker)
-        needed = sum(f.stat().st_size for f in latest.rglob("*") if f.is_file()) if latest.is_dir() else 0
-        free = shutil.disk_usage(root).free
-        if free < needed:
-            raise UsageError(f"--save {save_dir} has {free / 2**30:.2f} GiB free but its last checkpoint "
-                                f"({latest.name}) takes {needed / 2**30:.2f} GiB; free space or choose another --save")

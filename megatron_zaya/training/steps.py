@@ -16,13 +16,13 @@ from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_
 from megatron.training import get_args, get_tokenizer, print_rank_0
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
+from ..checkpoint.fits import tokenizer_identity
 from ..config import architecture
 from ..ops.lm_head import IGNORE_INDEX
 from ..model import build_zaya_model
 from .arguments import zaya_config_from_args
 from .balancing import finalize_model_grads_with_balancing
 from .loss_curve import LOSS_CURVE
-from .resume_checks import tokenizer_identity
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 

@@ -19,7 +19,7 @@ def _finish_within(rank, world, write_seconds):
     from megatron.training import async_utils, global_vars
 
     from megatron_zaya.patches import apply_patches
-    from megatron_zaya.training.checkpoint_tiers import finish_background_saves
+    from megatron_zaya.checkpoint.tiers import finish_background_saves
 
     apply_patches("cpu")
     global_vars.set_args(argparse.Namespace(async_save=True, async_strategy="mcore", use_persistent_ckpt_worker=False))
@@ -48,7 +48,7 @@ def _save_change_and_load(rank, world, root, budget):
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     from megatron_zaya.patches import apply_patches
-    from megatron_zaya.training import checkpoint_tiers
+    from megatron_zaya.checkpoint import tiers as checkpoint_tiers
 
     apply_patches("cpu")
 

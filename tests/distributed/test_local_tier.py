@@ -46,7 +46,7 @@ def _save_and_resume(rank, world, root, saves):
     from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
     from megatron_zaya.patches import apply_patches
-    from megatron_zaya.training.local_tier import LocalTier
+    from megatron_zaya.checkpoint.local_tier import LocalTier
 
     apply_patches("cpu,checkpointing.local_tier")
     ps.initialize_model_parallel()
@@ -115,7 +115,7 @@ def _background_save_then_step(rank, world, root):
     from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
     from megatron_zaya.patches import apply_patches
-    from megatron_zaya.training.local_tier import LocalTier
+    from megatron_zaya.checkpoint.local_tier import LocalTier
 
     apply_patches("cpu,checkpointing.local_tier")
     ps.initialize_model_parallel()

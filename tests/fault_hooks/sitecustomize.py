@@ -151,4 +151,4 @@ class _WrapOnImport(importlib.abc.MetaPathFinder):
 if any(kind in STEP_KINDS for kind, _, _ in _plan()):
     sys.meta_path.insert(0, _WrapOnImport("megatron_zaya.training.reliability", _wrap_step_guard))
 if any(kind in WRITE_KINDS for kind, _, _ in _plan()):
-    sys.meta_path.insert(0, _WrapOnImport("megatron_zaya.training.checkpoint_tiers", _wrap_writer))
+    sys.meta_path.insert(0, _WrapOnImport("megatron_zaya.checkpoint.tiers", _wrap_writer))

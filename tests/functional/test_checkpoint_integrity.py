@@ -13,11 +13,10 @@ import shutil
 import pytest
 from zaya_cli import QUICK, losses, pretrain
 
-from megatron_zaya.checkpoint import CHECKSUMS, TRACKER, damage, recorded_files
+from megatron_zaya.checkpoint import CHECKSUMS, TRACKER, damage, newest_intact_checkpoint, recorded_files
 from megatron_zaya.convert.cli import main as convert
 from megatron_zaya.data import embedded_tokenizer_dir
 from megatron_zaya.errors import UsageError
-from megatron_zaya.training.reliability import newest_intact_checkpoint
 
 SHARD = "__0_0.distcp"
 FLAGS = QUICK + ["--train-iters", "4", "--save-interval", "2"]

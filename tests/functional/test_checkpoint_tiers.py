@@ -16,8 +16,7 @@ import pytest
 from shared import once
 from zaya_cli import KILLED_RUN, assert_resumed_exactly, loss_csv, losses, pretrain, with_faults
 
-from megatron_zaya.checkpoint import CHECKSUMS, TRACKER
-from megatron_zaya.training.reliability import newest_intact_checkpoint
+from megatron_zaya.checkpoint import CHECKSUMS, TRACKER, newest_intact_checkpoint
 
 PERSISTENT = ["--async-save", "--save-interval", "4", "--save", "ck", "--load", "ck"]
 TIERS = PERSISTENT + ["--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", "local",

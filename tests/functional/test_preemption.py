@@ -15,7 +15,7 @@ import psutil
 import pytest
 from zaya_cli import KILLED_RUN, QUICK, loss_csv, losses
 
-from megatron_zaya.training.reliability import newest_intact_checkpoint
+from megatron_zaya.checkpoint import newest_intact_checkpoint
 
 
 def _launch(flags, tmp_path, name):

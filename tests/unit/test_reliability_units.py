@@ -21,7 +21,8 @@ from megatron_zaya.data import embedded_tokenizer_dir
 from megatron_zaya.data.preprocess import write_indexed_dataset
 from megatron_zaya.errors import UsageError
 from megatron_zaya.training.data_checks import indexed_dataset_problem
-from megatron_zaya.training.reliability import arm_sigterm_deadline, check_save_dir
+from megatron_zaya.checkpoint.save_failures import check_save_dir
+from megatron_zaya.training.reliability import arm_sigterm_deadline
 
 TRACKER = "latest_checkpointed_iteration.txt"
 

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from megatron_zaya.errors import UsageError
-from megatron_zaya.training.save_dir import LOCK, SaveDirLock, resume_command
+from megatron_zaya.checkpoint.resume import resume_command
+from megatron_zaya.checkpoint.save_lock import LOCK, SaveDirLock
 
 
 def _lock_of(tmp_path, **record):

@@ -9,9 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 
-from ..checkpoint import architecture_differences
 from ..errors import UsageError
-from .arguments import field_flag, zaya_config_from_args
+from ..training.arguments import field_flag, zaya_config_from_args
+from .model_io import architecture_differences
 
 
 def tokenizer_identity(tokenizer, args) -> dict:

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import CHECKSUMS, TRACKER, damage, recorded_files, step_name, write_checksums
 from ..errors import UsageError
-from .checkpoint_tiers import stage, take_copies
+from .format import CHECKSUMS, TRACKER, recorded_files, step_name, write_checksums
+from .integrity import damage
+from .tiers import stage, take_copies
 
 STATE = "state.pt"
 LAYOUT = "layout.json"
@@ -56,7 +57,7 @@ def current_layout() -> dict[str, int]:
 
 
 def stage_state(state, which: frozenset[int] | None = None):
-    """:func:`~.checkpoint_tiers.stage` for the tensors of a rank's ``MCoreTensorAwareStateDict``, in place."""
+    """:func:`~.tiers.stage` for the tensors of a rank's ``MCoreTensorAwareStateDict``, in place."""
     state.insert_tensors(stage(state.pop_tensors(), which))
     return state
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import record_written
 from ..errors import UsageError
 from ..memory_plan import GIB, RESERVE_GIB
+from .format import record_written
 
 # The flags --async-save implies, placed before the user's (an explicit one wins): --async-save alone gives a
 # background save. Megatron turns --async-save off without --use-persistent-ckpt-worker (arguments.py:1740), and its
