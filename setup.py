@@ -1,6 +1,6 @@
 """megatron-zaya: pretrain Zyphra's ZAYA1 mixture-of-experts models on Megatron-Core."""
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 MEGATRON_CORE = "megatron-core==0.19.2"
 
@@ -12,17 +12,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.12,<3.13",
-    packages=[
-        "megatron_zaya",
-        "megatron_zaya.checkpoint",
-        "megatron_zaya.model",
-        "megatron_zaya.convert",
-        "megatron_zaya.data",
-        "megatron_zaya.kernels",
-        "megatron_zaya.optim",
-        "megatron_zaya.training",
-        "megatron_zaya.patches",
-    ],
+    packages=find_packages(include=["megatron_zaya", "megatron_zaya.*"]),  # every subpackage, none forgotten
     package_data={"megatron_zaya.data": ["embedded/*"]},
     install_requires=[
         MEGATRON_CORE,
