@@ -179,24 +179,3 @@ def stage_write_record(write, rank, write_buckets, results_queue) -> None:
         print(f"[zaya] background save written in {time.perf_counter() - start:.1f} s: staged to host memory "
               f"{staged - start:.1f} s, written {written - staged:.1f} s, checksummed "
               f"{time.perf_counter() - written:.1f} s", flush=True)
-
-
-def finish_background_saves(seconds: float) -> bool:
-    """Wait up to ``seconds`` for the background saves in flight and finalize them (their tracker and
-    checksums move then); True if none is left. Collective: every rank calls it with the same ``seconds``
-    (e.g. the rest of a SIGTERM deadline). Past the time nothing more is finalized and the newest finalized
-    checkpoint stays the latest."""
-    from megatron.training import async_utils, get_args
-
-    if not get_args().async_save:
-        return True
-    deadline = time.monotonic() + seconds
-    while True:
-        async_utils.maybe_finalize_async_save(blocking=False)
-        done = async_utils.is_empty_async_queue()
-        # One answer for every rank: no rank may go on polling (a collective) after another stopped.
-        stop = torch.tensor([float(done or time.monotonic() > deadline)], device=torch.cuda.current_device())
-        torch.distributed.all_reduce(stop, op=torch.distributed.ReduceOp.MIN)
-        if stop.item():
-            return done
-        time.sleep(0.05)
