@@ -82,6 +82,33 @@ def one_write_in_flight() -> None:
     replace_attr(training, "save_checkpoint", save_checkpoint)
 
 
+@register("checkpointing.loss_curve_at_saves", target="megatron.training.training.save_checkpoint",
+          wraps=("checkpointing.one_write_in_flight",))
+def loss_curve_at_saves() -> None:
+    """After each checkpoint save, write the loss curve's CSV up to that step, so that a run that crashes or hangs
+    keeps the curve of the steps its checkpoints hold, and a restart carries it on.
+
+    Otherwise the curve is written at the end of the run (or at a clean early stop) only. Wraps the name
+    ``save_checkpoint`` that ``megatron.training.training`` imported, outside the other save patches (a save that
+    fails raises before the curve is written); every rank pools its losses there, as every rank saves.
+    Off: leave ``checkpointing.loss_curve_at_saves`` out of ``--zaya-patches`` (a crash then loses the curve of
+    its launch).
+    """
+    import megatron.training.training as training
+
+    from megatron_zaya.training.loss_curve import LOSS_CURVE
+
+    original = training.save_checkpoint
+
+    @functools.wraps(original)
+    def save_checkpoint(*args, **kwargs):
+        saved = original(*args, **kwargs)
+        LOSS_CURVE.pool_and_save()
+        return saved
+
+    replace_attr(training, "save_checkpoint", save_checkpoint)
+
+
 @register("checkpointing.in_process_write_results",
           target="megatron.core.dist_checkpointing.strategies.filesystem_async.get_write_results_queue")
 def in_process_write_results() -> None:

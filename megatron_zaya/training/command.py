@@ -12,7 +12,6 @@ from pathlib import Path
 
 import megatron.training  # pretrain() is looked up when called: patches wrap it (checkpointing.local_tier)
 import torch
-from megatron.core import parallel_state as mpu
 from megatron.core.enums import ModelType
 from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_and_validate_args, parse_args
@@ -34,7 +33,7 @@ from ..runtime import (START_LOG, end_data_workers_at_exit, end_helpers_with_thi
 from . import reliability
 from .arguments import (ZAYA_FLAGS, add_zaya_args, check_args, check_data, early_flags, memory_plan_inputs,
                         preset_flags, zaya_pretrain_parser)
-from .loss_curve import LOSS_CURVE
+from .loss_curve import LOSS_CURVE, curve_group, writes_curve
 from .steps import forward_step, model_provider, train_valid_test_datasets_provider
 
 APPLIED = ("applied", "already applied")  # apply_patches() reports of a patch in effect
@@ -226,7 +225,7 @@ def run(argv: list[str]) -> None:
     if reliability.saves_on_sigterm(args.save, args.zaya_sigterm_deadline):
         reliability.arm_sigterm_deadline(args.zaya_sigterm_deadline, args.save)
     plot = args.zaya_loss_plot or (str(Path(args.save) / "loss.png") if args.save else None)
-    LOSS_CURVE.enabled = plot is not None
+    LOSS_CURVE.path = Path(plot) if plot else None
     try:
         megatron.training.pretrain(pretrain_cfg_container_from_args(args, None), train_valid_test_datasets_provider,
                                    ModelType.encoder_or_decoder, reliability.GUARD.watch(forward_step),
@@ -269,13 +268,12 @@ def _finish(args, user_argv: list[str], plot: str | None, stopped_early: bool = 
     """On the rank that computed losses (last stage, first DP, CP and TP rank): the plot and what to run next
     (after an early stop, the plot and the command that resumes)."""
     if plot:  # every rank: each holds the losses of its share of the batch
-        LOSS_CURVE.pool(mpu.get_data_parallel_group(with_context_parallel=True))
-    if not (mpu.is_pipeline_last_stage() and mpu.get_data_parallel_rank() == 0
-            and mpu.get_context_parallel_rank() == 0 and mpu.get_tensor_model_parallel_rank() == 0):
+        LOSS_CURVE.pool(curve_group())
+    if not writes_curve():
         return
     lines = []
     if plot and LOSS_CURVE.points():
-        lines.append(f"loss curve: {LOSS_CURVE.write(plot)}")
+        lines.append(f"loss curve: {LOSS_CURVE.write()}")
     if stopped_early:
         then = (f"the last checkpoint: {describe_latest_checkpoint(args.save)}; resume with: "
                 f"{resume.resume_command(user_argv, args.save)}" if args.save else "nothing saved (no --save)")

@@ -1,6 +1,7 @@
-"""The training-loss curve: recorded by the loss function, pooled over data- and context-parallel ranks once at
-the end, written as CSV and PNG. A resumed run adds to the curve of the runs before it: their points up to
-the iteration it resumed from are kept, later ones (steps it repeats) replaced."""
+"""The training-loss curve: recorded by the loss function, pooled over data- and context-parallel ranks at each
+checkpoint save and at the end, written as CSV (at each save: a run that crashes keeps the curve of the steps
+its checkpoint holds) and, at the end, as PNG. A resumed run adds to the curve of the runs before it: their
+points up to the iteration it resumed from are kept, later ones (steps it repeats) replaced."""
 
 from __future__ import annotations
 
@@ -15,9 +16,14 @@ class LossCurve:
     :meth:`pool`, the ranks of the group too)."""
 
     def __init__(self):
-        self.enabled = False
-        # Device tensors, read back only when the curve is written: no host sync per micro-batch.
+        self.path: Path | None = None  # the PNG; the CSV beside it. None: no curve is recorded
+        # Device tensors, read back only when the curve is pooled: no host sync per micro-batch.
         self._sums: dict[int, list] = defaultdict(lambda: [0.0, 0.0])
+        self._pooled: dict[int, tuple[float, float]] = {}  # the iterations pooled so far: (loss sum, tokens)
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
 
     def add(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> None:
         if not self.enabled or not torch.is_grad_enabled():  # evaluation runs under no_grad
@@ -29,37 +35,56 @@ class LossCurve:
         entry[1] = entry[1] + num_tokens.detach().double()
 
     def pool(self, group) -> None:
-        """Sum every rank's per-iteration loss and token counts over ``group`` (every rank of it must call)."""
+        """Sum every rank's per-iteration loss and token counts recorded since the last pool over ``group`` (every
+        rank of it must call)."""
         import torch.distributed as dist
 
-        if not self._sums or group is None or dist.get_world_size(group) == 1:
-            return
         iterations = sorted(self._sums)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        totals = torch.tensor([[float(s), float(n)] for s, n in (self._sums[i] for i in iterations)],
-                              dtype=torch.float64, device=device)
-        dist.all_reduce(totals, group=group)
-        self._sums.update({i: [total[0], total[1]] for i, total in zip(iterations, totals.cpu(), strict=True)})
+        if iterations and group is not None and dist.get_world_size(group) > 1:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            totals = torch.tensor([[float(s), float(n)] for s, n in (self._sums[i] for i in iterations)],
+                                  dtype=torch.float64, device=device)
+            dist.all_reduce(totals, group=group)
+            pooled = totals.cpu().tolist()
+        else:
+            pooled = [[float(s), float(n)] for s, n in (self._sums[i] for i in iterations)]
+        self._pooled.update({i: (total[0], total[1]) for i, total in zip(iterations, pooled, strict=True)})
+        self._sums.clear()
 
     def points(self) -> list[tuple[int, float]]:
-        return [(it, float(s) / max(float(n), 1.0)) for it, (s, n) in sorted(self._sums.items())]
+        """The pooled iterations' token-weighted mean losses."""
+        return [(it, s / max(n, 1.0)) for it, (s, n) in sorted(self._pooled.items())]
 
-    def write(self, png_path: str | Path) -> Path:
-        """Write ``png_path`` and a ``.csv`` beside it; returns the PNG path."""
-        import matplotlib
+    def pool_and_save(self) -> None:
+        """At a checkpoint save, on every rank: pool the steps since the last pool; the rank that writes the curve
+        writes its CSV."""
+        if not self.enabled:
+            return
+        self.pool(curve_group())
+        if writes_curve():
+            self.write_csv()
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        png = Path(png_path)
-        png.parent.mkdir(parents=True, exist_ok=True)
+    def write_csv(self) -> Path:
+        """The pooled points, after the points of the runs before this one, to the CSV beside :attr:`path`."""
         points = self.points()
-        csv = png.with_suffix(".csv")
+        csv = self.path.with_suffix(".csv")
+        csv.parent.mkdir(parents=True, exist_ok=True)
         first = points[0][0] if points else 0
         points = [p for p in _read_csv(csv) if p[0] < first] + points
         staging = csv.with_name(f".{csv.name}.tmp")
         staging.write_text("iteration,loss\n" + "".join(f"{i},{v!r}\n" for i, v in points))
         staging.replace(csv)
+        return csv
+
+    def write(self) -> Path:
+        """The CSV and the PNG at :attr:`path` (its plot of the CSV's points); returns the PNG path."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        png = self.path
+        points = _read_csv(self.write_csv())
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
         ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2)
         ax.set_xlabel("iteration")
@@ -70,6 +95,22 @@ class LossCurve:
         fig.savefig(png)
         plt.close(fig)
         return png
+
+
+def curve_group():
+    """The ranks whose losses make up one step's: the data- and context-parallel group."""
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_data_parallel_group(with_context_parallel=True)
+
+
+def writes_curve() -> bool:
+    """Whether this rank writes the curve: the last pipeline stage's first data-, context- and tensor-parallel
+    rank (it computed losses)."""
+    from megatron.core import parallel_state as mpu
+
+    return (mpu.is_pipeline_last_stage() and mpu.get_data_parallel_rank() == 0
+            and mpu.get_context_parallel_rank() == 0 and mpu.get_tensor_model_parallel_rank() == 0)
 
 
 def _read_csv(path: Path) -> list[tuple[int, float]]:

@@ -139,7 +139,7 @@ def test_sigkill_during_a_save_then_sigterm_with_a_deadline(tmp_path, uninterrup
         log.read_text() and f", PID {killed.pid}, " in log.read_text()
     saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert saved == max(resumed) >= 8
-    assert_resumed_exactly(loss_csv(ckpt / "loss.csv"), range(4, 9), first, resumed, uninterrupted)  # from checkpoint 3
+    assert_resumed_exactly(loss_csv(ckpt / "loss.csv"), range(1, 9), first, resumed, uninterrupted)  # from checkpoint 3
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.05, 0.3], ids=["at-start", "early", "late"])
@@ -169,7 +169,7 @@ def test_sigkill_at_a_moment_of_a_save_leaves_latest_naming_a_complete_checkpoin
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = losses(resumed.stdout)
     assert min(after) == latest + 1
-    assert_resumed_exactly(loss_csv(ckpt / "loss.csv"), range(latest + 1, latest + 4), first, after, uninterrupted)
+    assert_resumed_exactly(loss_csv(ckpt / "loss.csv"), range(1, latest + 4), first, after, uninterrupted)
 
 
 def _processes_of_group(pgid: int) -> list[int]:
@@ -216,7 +216,7 @@ def test_a_save_failing_mid_training_is_reported_and_the_previous_checkpoint_kep
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = losses(resumed.stdout)
     assert min(after) == 4
-    assert_resumed_exactly(loss_csv(ckpt / "loss.csv"), range(4, 7), first, after, uninterrupted)
+    assert_resumed_exactly(loss_csv(ckpt / "loss.csv"), range(1, 7), first, after, uninterrupted)
 
 
 def test_a_full_disk_is_named_and_the_partial_save_removed(tmp_path):

@@ -27,5 +27,5 @@ def test_a_hung_rank_is_restarted_from_the_newest_checkpoint(tmp_path, uninterru
     assert "forward_step_with_faults" in run.stderr  # the hung thread's stack, where it hangs
     printed = losses(run.stdout)  # 1-4 before the hang, 4-6 after the restart from step 3; 7 digits, float32
     assert printed == pytest.approx({step: uninterrupted[step] for step in range(1, 7)}, rel=1e-6), printed
-    # the restarted launch's curve, at full precision (the hung launch wrote none: it never finished)
-    assert loss_csv(tmp_path / "ck" / "loss.csv") == {step: uninterrupted[step] for step in range(4, 7)}
+    # the curve at full precision: the hung launch's steps up to its checkpoint (written with it), then the restart's
+    assert loss_csv(tmp_path / "ck" / "loss.csv") == {step: uninterrupted[step] for step in range(1, 7)}

@@ -66,7 +66,8 @@ def test_every_patch_applies_after_the_patches_it_wraps():
         for patch in registry.REGISTRY.values():
             assert all(position[inner] < position[patch.id] for inner in patch.wraps), (selection, patch.id)
     nested = [p.id for p in resolve("all")[0] if p.target == "megatron.training.training.save_checkpoint"]
-    assert nested == ["reliability.save_failure", "reliability.watchdog_saves", "checkpointing.one_write_in_flight"]
+    assert nested == ["reliability.save_failure", "reliability.watchdog_saves", "checkpointing.one_write_in_flight",
+                      "checkpointing.loss_curve_at_saves"]
 
 
 def test_two_patches_of_one_target_without_a_declared_order_are_refused(throwaway_patches):
