@@ -7,6 +7,10 @@ class UsageError(ValueError):
     """Bad command-line input: a CLI prints it as one line ``<command>: error: ...`` and exits with code 2."""
 
 
+class InputError(ValueError):
+    """An unusable input file of zaya-preprocess: what is wrong, where, and how to fix it (exit code 2)."""
+
+
 class ZayaConfigError(ValueError):
     """An invalid ZAYA1 configuration."""
 

@@ -14,11 +14,9 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..errors import InputError
+
 FORMATS = (".txt", ".jsonl")
-
-
-class InputError(ValueError):
-    """Unusable input. The message is one line: what is wrong, where, and how to fix it."""
 
 
 def input_format(path: Path) -> str:

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from .documents import InputError, expand_inputs, read_documents
+from ..errors import InputError
+from .documents import expand_inputs, read_documents
 from .embedded import EMBEDDED_CORPUS, EMBEDDED_DIR, embedded_tokenizer_dir
 
 DOCUMENTS_PER_BATCH = 64
