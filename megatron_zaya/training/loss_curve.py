@@ -40,14 +40,12 @@ class LossCurve:
         import torch.distributed as dist
 
         iterations = sorted(self._sums)
-        if iterations and group is not None and dist.get_world_size(group) > 1:
+        pooled = [[float(s), float(n)] for s, n in (self._sums[i] for i in iterations)]
+        if pooled and group is not None and dist.get_world_size(group) > 1:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            totals = torch.tensor([[float(s), float(n)] for s, n in (self._sums[i] for i in iterations)],
-                                  dtype=torch.float64, device=device)
+            totals = torch.tensor(pooled, dtype=torch.float64, device=device)
             dist.all_reduce(totals, group=group)
             pooled = totals.cpu().tolist()
-        else:
-            pooled = [[float(s), float(n)] for s, n in (self._sums[i] for i in iterations)]
         self._pooled.update({i: (total[0], total[1]) for i, total in zip(iterations, pooled, strict=True)})
         self._sums.clear()
 
@@ -64,8 +62,9 @@ class LossCurve:
         if writes_curve():
             self.write_csv()
 
-    def write_csv(self) -> Path:
-        """The pooled points, after the points of the runs before this one, to the CSV beside :attr:`path`."""
+    def write_csv(self) -> list[tuple[int, float]]:
+        """The pooled points, after the points of the runs before this one, to the CSV beside :attr:`path`;
+        returns what it wrote."""
         points = self.points()
         csv = self.path.with_suffix(".csv")
         csv.parent.mkdir(parents=True, exist_ok=True)
@@ -74,7 +73,7 @@ class LossCurve:
         staging = csv.with_name(f".{csv.name}.tmp")
         staging.write_text("iteration,loss\n" + "".join(f"{i},{v!r}\n" for i, v in points))
         staging.replace(csv)
-        return csv
+        return points
 
     def write(self) -> Path:
         """The CSV and the PNG at :attr:`path` (its plot of the CSV's points); returns the PNG path."""
@@ -84,7 +83,7 @@ class LossCurve:
         import matplotlib.pyplot as plt
 
         png = self.path
-        points = _read_csv(self.write_csv())
+        points = self.write_csv()
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
         ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2)
         ax.set_xlabel("iteration")
