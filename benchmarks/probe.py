@@ -9,6 +9,8 @@ are torch's global module hooks, so nothing of the library, Megatron or torch is
 
 * ``DIR/memory.json`` (``memory.rank<r>.json`` on ranks other than 0): peak device memory (``torch.cuda.max_memory_allocated`` / ``_reserved``) at exit;
 * ``DIR/routing.json``: tokens the ZAYA1 routers sent to an expert / all tokens (the skip class costs nothing);
+* ``DIR/gc.json``: Python's garbage collections from the first model forward on (``gc.callbacks``): count and
+  seconds per generation, and the longest pause;
 * with ``ZAYA_BENCH_PROFILE=FIRST:COUNT``: ``torch.profiler`` from the first model forward of iteration FIRST
   to the first of iteration FIRST + COUNT (so iterations FIRST..FIRST+COUNT are perturbed: leave them out of
   timings). ``DIR/profile.json``: device time per step by component, see :func:`breakdown`, and the
@@ -27,6 +29,7 @@ step of Megatron's Python.
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import runpy
@@ -85,10 +88,15 @@ class Probe:
         self.tokens = 0
         self.done = False
         self.iteration = None
+        self.forward_seen = False
+        self.collections: dict[str, dict] = {}
+        self.collection_started = 0.0
+        self.longest_collection = 0.0
 
     # -- hooks --------------------------------------------------------------------------------------------
     def pre_forward(self, module, args):
         name = type(module).__name__
+        self.forward_seen = self.forward_seen or name in MODELS
         if name in MODELS and self.first is not None and not self.done:
             iteration = megatron_iteration()
             if self.profiler is None and iteration == self.first:
@@ -114,6 +122,16 @@ class Probe:
             routed = routing_map.sum()
             self.routed = routed if self.routed is None else self.routed + routed
             self.tokens += routing_map.shape[0]
+
+    def collection(self, phase, info):
+        if phase == "start":
+            self.collection_started = time.perf_counter()
+        elif self.forward_seen:
+            seconds = time.perf_counter() - self.collection_started
+            counted = self.collections.setdefault(f"generation {info['generation']}", {"count": 0, "seconds": 0.0})
+            counted["count"] += 1
+            counted["seconds"] += seconds
+            self.longest_collection = max(self.longest_collection, seconds)
 
     # -- profiling ----------------------------------------------------------------------------------------
     def start(self):
@@ -149,6 +167,8 @@ class Probe:
             memory = {"peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
                       "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
         (self.out / f"memory{self.suffix}.json").write_text(json.dumps(memory))
+        (self.out / f"gc{self.suffix}.json").write_text(json.dumps(
+            {**self.collections, "longest_ms": 1e3 * self.longest_collection}))
         if self.tokens:
             routed = self.routed.item()
             (self.out / f"routing{self.suffix}.json").write_text(json.dumps(
@@ -248,6 +268,7 @@ def main(argv: list[str]) -> None:
     probe = Probe(out, os.environ.get("ZAYA_BENCH_PROFILE"))
     torch.nn.modules.module.register_module_forward_pre_hook(probe.pre_forward)
     torch.nn.modules.module.register_module_forward_hook(probe.post_forward)
+    gc.callbacks.append(probe.collection)
     atexit.register(probe.write)
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]

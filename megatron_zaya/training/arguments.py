@@ -93,6 +93,10 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="a rank that makes no progress for this long (10x before its first step, at least 4x its "
                         "slowest step, never during a save) dumps every thread's stack and exits 4, for torchrun "
                         "--max-restarts to restart from the newest checkpoint; 0: off")
+    g.add_argument("--zaya-gc-interval", type=int, default=100,
+                   help="Python's garbage collector runs between steps, every this many steps (Megatron's --manual-gc "
+                        "--manual-gc-interval), over what the steps created: set-up's objects are frozen; 0: "
+                        "Python's automatic collector, which may pause any step")
     g.add_argument("--zaya-allow-tokenizer-change", action="store_true",
                    help="load a checkpoint trained with another tokenizer (each token id keeps its embedding)")
     g.add_argument("--zaya-overwrite-save", action="store_true",
@@ -116,12 +120,12 @@ def zaya_pretrain_parser() -> argparse.ArgumentParser:
 
 
 # The flags zaya-pretrain reads before Megatron parses the command line: they choose the flags it gives Megatron
-# (preset, main job, implied --load, save on SIGTERM), the patches, and the memory plan.
+# (preset, main job, implied --load, save on SIGTERM, garbage collection), the patches, and the memory plan.
 EARLY_FLAGS = frozenset({
     "--zaya-preset", "--zaya-patches", "--zaya-memory-plan", "--zaya-vocab-size", "--zaya-sigterm-deadline",
     "--zaya-overwrite-save", "--vocab-size", "--tokenizer-type", "--data-path", "--train-data-path",
     "--data-args-path", "--mock-data", "--train-iters", "--save", "--load", "--tensor-model-parallel-size",
-    "--sequence-parallel", "--async-save"})
+    "--sequence-parallel", "--async-save", "--zaya-gc-interval"})
 
 
 def early_flags(argv: list[str]) -> argparse.Namespace:

@@ -87,6 +87,11 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
     flags += [] if cuda else ["--distributed-backend", "gloo", "--use-cpu-initialization"]
     flags += ASYNC_FLAGS if early.async_save else []
     flags += ["--lr", DEFAULT_LR]
+    if early.zaya_gc_interval < 0:
+        raise UsageError(f"--zaya-gc-interval {early.zaya_gc_interval} is negative; give a number of steps >= 0 "
+                         "(0: Python's automatic collector)")
+    if early.zaya_gc_interval:  # collections at step boundaries, the same step on every rank
+        flags += ["--manual-gc", "--manual-gc-interval", str(early.zaya_gc_interval)]
     main_job = runs_main_job(early)
     if main_job:
         flags += _main_job_flags(early, cuda)

@@ -213,3 +213,37 @@ def test_compile_helpers_patch_steps_aside_for_a_source_install(tmp_path, monkey
     (tmp_path / "Makefile").write_text("all:\n")
     assert "Makefile" in startup._makefile_present()
     assert importlib.import_module("megatron.core.datasets.helpers_cpp")  # what the check imports
+
+
+def test_training_starts_with_set_up_objects_frozen(monkeypatch):
+    """``training_loop.frozen_setup_objects``: Megatron's ``train`` starts after a collection, with the objects
+    that set-up left frozen, so that no later collection walks them."""
+    import gc
+    import weakref
+
+    import megatron.training.training as training
+
+    from megatron_zaya.patches.training_loop import frozen_setup_objects
+
+    class Node:
+        pass
+
+    cycle, kept = Node(), Node()
+    cycle.self = cycle  # garbage only a collection frees
+    freed = weakref.ref(cycle)
+    del cycle
+    seen = {}
+
+    def train():
+        seen["freed"] = freed() is None
+        seen["kept walked"] = any(obj is kept for obj in gc.get_objects())
+
+    monkeypatch.setattr(training, "train", train)
+    gc.disable()  # no automatic collection between here and the call
+    try:
+        frozen_setup_objects()
+        training.train()
+    finally:
+        gc.unfreeze()
+        gc.enable()
+    assert seen == {"freed": True, "kept walked": False}
