@@ -17,7 +17,11 @@ layer's gradients accumulate in ``.grad`` and nothing is recomputed)
   intervals under ``torch.profiler``): wall well above busy means the step waits on the host (launches);
 * the kernels by device time per step, with their launch counts, and the torch ops that launched the most;
 * with ``--cprofile``, the host side: Python functions by own time and by cumulative time per step
-  (``cProfile``), to find where a host-bound step spends its launches.
+  (``cProfile``), to find where a host-bound step spends its launches;
+* with ``--host-parts``, the host's time per part of the layer (:data:`PARTS`), forward and backward, and the
+  recomputation and DDP's gradient hooks apart: a forward part is the wall time inside its module's call, less
+  the parts called inside it; a backward part is the wall time of the autograd nodes its forward created, less
+  the nodes and recomputed parts run inside them.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False, as_
     # DDP's gradient hooks hang on the parameters' AccumulateGrad nodes, which only DDP keeps alive: the step
     # holds it, or a garbage collection drops the hooks and the gradients pile up in .grad again.
     step.ddp = ddp
+    step.layer = layer
 
     if not cuda_graphs:
         return step
@@ -78,6 +83,88 @@ def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False, as_
     return graphed_step
 
 
+# A layer's submodule (its path in the layer) -> the part of the layer whose host time its call counts to.
+PARTS = {
+    "": "the layer's own code (residual stream, recomputed regions)",
+    "input_layernorm": "norms", "pre_mlp_layernorm": "norms",
+    "self_attention.linear_q": "projections", "self_attention.linear_k": "projections",
+    "self_attention.linear_v": "projections", "self_attention.linear_proj": "projections",
+    "self_attention": "cca convolutions, epilogue, value delay",
+    "self_attention.core_attention": "attention",
+    "self_attn_bda": "residual scaling", "mlp_bda": "residual scaling",
+    "mlp.router": "router", "mlp.experts": "experts", "mlp": "dispatch, combine",
+}
+PART = "part::"
+NODE = "autograd::engine::evaluate_function: "
+
+
+def host_parts(layer, step, steps: int) -> dict[str, float]:
+    """Host wall time per part of ``layer``'s step, ms per step (see the module docstring)."""
+    open_ranges = []
+
+    def enter(part):
+        def pre_hook(module, args):
+            recomputed = torch._C._current_graph_task_id() != -1  # a forward called from inside a backward
+            open_ranges.append(torch.profiler.record_function(PART + ("recompute: " if recomputed else "") + part))
+            open_ranges[-1].__enter__()
+        return pre_hook
+
+    def leave(module, args, output):
+        open_ranges.pop().__exit__(None, None, None)
+
+    modules = dict(layer.named_modules())
+    hooks = [h for path, part in PARTS.items() if path in modules
+             for h in (modules[path].register_forward_pre_hook(enter(part)),
+                       modules[path].register_forward_hook(leave))]
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step()
+            if GPU:
+                torch.cuda.synchronize()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    events = prof.events()
+
+    def part_of(event):  # the innermost part range around a forward op
+        while event is not None and not event.name.startswith(PART):
+            event = event.cpu_parent
+        return event.name[len(PART):] if event is not None else None
+
+    created_by = {}  # (thread, sequence number) of a forward op -> its part; ops inside a backward carry numbers too
+    for event in events:
+        if event.sequence_nr >= 0 and not event.name.startswith(NODE) and part_of(event):
+            created_by.setdefault((event.thread, event.sequence_nr), part_of(event))
+
+    def label(event):
+        if event.name.startswith(PART):
+            return "forward: " + event.name[len(PART):]
+        if event.name.startswith(NODE):
+            if "AccumulateGrad" in event.name:
+                return "backward: DDP gradient hooks"
+            if event.sequence_nr < 0:  # a node no forward op recorded: views of gradients, hooks
+                return "backward: nodes without a forward op"
+            return "backward: " + (created_by.get((event.fwd_thread, event.sequence_nr)) or "outside the layer")
+        return None
+
+    def counted_within(event):  # the labelled events nearest below ``event``
+        for child in event.cpu_children:
+            if label(child):
+                yield child
+            else:
+                yield from counted_within(child)
+
+    totals = defaultdict(float)
+    for event in events:
+        name = label(event)
+        if name:
+            inner = sum(child.time_range.elapsed_us() for child in counted_within(event))
+            totals[name.replace("backward: recompute: ", "recompute: ").replace("forward: recompute: ", "recompute: ")
+                   ] += (event.time_range.elapsed_us() - inner) / 1e3 / steps
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, default=4096)
@@ -85,6 +172,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="profiled steps")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--cprofile", action="store_true", help="also print the host-side Python profile")
+    parser.add_argument("--host-parts", action="store_true", help="also print the host's time per part of the layer")
     parser.add_argument("--cuda-graphs", action="store_true", help="the layer replayed as CUDA graphs")
     parser.add_argument("--as-trained", action="store_true",
                         help="under Megatron's DDP (main_grad accumulation), with selective recomputation")
@@ -121,6 +209,11 @@ def main() -> None:
     print(prof.key_averages().table(sort_by=sort_key, row_limit=args.top, max_name_column_width=70))
     if args.cprofile:
         host_profile(step, args.steps, args.top)
+    if args.host_parts:
+        parts = host_parts(step.layer, step, args.steps)
+        print(f"host: {sum(parts.values()):.3f} ms/step in the layer's parts and autograd nodes (wall {wall:.3f})")
+        for name, ms in parts.items():
+            print(f"{ms:9.3f}  {name}")
 
 
 def host_profile(step, steps: int, top: int) -> None:
