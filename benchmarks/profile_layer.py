@@ -38,7 +38,7 @@ from .timing import call_times
 
 
 def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False, as_trained: bool = False,
-               kernels: str = "all"):
+               kernels: str = "all", reference_sort: bool = False):
     from megatron_zaya.pretrained import build_single_process_model
 
     setup_single_process()
@@ -56,6 +56,10 @@ def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False, as_
 
         ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     layer, rotary = model.decoder.layers[0], model.rotary_pos_emb["global"](seq)
+    if reference_sort:  # the baseline of the sort-by-expert kernel, in a model otherwise as built
+        from megatron_zaya.ops.experts import sort_by_expert
+
+        layer.mlp.sort_by_expert = sort_by_expert
     x = torch.randn(seq, batch, cfg.hidden_size, device=DEVICE, requires_grad=True)  # the fp32 residual stream
     grad = torch.randn_like(x)
 
@@ -177,6 +181,8 @@ def main() -> None:
     parser.add_argument("--as-trained", action="store_true",
                         help="under Megatron's DDP (main_grad accumulation), with selective recomputation")
     parser.add_argument("--kernels", default="all", help="--zaya-kernels: all (as the CLI chooses) or a list of ops")
+    parser.add_argument("--reference-sort", action="store_true",
+                        help="the MoE dispatch's sort by expert as its torch reference, not its kernel")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     if args.cuda_graphs and not GPU:
@@ -184,7 +190,7 @@ def main() -> None:
     if not GPU and not args.smoke:
         raise SystemExit("profile_layer.py needs a CUDA or ROCm GPU; use --smoke to check the script on CPU")
     seq, batch = (64, 2) if args.smoke else (args.seq, args.batch)
-    step = layer_step(args.smoke, seq, batch, args.cuda_graphs, args.as_trained, args.kernels)
+    step = layer_step(args.smoke, seq, batch, args.cuda_graphs, args.as_trained, args.kernels, args.reference_sort)
     wall = statistics.median(call_times(step, warmup=3, iters=10))
 
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if GPU else [])

@@ -30,6 +30,8 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+from ..ops import experts as experts_ops
+
 
 class SkipAwareAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     """Megatron's alltoall dispatcher for routing maps with empty rows (tokens routed to the skip class).
@@ -75,6 +77,7 @@ class ZayaMoELayer(MoELayer):
             self.token_dispatcher = SkipAwareAlltoAllTokenDispatcher(
                 self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pg_collection
             )
+        self.sort_by_expert = experts_ops.choose_sort(config)
 
     def forward(self, hidden_states: torch.Tensor, router_state: torch.Tensor | None = None):
         self.router.state_in = router_state
@@ -116,15 +119,8 @@ class ZayaMoELayer(MoELayer):
             prob = gather_from_sequence_parallel_region(prob, group=self.ep_group)
             with torch.no_grad():
                 routing_map = gather_from_sequence_parallel_region(routing_map, group=self.ep_group)
-        first = self.local_expert_indices[0]
-        local_map = routing_map[:, first : first + self.num_local_experts]  # one rank: the whole map
-        expert = torch.where(local_map.any(dim=-1), local_map.byte().argmax(dim=-1), self.num_local_experts)
-        # Megatron's order: by expert, then by token. A GPU radix sort makes one pass per byte of its keys: the
-        # ids as bytes take one pass instead of eight.
-        key = expert.to(torch.uint8 if self.num_local_experts < 256 else torch.int16)
-        order = torch.argsort(key, stable=True)
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        counts = local_map.sum(dim=0)  # not torch.bincount: on GPUs it syncs to size its output
+        # Megatron's order: by expert, then by token (one rank: every expert is local).
+        order, inverse, counts = self.sort_by_expert(routing_map, self.local_expert_indices[0], self.num_local_experts)
         output, bias = self.experts(_PermuteRows.apply(tokens, order, inverse), counts,
                                     _PermuteRows.apply(prob, order, inverse))
         assert bias is None

@@ -1,5 +1,8 @@
 """ZAYA1's experts: top-1 SwiGLU MLPs over tokens sorted by expert (docs/architecture.md §4.6); kernel op ``experts``.
 
+The sort: :func:`sort_by_expert` orders the tokens by their expert (stable; tokens of no local expert last) and
+counts them, without a host sync; the kernel (``kernels/sort_by_expert.py``) does it in one launch.
+
 Each expert has ``fc1 [2F, D]`` (gate rows, then up rows) and ``fc2 [D, F]``; a token's output is
 ``fc2 (silu(gate) ⊙ up ⊙ p)`` with p its router probability. Without the kernel the model runs Megatron's
 ``SequentialMLP`` loop over the experts (the same math); with it, two Triton grouped GEMMs
@@ -27,6 +30,19 @@ def swiglu(x: torch.Tensor, weights: torch.Tensor | None = None, bias: torch.Ten
     return out if weights is None else (out * weights).to(x.dtype)
 
 
+def sort_by_expert(routing_map: torch.Tensor, first: int, num_experts: int):
+    """Tokens sorted by their expert among columns ``[first, first + num_experts)`` of the top-1 bool routing map
+    ``[T, classes]``, token order kept within an expert, tokens of none of them last: -> ``order [T]`` (token
+    indices in sorted order), ``inverse [T]`` (each token's sorted position), ``counts [num_experts]`` (int64)."""
+    local_map = routing_map[:, first: first + num_experts]
+    expert = torch.where(local_map.any(dim=-1), local_map.byte().argmax(dim=-1), num_experts)
+    # A GPU radix sort makes one pass per byte of its keys: the ids as bytes take one pass instead of eight.
+    order = torch.argsort(expert.to(torch.uint8 if num_experts < 256 else torch.int16), stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    counts = local_map.sum(dim=0)  # not torch.bincount: on GPUs it syncs to size its output
+    return order, inverse, counts
+
+
 def grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padded_rows: bool = False) -> torch.Tensor:
     """x [N, K] sorted by expert, weight [E, M, K] (or E tensors [M, K]), tokens_per_expert [E] -> [N, M] in x's
     dtype. ``padded_rows``: the counts may sum to less than N; the remaining rows of the output are zero."""
@@ -48,6 +64,15 @@ def experts(hidden: torch.Tensor, fc1, fc2, tokens_per_expert: torch.Tensor, pro
 
 
 # ----------------------------------------------------------------------------------------- the Triton kernels
+
+
+def fused_sort_by_expert(routing_map: torch.Tensor, first: int, num_experts: int):
+    """:func:`sort_by_expert` by the Triton kernel (one launch) where it runs, else the reference."""
+    from ..kernels import sort_by_expert as kernel
+
+    if kernel.runs_on(routing_map):
+        return kernel.sort_by_expert(routing_map, first, num_experts)
+    return sort_by_expert(routing_map, first, num_experts)
 
 
 def fused_swiglu(x: torch.Tensor, weights: torch.Tensor | None = None, bias: torch.Tensor | None = None):
@@ -88,6 +113,11 @@ def main_grad_untouched():
 
 
 # ----------------------------------------------------------------------------------------- the choice
+
+
+def choose_sort(config):
+    """The sort by expert of the MoE layer's own dispatch: :func:`fused_sort_by_expert` with the ``experts`` op."""
+    return fused_sort_by_expert if config.uses_kernel("experts") else sort_by_expert
 
 
 def choose(config, tensor_parallel_size: int):

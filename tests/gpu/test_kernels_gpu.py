@@ -14,7 +14,7 @@ import cca_kernel_arguments
 from triton_interpreter import assert_matches_oracle
 
 from megatron_zaya import ops
-from megatron_zaya.kernels import cca, cross_entropy, grouped_gemm, residual_rmsnorm, router, swiglu
+from megatron_zaya.kernels import cca, cross_entropy, grouped_gemm, residual_rmsnorm, router, sort_by_expert, swiglu
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 
@@ -272,3 +272,16 @@ def test_grouped_gemm_separate_expert_weights():
     _compare(names, kernel, reference, [x, *weights], [_randn(TOKENS, 2 * FFN, gen=gen)], counts.cpu())
     out = kernel(x, *weights, counts)
     assert (out[routed:] == 0).all()  # written by the spare tiles: the output is not zero-filled first
+
+
+@pytest.mark.parametrize("first,num_experts", [(0, EXPERTS), (4, 4)], ids=["all-experts", "four-of-an-ep-rank"])
+def test_sort_by_expert(first, num_experts):
+    """ZAYA1-8B's 16 experts + the skip class at 16,384 tokens (one in 17 to the skip class): the same order, inverse and
+    counts as the torch reference's stable sort."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    chosen = torch.randint(0, EXPERTS + 1, (2 * TOKENS,), generator=gen, device="cuda")
+    routing_map = torch.nn.functional.one_hot(chosen, EXPERTS + 1).bool()
+    routing_map[:, EXPERTS] = False  # the skip class routes to no expert
+    for got, want in zip(sort_by_expert.sort_by_expert(routing_map, first, num_experts),
+                         ops.experts.sort_by_expert(routing_map, first, num_experts)):
+        assert torch.equal(got, want)

@@ -74,6 +74,10 @@ def _grouped_gemm(k):
     _backward([k.grouped_gemm(_meta(TOKENS, HIDDEN), weights, counts, padded_rows=True)])
 
 
+def _sort_by_expert(k):
+    k.sort_by_expert(torch.empty(TOKENS, EXPERTS + 1, dtype=torch.bool, device="meta"), 0, EXPERTS)
+
+
 # module: (run forward+backward on meta tensors, the kernels that must have been compiled)
 CASES = {
     "residual_rmsnorm": (_rmsnorm, {"_norm_forward_kernel", "_norm_backward_kernel", "_norm_sum_partials_kernel"}),
@@ -84,6 +88,7 @@ CASES = {
     "cca": (_cca, {"_qk_epilogue_forward_kernel", "_qk_epilogue_backward_kernel", "_conv_forward_kernel",
                    "_conv_grouped_grad_kernel", "_conv_depthwise_grad_kernel", "_conv_weight_grad_kernel"}),
     "grouped_gemm": (_grouped_gemm, {"_grouped_matmul_kernel", "_grouped_weight_grad_kernel"}),
+    "sort_by_expert": (_sort_by_expert, {"_sort_by_expert_kernel"}),
 }
 
 

@@ -14,7 +14,7 @@ from megatron_zaya.pretrained import build_single_process_model
 
 ALL_OPS = ",".join(KERNEL_OPS)  # named ops take their kernel functions on any device
 # The kernel modules the model's ops call (off a GPU, without the interpreter, the ops compute their references).
-MODEL_KERNELS = ("cca", "cross_entropy", "grouped_gemm", "residual_rmsnorm", "router", "swiglu")
+MODEL_KERNELS = ("cca", "cross_entropy", "grouped_gemm", "residual_rmsnorm", "router", "sort_by_expert", "swiglu")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,80 @@
+"""Top-1 tokens sorted by expert in one launch (Triton): a stable counting sort of the routing map.
+
+Reads the routing map ``[T, ≥ first + E]`` (bool, at most one chosen column per token among the E from
+``first``) and writes the sorted order (token indices by expert, then by token; tokens of none of the E last),
+its inverse (each token's sorted position) and the tokens per expert. One program makes two passes over the
+tokens in blocks: the first counts each class, the second places each token at its class's running offset plus
+its rank within the block. It stands for a dozen launches of the torch reference (the chosen column, a
+multi-pass radix sort, the inverse's scatter, the counts), which dominate a host-bound MoE dispatch. The
+reference, the fallback and the choice live in ``ops/experts.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .utils import platform, triton_runs
+
+#: Launch settings per platform: tokens per block of a pass, warps of the one program.
+SORT_TUNING = {
+    "cuda": {"block": 1024, "warps": 8},  # not tuned
+    "rocm": {"block": 256, "warps": 16},  # not tuned: the largest block of 16 warps that keeps gfx942 from spilling
+    "cpu": {"block": 16, "warps": 4},  # the interpreter: several blocks, a partial last one
+}
+
+
+@triton.jit
+def _one_hot_classes(map_ptr, rows, n_tokens, stride_t, stride_e, first, n_experts, cols):
+    """[BLOCK, CLASSES] int32: 1 at each token's class (its expert among the E, else E); 0 for rows past the end."""
+    in_range = rows < n_tokens
+    chosen = tl.load(map_ptr + rows[:, None] * stride_t + (first + cols)[None, :] * stride_e,
+                     mask=in_range[:, None] & (cols < n_experts)[None, :], other=0).to(tl.int32)
+    expert = tl.where(tl.sum(chosen, axis=1) > 0, tl.sum(chosen * cols[None, :], axis=1), n_experts)
+    return ((expert[:, None] == cols[None, :]) & in_range[:, None]).to(tl.int32)
+
+
+@triton.jit
+def _sort_by_expert_kernel(map_ptr, order_ptr, inverse_ptr, counts_ptr, n_tokens, stride_t, stride_e, first,
+                           n_experts, CLASSES: tl.constexpr, BLOCK: tl.constexpr):
+    cols = tl.arange(0, CLASSES)
+    totals = tl.zeros([CLASSES], dtype=tl.int32)
+    for start in range(0, n_tokens, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        totals += tl.sum(_one_hot_classes(map_ptr, rows, n_tokens, stride_t, stride_e, first, n_experts, cols), 0)
+    tl.store(counts_ptr + cols, totals.to(tl.int64), mask=cols < n_experts)
+    running = tl.cumsum(totals, 0) - totals  # where each class starts
+    for start in range(0, n_tokens, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        one_hot = _one_hot_classes(map_ptr, rows, n_tokens, stride_t, stride_e, first, n_experts, cols)
+        rank = tl.cumsum(one_hot, 0) - one_hot  # earlier tokens of the same class in this block
+        position = tl.sum((rank + running[None, :]) * one_hot, axis=1)
+        in_range = rows < n_tokens
+        tl.store(order_ptr + position, rows.to(tl.int64), mask=in_range)
+        tl.store(inverse_ptr + rows, position.to(tl.int64), mask=in_range)
+        running += tl.sum(one_hot, 0)
+
+
+def sort_by_expert(routing_map: torch.Tensor, first: int, num_experts: int):
+    """Same contract as ``ops.experts.sort_by_expert``."""
+    if routing_map.dim() != 2 or routing_map.dtype != torch.bool:
+        raise ValueError(f"sort_by_expert takes a bool routing map [tokens, classes], got {routing_map.dtype} "
+                         f"{list(routing_map.shape)}")
+    if first < 0 or first + num_experts > routing_map.shape[1]:
+        raise ValueError(f"experts [{first}, {first + num_experts}) are not columns of the routing map "
+                         f"{list(routing_map.shape)}")
+    n_tokens, device = routing_map.shape[0], routing_map.device
+    order = torch.empty(n_tokens, dtype=torch.int64, device=device)
+    inverse = torch.empty_like(order)
+    counts = torch.empty(num_experts, dtype=torch.int64, device=device)
+    tuning = SORT_TUNING[platform(device)]
+    _sort_by_expert_kernel[(1,)](routing_map, order, inverse, counts, n_tokens, *routing_map.stride(), first,
+                                 num_experts, CLASSES=triton.next_power_of_2(num_experts + 1), BLOCK=tuning["block"],
+                                 num_warps=tuning["warps"])
+    return order, inverse, counts
+
+
+def runs_on(*tensors: torch.Tensor) -> bool:
+    """Whether the kernel runs on ``tensors``: all on a GPU, or the kernel is interpreted."""
+    return triton_runs(_sort_by_expert_kernel, *tensors)

@@ -1,0 +1,64 @@
+"""The sort-by-expert Triton kernel (CPU interpreter) against its reference (ops/experts.py) and against Python's
+stable ``sorted`` of (class, token): order, inverse and counts equal exactly."""
+
+import pytest
+import torch
+
+from triton_interpreter import load_kernel_module
+
+from megatron_zaya.ops import experts as ops
+
+kernels = load_kernel_module("megatron_zaya.kernels.sort_by_expert")
+
+
+def _routing_map(tokens: int, classes: int, skipped: float, gen: torch.Generator, only: int | None = None):
+    """A top-1 map [tokens, classes]: each token's one chosen class, or none for a share ``skipped`` of them."""
+    chosen = torch.randint(0, classes, (tokens,), generator=gen) if only is None else torch.full((tokens,), only)
+    routing_map = torch.nn.functional.one_hot(chosen, classes).bool()
+    routing_map[torch.rand(tokens, generator=gen) < skipped] = False
+    return routing_map
+
+
+def _python_sort(routing_map: torch.Tensor, first: int, num_experts: int):
+    rows = routing_map[:, first: first + num_experts].tolist()
+    cls = [row.index(True) if True in row else num_experts for row in rows]
+    order = sorted(range(len(cls)), key=lambda t: (cls[t], t))
+    inverse = [0] * len(order)
+    for position, token in enumerate(order):
+        inverse[token] = position
+    counts = [sum(1 for c in cls if c == e) for e in range(num_experts)]
+    return [torch.tensor(x, dtype=torch.int64) for x in (order, inverse, counts)]
+
+
+@pytest.mark.parametrize("tokens,classes,first,num_experts,skipped,only", [
+    (53, 17, 0, 16, 0.2, None),  # ZAYA1: 16 experts + the skip class; several blocks of 16, a partial last one
+    (40, 17, 4, 4, 0.1, None),  # an EP rank's 4 experts of 16: the other ranks' tokens last
+    (16, 9, 0, 8, 0.0, 3),  # every token to one expert: one block
+    (21, 5, 0, 4, 1.0, None),  # every token skipped
+    (1, 3, 0, 2, 0.0, None),
+])
+def test_the_kernel_sorts_as_the_reference_and_as_python(tokens, classes, first, num_experts, skipped, only):
+    gen = torch.Generator().manual_seed(tokens * classes)
+    routing_map = _routing_map(tokens, classes, skipped, gen, only)
+    expected = _python_sort(routing_map, first, num_experts)
+    for fn in (kernels.sort_by_expert, ops.sort_by_expert):
+        got = fn(routing_map, first, num_experts)
+        for name, g, e in zip(("order", "inverse", "counts"), got, expected):
+            assert g.dtype == torch.int64 and torch.equal(g, e), (fn.__module__, name, g, e)
+
+
+def test_a_strided_map_is_read_in_place():
+    """The map of an all-gathered EP group may be a view: the kernel reads it through its strides."""
+    gen = torch.Generator().manual_seed(0)
+    wide = _routing_map(37, 34, 0.2, gen).view(37, 2, 17)[:, 1]  # [37, 17], row stride 34
+    assert not wide.is_contiguous()
+    expected = ops.sort_by_expert(wide.contiguous(), 0, 16)
+    for g, e in zip(kernels.sort_by_expert(wide, 0, 16), expected):
+        assert torch.equal(g, e)
+
+
+def test_a_map_that_is_not_a_bool_top1_map_is_refused():
+    with pytest.raises(ValueError, match="bool routing map"):
+        kernels.sort_by_expert(torch.zeros(4, 3), 0, 2)
+    with pytest.raises(ValueError, match="are not columns"):
+        kernels.sort_by_expert(torch.zeros(4, 3, dtype=torch.bool), 2, 2)
