@@ -139,26 +139,50 @@ def _grouped_weight_grad_kernel(
     tl.store(w_ptrs, acc.to(grad_w_ptr.dtype.element_ty), mask=w_mask)
 
 
+@triton.jit
+def _row_tiles_kernel(counts_ptr, expert_ptr, first_row_ptr, row_end_ptr, row_start_ptr, n_experts, n_rows,
+                      n_tiles, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, BLOCK: tl.constexpr):
+    """The row-tile table of :func:`_row_tiles`, one program: tiles enumerated expert by expert, then spare ones."""
+    e = tl.arange(0, EXPERTS)
+    real = e < n_experts
+    counts = tl.load(counts_ptr + e, mask=real, other=0).to(tl.int64)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, 0)
+    tile_start = tile_end - tiles
+    row_start = tl.cumsum(counts, 0) - counts
+    tl.store(row_start_ptr + e, row_start, mask=real)
+    routed_rows, routed_tiles = tl.sum(counts, 0), tl.sum(tiles, 0)
+    for start in range(0, n_tiles, BLOCK):
+        tile = start + tl.arange(0, BLOCK).to(tl.int64)
+        expert = tl.sum(((tile_end[None, :] <= tile[:, None]) & real[None, :]).to(tl.int32), 1)  # searchsorted
+        routed = expert < n_experts
+        own = e[None, :] == expert[:, None]  # [BLOCK, EXPERTS]: the tile's expert, none for spare tiles
+        rows_before = tl.sum(tl.where(own, row_start[None, :], 0), 1)
+        tiles_before = tl.sum(tl.where(own, tile_start[None, :], 0), 1)
+        rows_of_expert = tl.sum(tl.where(own, counts[None, :], 0), 1)
+        first_row = tl.where(routed, rows_before + (tile - tiles_before) * BLOCK_M,
+                             routed_rows + (tile - routed_tiles) * BLOCK_M)  # spare: past the experts' rows
+        in_range = tile < n_tiles
+        tl.store(expert_ptr + tile, tl.where(routed, expert, -1).to(tl.int64), mask=in_range)
+        tl.store(first_row_ptr + tile, first_row, mask=in_range)
+        tl.store(row_end_ptr + tile, tl.where(routed, rows_before + rows_of_expert, n_rows), mask=in_range)
+
+
 def _row_tiles(tokens_per_expert: torch.Tensor, n_rows: int, padded_rows: bool, block_m: int):
-    """Per row tile of ``block_m`` rows: its expert (-1: spare), first row, end of its expert's rows. No host sync.
+    """Per row tile of ``block_m`` rows: its expert (-1: spare), first row, end of its expert's rows; and each
+    expert's first row. One launch, no host sync.
 
     With ``padded_rows`` the spare tiles cover the rows after the experts' (they write zeros there), so the
     output needs no zero fill first.
     """
-    n_experts = tokens_per_expert.numel()
-    tiles_per_expert = (tokens_per_expert + block_m - 1) // block_m
-    tile_end = tiles_per_expert.cumsum(0)
-    row_start = tokens_per_expert.cumsum(0) - tokens_per_expert
+    n_experts, device = tokens_per_expert.numel(), tokens_per_expert.device
     spare = triton.cdiv(n_rows, block_m) if padded_rows else 0  # enough for any tail
-    tile = torch.arange(triton.cdiv(n_rows, block_m) + n_experts + spare, device=tokens_per_expert.device)
-    expert = torch.searchsorted(tile_end, tile, right=True)
-    clamped = expert.clamp(max=n_experts - 1)
-    routed = expert < n_experts
-    tail_row = row_start[-1] + tokens_per_expert[-1] + (tile - tile_end[-1]) * block_m
-    first_row = torch.where(routed, row_start[clamped] + (tile - (tile_end - tiles_per_expert)[clamped]) * block_m,
-                            tail_row)
-    row_end = torch.where(routed, row_start[clamped] + tokens_per_expert[clamped], n_rows)
-    return torch.where(routed, clamped, -1), first_row, row_end, row_start
+    n_tiles = triton.cdiv(n_rows, block_m) + n_experts + spare
+    expert, first_row, row_end = (torch.empty(n_tiles, dtype=torch.int64, device=device) for _ in range(3))
+    row_start = torch.empty(n_experts, dtype=torch.int64, device=device)
+    _row_tiles_kernel[(1,)](tokens_per_expert, expert, first_row, row_end, row_start, n_experts, n_rows, n_tiles,
+                            BLOCK_M=block_m, EXPERTS=triton.next_power_of_2(n_experts), BLOCK=128, num_warps=4)
+    return expert, first_row, row_end, row_start
 
 
 _TILES = WeakIdKeyDictionary()  # counts tensor -> {(rows, padded_rows, block_m): its row tiles}
@@ -166,7 +190,7 @@ _TILES = WeakIdKeyDictionary()  # counts tensor -> {(rows, padded_rows, block_m)
 
 def _shared_row_tiles(tokens_per_expert: torch.Tensor, n_rows: int, padded_rows: bool, block_m: int):
     """:func:`_row_tiles`, built once per counts tensor: an MoE layer's two expert GEMMs (and their backward)
-    take the same counts, and the table costs ~20 small launches. The counts are never changed in place (each
+    take the same counts. The counts are never changed in place (each
     forward makes new ones), so a table stays right for as long as its counts tensor lives."""
     tables = _TILES.setdefault(tokens_per_expert, {})
     key = (n_rows, padded_rows, block_m)

@@ -144,3 +144,19 @@ def test_weight_gradients_accumulate_into_megatron_main_grad(enabled, gap, monke
         else:
             assert torch.equal(weight.main_grad, before[e])
             assert_matches_oracle(f"d_weight[{e}]", got[e], oracle[e])
+
+
+@pytest.mark.parametrize("padded_rows", [False, True])
+def test_row_tile_table_enumerates_each_experts_rows_then_spare_tiles(padded_rows):
+    """The row-tile kernel against the table written out by hand: each expert's rows in tiles of 16, in expert
+    order (none for an expert without tokens), then spare tiles (-1) from the end of the routed rows on."""
+    counts, block_m, n_rows = torch.tensor([5, 0, 40, 16, 1]), 16, 90  # 62 routed rows, 28 in the tail
+    expected, row = [], 0
+    for expert, count in enumerate(counts.tolist()):
+        expected += [(expert, row + first, row + count) for first in range(0, count, block_m)]
+        row += count
+    n_tiles = -(-n_rows // block_m) + len(counts) + (-(-n_rows // block_m) if padded_rows else 0)
+    expected += [(-1, row + i * block_m, n_rows) for i in range(n_tiles - len(expected))]
+    expert, first_row, row_end, row_start = kernels._row_tiles(counts, n_rows, padded_rows, block_m)
+    assert list(zip(expert.tolist(), first_row.tolist(), row_end.tolist())) == expected
+    assert row_start.tolist() == [0, 5, 5, 45, 61]
