@@ -1,0 +1,85 @@
+"""The launches of one ZAYA1 layer's training step as trained, counted on CPU: the eager layer is host-bound, so
+each launch is host time. (That the step never waits for the device is checked on a GPU, in
+tests/gpu/test_host_sync_gpu.py: on CPU the grouped GEMM also reads its counts to check them.)
+
+The layer as the CLI trains it on a GPU (every kernel op, Megatron's DDP adding gradients into ``main_grad``,
+the default selective recomputation), its Triton kernels run by the interpreter. Counted under a
+``TorchDispatchMode``: every torch op that launches a kernel on a GPU (views, allocations and metadata launch
+none), and every Triton launch (the torch work inside the interpreter left out). The budget is the count when
+the sort by expert and the row-tile table became kernels (146 with torch 2.14, from 182 before), with room for
+another torch's decompositions; lower it as launches are cut.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from triton_interpreter import install, load_kernel_module
+
+from megatron_zaya.config import KERNEL_OPS, zaya_config
+from megatron_zaya.pretrained import build_single_process_model
+
+MODEL_KERNELS = ("cca", "cross_entropy", "grouped_gemm", "residual_rmsnorm", "router", "sort_by_expert", "swiglu")
+LAUNCH_BUDGET = 150
+# Ops that launch no kernel on a GPU: views, allocations, metadata.
+NO_LAUNCH = {"view", "_unsafe_view", "as_strided", "t", "transpose", "permute", "expand", "slice", "select",
+             "unsqueeze", "squeeze", "detach", "alias", "split", "split_with_sizes", "chunk", "unbind", "narrow",
+             "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_reshape_alias",
+             "lift_fresh", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size",
+             "_has_compatible_shallow_copy_type", "set_", "resize_", "unflatten", "view_as", "expand_as",
+             "unsafe_split", "_to_copy_meta", "diagonal", "movedim", "flatten", "reshape", "contiguous"}
+
+
+class LaunchCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops, self.paused = Counter(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self.paused and name not in NO_LAUNCH:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_one_layer_step_as_trained_launches_within_budget(monkeypatch):
+    counter = LaunchCounter()
+    triton_launches = Counter()
+    for name in MODEL_KERNELS:
+        module = load_kernel_module(f"megatron_zaya.kernels.{name}")
+        install(monkeypatch, module)
+        for kernel in (v for v in vars(module).values() if type(v).__name__ == "InterpretedFunction"):
+            def run(*args, _launch=kernel.run, _name=kernel.fn.__name__, **kwargs):
+                triton_launches[_name] += 1
+                counter.paused += 1
+                try:
+                    return _launch(*args, **kwargs)
+                finally:
+                    counter.paused -= 1
+
+            monkeypatch.setattr(kernel, "run", run)
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    cfg = zaya_config("test", num_layers=1, kernels=",".join(KERNEL_OPS), use_cpu_initialization=True,
+                      params_dtype=torch.float32, recompute_granularity="selective")
+    model = build_single_process_model(cfg).train()
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    layer = model.decoder.layers[0]
+    seq, batch = 32, 2
+    rotary = model.rotary_pos_emb["global"](seq)
+    x = torch.randn(seq, batch, cfg.hidden_size, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+    def step():
+        out, _ = layer(x, rotary_pos_emb=rotary)
+        out.backward(torch.ones_like(out))
+
+    step()  # first calls: caches (offset tables), lazily built state
+    triton_launches.clear()
+    with counter:
+        step()
+    launches = sum(counter.ops.values()) + sum(triton_launches.values())
+    assert ddp is not None  # its gradient hooks live as long as it does
+    assert launches <= LAUNCH_BUDGET, (launches, counter.ops.most_common(), triton_launches)
