@@ -107,6 +107,9 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "--max-restarts to restart from the newest checkpoint; 0: off")
     g.add_argument("--zaya-allow-tokenizer-change", action="store_true",
                    help="load a checkpoint trained with another tokenizer (each token id keeps its embedding)")
+    g.add_argument("--zaya-allow-rotary-base-change", action="store_true",
+                   help="load a checkpoint trained with another RoPE base (--rotary-base, --zaya-sliding-rotary-base): "
+                        "the next stage of a run that extends its context")
     g.add_argument("--zaya-overwrite-save", action="store_true",
                    help="start afresh into a --save directory that holds a checkpoint, deleting it (without this "
                         "flag a run resumes from its --save, and refuses to start afresh into it)")

@@ -3,7 +3,8 @@
 The routers are frozen for the first 2 steps' tokens (8 sequences of 64 per step): their weights are bit for bit
 those of the step-1 checkpoint at step 2 and change at step 3, while every other weight changes every step and
 the routers' optimizer moments fill as with a learning rate of 0. A run resumed from the step-2 checkpoint thaws
-at the same step and ends in the uninterrupted run's step-4 checkpoint, bit for bit.
+at the same step and ends in the uninterrupted run's step-4 checkpoint, bit for bit. The same flags under ZeRO-1
+Muon: the first stage of test_stage_transitions.py.
 """
 
 from __future__ import annotations
@@ -64,16 +65,3 @@ def test_router_freeze_expert_clip_and_load_warning_resume_exactly(tmp_path):
     after, before = losses(resumed.stdout), losses(run.stdout)
     assert sorted(after) == [3, 4] and all(after[i] == before[i] for i in after), (after, before)
     assert differing(states[4], checkpoint_state(resumed_dir / "iter_0000004", tmp_path)) == []
-
-
-def test_router_freeze_and_expert_clip_with_zero1_muon_and_expert_parallel(tmp_path):
-    """zaya_muon with the distributed optimizer (ZeRO-1), experts over 2 ranks: the routers' matrices (Muon) and
-    vectors (AdamW) stay frozen on every rank's shard, and the expert norm spans both ranks' experts."""
-    save = tmp_path / "ckpt"
-    run = pretrain(QUICK + ["--train-iters", "3", "--save-interval", "1", "--save", str(save), "--optimizer",
-                            "zaya_muon", "--use-distributed-optimizer", "--expert-model-parallel-size", "2",
-                            "--zaya-router-freeze-tokens", str(STEP_TOKENS + 1), "--zaya-expert-clip-grad", "0.05"],
-                   cwd=tmp_path, nproc=2)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert re.findall(r"routers thaw at iteration (\d+)", run.stdout) == ["3"], run.stdout[-3000:]
-    _assert_frozen_until(_states(save, range(1, 4), tmp_path), thaw=3)
