@@ -2,7 +2,7 @@
 previous one's checkpoint with a longer sequence, a new layout and (once) a new RoPE base, with its optimizer state.
 
 1. sequence 64, DP2, ZeRO-1 Muon, routers frozen for the first 2 steps' tokens (their weights bit for bit as at
-   step 1 until they thaw at step 3, on every rank's shard), expert clipping;
+   step 1 until they thaw at step 3, on every rank's shard, while their momentum fills), expert clipping;
 2. sequence 256, CP2, packed documents, selective recomputation, RoPE θ 1e6 (named by
    ``--zaya-allow-rotary-base-change``; without it the same command stops in one line, exit 2);
 3. sequence 512, CP4 × EP2.
@@ -43,7 +43,7 @@ def test_a_run_moves_from_4k_to_32k_to_128k_layouts(tmp_path):
               "--zaya-expert-clip-grad", "0.05"]  # fmt: skip
     run1, first = _run(stage1 + ["--save", s1], tmp_path, nproc=2)
     assert re.findall(r"routers thaw at iteration (\d+)", run1.stdout) == ["3"], run1.stdout[-3000:]
-    _assert_frozen_until(_states(tmp_path / "stage1", range(1, 4), tmp_path), thaw=3)
+    _assert_frozen_until(_states(tmp_path / "stage1", range(1, 4), tmp_path), thaw=3, named_moments=True)
 
     refused = pretrain(COMMON + ["--seq-length", "256", "--micro-batch-size", "1", "--global-batch-size", "1",
                                  "--train-iters", "4", "--rotary-base", "1000000", "--load", s1, "--save", "",
