@@ -55,7 +55,8 @@ def check_checkpoint_fits(saved, load: str, release: bool, args) -> None:
             print(f"[zaya] --load {load}: " + "; ".join(f"{field_flag(field)} changes from {saved:g} to {ours:g}"
                                                         for field, saved, ours in rotary), flush=True)
     elif rotary and differences == rotary:
-        named = "; ".join(f"{field_flag(field)} {saved:g} in the checkpoint, {ours:g} here" for field, saved, ours in rotary)
+        named = "; ".join(f"{field_flag(field)} {saved:g} in the checkpoint, {ours:g} here"
+                          for field, saved, ours in rotary)
         problems.append(f"it was trained with another RoPE base ({named}); add --zaya-allow-rotary-base-change if the "
                         "new base is meant (a context extension), or give the checkpoint's")
         differences = []

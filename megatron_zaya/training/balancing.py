@@ -105,7 +105,8 @@ def _warn_overloaded(stats: list[dict], ratio: float, intervals: int, iteration:
         return
     for layer in stats:
         load = layer["max share"] * layer["experts"]
-        over = _INTERVALS_OVER[layer["layer"]] = _INTERVALS_OVER.get(layer["layer"], 0) + 1 if load > ratio else 0
+        over = _INTERVALS_OVER.get(layer["layer"], 0) + 1 if load > ratio else 0
+        _INTERVALS_OVER[layer["layer"]] = over
         if over == intervals:
             print_rank_last(f" [zaya] warning: iteration {iteration:8d} | layer {layer['layer']}'s busiest expert has "
                             f"taken more than {ratio:g}x an even share for {intervals} log intervals (now "

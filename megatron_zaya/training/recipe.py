@@ -16,7 +16,7 @@ def install_recipe(optimizer, model_chunks):
     """Add the router freeze and expert clipping of the command's flags to ``optimizer`` (a ``ChainedOptimizer``)."""
     from megatron.core.num_microbatches_calculator import get_current_global_batch_size
     from megatron.training import get_args
-    from megatron.training.utils import print_rank_0
+    from megatron.training.utils import print_rank_0, print_rank_last
 
     try:
         args = get_args()
@@ -37,9 +37,8 @@ def install_recipe(optimizer, model_chunks):
     def log_expert_norm(norm: float) -> None:
         iteration = args.curr_iteration + 1
         if iteration % args.log_interval == 0:
-            from megatron.training.utils import print_rank_last
-
-            print_rank_last(f" [zaya] iteration {iteration:8d} | expert grad norm: {norm:.3f} | expert clip: {clip:g} |")
+            print_rank_last(f" [zaya] iteration {iteration:8d} | expert grad norm: {norm:.3f} | "
+                            f"expert clip: {clip:g} |")
             write_scalars({"zaya/expert_grad_norm": norm}, iteration)
 
     router_params = [p for router in routers(model_chunks) for p in router.parameters()] if freeze_tokens else []
