@@ -4,7 +4,8 @@
 # Reads the variables the scripts' headers explain: ZAYA_REPO (the checkout), ZAYA_PLATFORM, RUN_DIR,
 # CONTAINER_RUNTIME (pyxis | apptainer | none), CONTAINER_IMAGE, CONTAINER_MOUNTS, and for training
 # MODEL, SEQ_LENGTH, GLOBAL_BATCH, MICRO_BATCH, TRAIN_ITERS, OPTIMIZER, LR, MIN_LR, WARMUP_ITERS,
-# SAVE_INTERVAL, DATA_PATH, TOKENIZER, EXTRA_ARGS, MASTER_PORT. Sources the launch presets.
+# SAVE_INTERVAL, DATA_PATH, TOKENIZER, STAGE_ARGS, INIT_FROM, EXTRA_ARGS, MASTER_PORT. Sources the launch
+# presets.
 
 # shellcheck source-path=SCRIPTDIR source=../launch/presets.sh
 source "$ZAYA_REPO/examples/launch/presets.sh"
@@ -134,8 +135,9 @@ _zaya_stop_and_requeue() {
 # Also sets ZAYA_DATA_PREFIXES, the --data-path words.
 # shellcheck disable=SC2034  # both arrays are this function's output
 zaya_train_args() {
-  local extra_args memory_args=()
+  local extra_args stage_args memory_args=()
   read -r -a ZAYA_DATA_PREFIXES <<<"$DATA_PATH"
+  read -r -a stage_args <<<"${STAGE_ARGS:-}"
   read -r -a extra_args <<<"${EXTRA_ARGS:-}"
   if [[ $MODEL == zaya1-8b || $MODEL == zaya1-base ]]; then
     memory_args=("${ZAYA_8B_MEMORY_ARGS[@]}")
@@ -168,8 +170,20 @@ zaya_train_args() {
     --eval-interval 1000
     --eval-iters 10
     "${memory_args[@]}"
+    "${stage_args[@]}"
     "${extra_args[@]}"
   )
+}
+
+# zaya_load_dir: the --load of a training job: its own checkpoints once it has written one (a requeued
+# job resumes), before that INIT_FROM (the previous stage's checkpoints) where it is set.
+zaya_load_dir() {
+  local own=$RUN_DIR/checkpoints
+  if [[ -n "${INIT_FROM:-}" && ! -f $own/latest_checkpointed_iteration.txt ]]; then
+    echo "$INIT_FROM"
+  else
+    echo "$own"
+  fi
 }
 
 # zaya_launch_training "PATH..." ZAYA_PRETRAIN_ARGS...: run zaya-pretrain on every node of the job

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 from ..errors import UsageError
 from ..training.arguments import field_flag, zaya_config_from_args
@@ -33,13 +34,32 @@ def _described(identity: dict) -> str:
     return f"{identity['name']}, {identity['vocab_size']} tokens, digest {identity['digest']}"
 
 
+# Architecture fields that the next stage of a run may change: no weight depends on them. The positions follow
+# the sequence length freely; a new RoPE base changes what the weights see, so it takes a flag.
+STAGE_FIELDS = ("max_position_embeddings",)
+ROTARY_FIELDS = ("rotary_base", "sliding_rotary_base")
+
+
 def check_checkpoint_fits(saved, load: str, release: bool, args) -> None:
     """Raise :class:`UsageError`, naming every mismatch and its fix in one line, if the checkpoint of ``load``
     whose saved ``args`` are ``saved`` cannot be loaded into this run as its flags stand (``args``). A field that
     a checkpoint does not record (older or converted checkpoints) is not checked."""
     problems = []
-    differences = architecture_differences(getattr(saved, "zaya_architecture", None) or {},
-                                           zaya_config_from_args(args))
+    differences = [difference for difference in architecture_differences(
+        getattr(saved, "zaya_architecture", None) or {}, zaya_config_from_args(args))
+        if difference[0] not in STAGE_FIELDS]  # fmt: skip
+    rotary = [difference for difference in differences if difference[0] in ROTARY_FIELDS]
+    if rotary and args.zaya_allow_rotary_base_change:
+        differences = [difference for difference in differences if difference not in rotary]
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"[zaya] --load {load}: " + "; ".join(f"{field_flag(field)} changes from {saved:g} to {ours:g}"
+                                                        for field, saved, ours in rotary), flush=True)
+    elif rotary and differences == rotary:
+        named = "; ".join(f"{field_flag(field)} {saved:g} in the checkpoint, {ours:g} here"
+                          for field, saved, ours in rotary)
+        problems.append(f"it was trained with another RoPE base ({named}); add --zaya-allow-rotary-base-change if the "
+                        "new base is meant (a context extension), or give the checkpoint's")
+        differences = []
     if differences:
         named = "; ".join(f"{field_flag(field)}: {saved!r} in the checkpoint, {ours!r} here"
                           for field, saved, ours in differences)

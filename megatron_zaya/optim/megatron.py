@@ -240,11 +240,11 @@ class _MuonWrapper:
     def _torch_state_section(self, sharded: dict) -> dict:
         raise NotImplementedError
 
-    def get_grads_for_grad_norm(self, grad_norm_group=None) -> list[torch.Tensor]:
-        if grad_norm_group is not None:  # ZayaMuon's matrices count in the main norm only
-            return []
+    def _filter_grads_for_norm(self, params, param_filter=None) -> list[torch.Tensor]:
+        """Megatron's selection for norms (``param_filter``, no shared weights or TP duplicates), as the fp32 norm
+        of each matrix's ``main_grad``."""
         tp = dict(tp_group=self.tp_group, expert_tp_group=self.expert_tp_group)
-        params = [p for p in self.get_parameters() if param_is_not_shared(p)
+        params = [p for p in params if (param_filter is None or param_filter(p)) and param_is_not_shared(p)
                   and param_is_not_tensor_parallel_duplicate(p, **tp)]  # fmt: skip
         grads = [grad for grad in map(gradient_of, params) if grad is not None]
         return [torch.linalg.vector_norm(grad, dtype=torch.float32).view(1) for grad in grads]  # fp32 sums
@@ -436,13 +436,16 @@ def wrap_get_optimizer_based_on_param_groups(original):
     return get_optimizer_based_on_param_groups
 
 
-def wrap_get_megatron_optimizer(original):
-    """``get_megatron_optimizer`` that builds ZayaMuon for ``--optimizer zaya_muon`` and defers otherwise."""
+def wrap_get_megatron_optimizer(original, install_recipe=None):
+    """``get_megatron_optimizer`` that builds ZayaMuon for ``--optimizer zaya_muon`` and defers otherwise; then
+    ``install_recipe(optimizer, model_chunks)``, where given, adds the training recipe's hooks."""
 
     def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
         if config.optimizer != OPTIMIZER_NAME:
-            return original(config, model_chunks, *args, **kwargs)
-        return get_zaya_muon_optimizer(config, model_chunks, *args, **kwargs)
+            optimizer = original(config, model_chunks, *args, **kwargs)
+        else:
+            optimizer = get_zaya_muon_optimizer(config, model_chunks, *args, **kwargs)
+        return install_recipe(optimizer, model_chunks) if install_recipe else optimizer
 
     get_megatron_optimizer.__wrapped__ = original
     return get_megatron_optimizer

@@ -13,19 +13,24 @@ def zaya_muon_optimizer() -> None:
 
     Replaces the name ``get_megatron_optimizer`` that ``megatron.training.training`` imported (the one
     ``setup_model_and_optimizer`` calls) with a wrapper: for ``config.optimizer == "zaya_muon"`` it calls
-    ``megatron_zaya.optim.megatron.get_zaya_muon_optimizer``, for anything else the original.
+    ``megatron_zaya.optim.megatron.get_zaya_muon_optimizer``, for anything else the original. On either, it adds
+    the hooks of ``--zaya-router-freeze-tokens`` and ``--zaya-expert-clip-grad`` when they are given
+    (``megatron_zaya.training.recipe``); the factory is the one place that sees the optimizer and the model.
 
     Why a patch: Megatron 0.19.2 sends unknown optimizer names to its emerging-optimizer registry, which
     requires the ``emerging-optimizers`` package, treats ZAYA1's 3-D expert weights as non-matrices and
     cannot shard Newton–Schulz per matrix over data-parallel ranks; the factory is not otherwise pluggable.
 
-    Off: ``--zaya-patches``/``ZAYA_PATCHES`` without ``optim`` (then only Megatron's own optimizers work).
+    Off: ``--zaya-patches``/``ZAYA_PATCHES`` without ``optim`` (then only Megatron's own optimizers work, and the
+    two recipe flags are refused).
     """
     import megatron.training.training as training
 
     from megatron_zaya.optim.megatron import wrap_get_megatron_optimizer
+    from megatron_zaya.training.recipe import install_recipe
 
-    replace_attr(training, "get_megatron_optimizer", wrap_get_megatron_optimizer(training.get_megatron_optimizer))
+    replace_attr(training, "get_megatron_optimizer",
+                 wrap_get_megatron_optimizer(training.get_megatron_optimizer, install_recipe))
 
 
 @register("optim.optimizer_choice", target="megatron.training.arguments._add_training_args")

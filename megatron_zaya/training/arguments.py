@@ -74,6 +74,18 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="patch hooks to apply: all | none | ids/groups, comma-separated (zaya-patches list)")
     add_flags(g, ZayaConfig, "zaya_")
     g.add_argument("--zaya-loss-plot", default=None, help="write the training-loss curve here (PNG)")
+    # The training recipe (docs/training.md, "From 4k to 128k").
+    g.add_argument("--zaya-router-freeze-tokens", type=int, default=0, metavar="N",
+                   help="the routers' parameters (down-projection, depth-averaging scale, MLP) take no updates for the "
+                        "first N training tokens, then train; the balancing biases keep updating; 0: off")
+    g.add_argument("--zaya-expert-clip-grad", type=float, default=0.0, metavar="C",
+                   help="clip the expert weights' global gradient norm to C before --clip-grad clips all gradients; "
+                        "0: off")
+    g.add_argument("--zaya-expert-load-warn-ratio", type=float, default=0.0, metavar="R",
+                   help="warn once when a layer's busiest expert takes more than R times an even share (1/E) for "
+                        "--zaya-expert-load-warn-intervals log intervals in a row; 0: off")
+    g.add_argument("--zaya-expert-load-warn-intervals", type=int, default=3, metavar="K",
+                   help="log intervals in a row over --zaya-expert-load-warn-ratio before the warning")
     g.add_argument("--zaya-memory-plan", type=int, nargs="?", const=-1, default=None, metavar="WORLD_SIZE",
                    help="print the per-GPU memory plan of this command for WORLD_SIZE GPUs (default: the launcher's "
                         "world size, else 1) and exit, without building the model")
@@ -99,6 +111,9 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "Python's automatic collector, which may pause any step")
     g.add_argument("--zaya-allow-tokenizer-change", action="store_true",
                    help="load a checkpoint trained with another tokenizer (each token id keeps its embedding)")
+    g.add_argument("--zaya-allow-rotary-base-change", action="store_true",
+                   help="load a checkpoint trained with another RoPE base (--rotary-base, --zaya-sliding-rotary-base): "
+                        "the next stage of a run that extends its context")
     g.add_argument("--zaya-overwrite-save", action="store_true",
                    help="start afresh into a --save directory that holds a checkpoint, deleting it (without this "
                         "flag a run resumes from its --save, and refuses to start afresh into it)")
@@ -251,6 +266,14 @@ def _check_flag_combinations(args) -> None:
     if args.zaya_balancing_warmup_steps < 0:  # as ZayaConfig.validate_zaya, before Megatron's own checks
         raise UsageError(f"--zaya-balancing-warmup-steps {args.zaya_balancing_warmup_steps} is negative; give a "
                          "number of steps >= 0 (0: no warm-up)")
+    for flag, value in (("--zaya-router-freeze-tokens", args.zaya_router_freeze_tokens),
+                        ("--zaya-expert-clip-grad", args.zaya_expert_clip_grad),
+                        ("--zaya-expert-load-warn-ratio", args.zaya_expert_load_warn_ratio)):
+        if value < 0:
+            raise UsageError(f"{flag} {value:g} is negative; give a positive value, or 0 to turn it off")
+    if args.zaya_expert_load_warn_intervals < 1:
+        raise UsageError(f"--zaya-expert-load-warn-intervals {args.zaya_expert_load_warn_intervals}: give a number of "
+                         "log intervals >= 1")
     if args.zaya_balance_skip_class and not args.zaya_skip_class:
         raise UsageError("--zaya-balance-skip-class with --zaya-no-skip-class: there is no skip class to balance; "
                          "drop one of them")

@@ -9,7 +9,8 @@ function a model builder set there). It runs Megatron's own ``finalize_model_gra
    it the TP ranks count the same tokens, which scales all counts alike and leaves the shares unchanged);
 2. takes one Adam step per router on its biases with gradient ``share - 1/E`` (docs/architecture.md §4.8);
 3. every ``--log-interval`` steps, logs the load of the most unbalanced layer in Megatron's
-   ``key: value |`` form and every layer's load to TensorBoard / W&B when those are enabled.
+   ``key: value |`` form and every layer's load to TensorBoard / W&B when those are enabled, and warns once
+   when a layer stays overloaded (``--zaya-expert-load-warn-ratio/-intervals``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def step_balancing(model_chunks) -> list[dict]:
         skip_rate = layer_counts[router.num_experts:].sum() / layer_counts.sum().clamp_min(1)
         rows.append(torch.stack([share.max(), share.min(), skip_rate.float(), biases.min(), biases.max()]))
     values = torch.stack(rows).tolist()  # one device-to-host copy for every layer's statistics
-    return [{"layer": router.layer_number, **dict(zip(STATISTICS, row))} for router, row in zip(found, values)]
+    return [{"layer": router.layer_number, "experts": router.num_experts, **dict(zip(STATISTICS, row))}
+            for router, row in zip(found, values)]
 
 
 def finalize_model_grads_with_balancing(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
@@ -60,7 +62,6 @@ def finalize_model_grads_with_balancing(model, num_tokens=None, pg_collection=No
 
 def _log(stats: list[dict]) -> None:
     from megatron.training import get_args
-    from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
     from megatron.training.utils import print_rank_last
 
     args = get_args()
@@ -74,12 +75,39 @@ def _log(stats: list[dict]) -> None:
         f"skip rate: {max(s['skip rate'] for s in stats):.4f} | "
         f"bias range: [{min(s['bias min'] for s in stats):.4f}, {max(s['bias max'] for s in stats):.4f}] |"
     )
-    writers = [w for w in (get_tensorboard_writer(), get_wandb_writer()) if w is not None]
+    _warn_overloaded(stats, args.zaya_expert_load_warn_ratio, args.zaya_expert_load_warn_intervals, iteration)
+    write_scalars({f"zaya/layer{layer['layer']:02d}/{key.replace(' ', '_')}": layer[key]
+                   for layer in stats for key in STATISTICS}, iteration)
+
+
+def write_scalars(values: dict[str, float], iteration: int) -> None:
+    """``values`` to TensorBoard and W&B, where their flags are given."""
+    from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+    for writer in (w for w in (get_tensorboard_writer(), get_wandb_writer()) if w is not None):
+        for name, value in values.items():
+            if hasattr(writer, "add_scalar"):
+                writer.add_scalar(name, value, iteration)
+            else:
+                writer.log({name: value}, iteration)
+
+
+# Per layer, the log intervals in a row whose busiest expert took more than the warning ratio.
+_INTERVALS_OVER: dict[int, int] = {}
+
+
+def _warn_overloaded(stats: list[dict], ratio: float, intervals: int, iteration: int) -> None:
+    """One line when a layer's busiest expert has taken more than ``ratio`` times an even share (1/E) for
+    ``intervals`` log intervals in a row; the count starts again once it is back under."""
+    from megatron.training.utils import print_rank_last
+
+    if ratio <= 0:
+        return
     for layer in stats:
-        for key in STATISTICS:
-            name = f"zaya/layer{layer['layer']:02d}/{key.replace(' ', '_')}"
-            for writer in writers:
-                if hasattr(writer, "add_scalar"):
-                    writer.add_scalar(name, layer[key], iteration)
-                else:
-                    writer.log({name: layer[key]}, iteration)
+        load = layer["max share"] * layer["experts"]
+        over = _INTERVALS_OVER.get(layer["layer"], 0) + 1 if load > ratio else 0
+        _INTERVALS_OVER[layer["layer"]] = over
+        if over == intervals:
+            print_rank_last(f" [zaya] warning: iteration {iteration:8d} | layer {layer['layer']}'s busiest expert has "
+                            f"taken more than {ratio:g}x an even share for {intervals} log intervals (now "
+                            f"{load:.2f}x); check the balancing (--zaya-balancing-lr) |")

@@ -215,6 +215,10 @@ def run(argv: list[str]) -> None:
     if args.pipeline_model_parallel_size > 1 and patches.get("pipeline.stage_tensor_width") not in APPLIED:
         raise UsageError("pipeline parallelism needs the pipeline.stage_tensor_width patch (stages exchange hidden + "
                          "router-state channels); add it to --zaya-patches")
+    recipe_flags = args.zaya_router_freeze_tokens or args.zaya_expert_clip_grad
+    if recipe_flags and patches.get("optim.zaya_muon") not in APPLIED:
+        raise UsageError("--zaya-router-freeze-tokens and --zaya-expert-clip-grad act through the optim.zaya_muon "
+                         "patch; add it to --zaya-patches")
     if plan_size is not None:
         print(memory_plan_report(*memory_plan_inputs(args)), flush=True)
         return

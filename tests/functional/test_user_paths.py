@@ -155,15 +155,17 @@ def slurm_job_flags(tmp_path: Path, data: str) -> list[str]:
 
 def test_the_default_slurm_job_trains_a_blend_on_cpu_and_logs_the_expert_load(corpus, tmp_path):
     """The sbatch's command line, with the test model and two steps appended, on 2 gloo ranks (ZeRO-1 Muon) on
-    a blend of two prefixes with --eval-iters 0. Every layer's expert load reaches W&B each step (a recorder
-    stands in for the wandb package); its bias range is the checkpoint's balancing biases."""
+    a blend of two prefixes with --eval-iters 0. Every layer's expert load and the experts' gradient norm
+    (--zaya-expert-clip-grad) reach W&B each step (a recorder stands in for the wandb package); the bias range is
+    the checkpoint's balancing biases."""
     flags = slurm_job_flags(tmp_path, f"0.7 {corpus / 'first'} 0.3 {corpus / 'second'}")
     assert flags[flags.index("--optimizer") + 1] == "zaya_muon" and "--bf16" in flags
     record = tmp_path / "wandb.jsonl"
     env = {"PYTHONPATH": os.pathsep.join([str(WANDB_RECORDER), os.environ.get("PYTHONPATH", "")]),
            "ZAYA_WANDB_RECORD": str(record)}
     run = pretrain(flags + TEST_MODEL + SMALL + ["--train-iters", "2", "--eval-iters", "0", "--split", "98,2,0",
-                                    "--save-interval", "2", "--wandb-project", "zaya", "--wandb-exp-name", "cpu"],
+                                    "--save-interval", "2", "--wandb-project", "zaya", "--wandb-exp-name", "cpu",
+                                    "--zaya-expert-clip-grad", "1.0"],
                    cwd=tmp_path, extra_env=env, nproc=2)
     assert run.returncode == 0, run.stderr[-3000:]
     trained = losses(run.stdout)
@@ -176,7 +178,8 @@ def test_the_default_slurm_job_trains_a_blend_on_cpu_and_logs_the_expert_load(co
         logged.update({(step, key): value for key, value in entry.items() if key.startswith("zaya/")})
     statistics = ("max_share", "min_share", "skip_rate", "bias_min", "bias_max")
     assert set(logged) == {(step, f"zaya/layer{layer:02d}/{name}") for step in (1, 2) for layer in (1, 2)
-                           for name in statistics}
+                           for name in statistics} | {(step, "zaya/expert_grad_norm") for step in (1, 2)}
+    assert all(logged[step, "zaya/expert_grad_norm"] > 0 for step in (1, 2))
     for step, key in logged:
         if key.endswith("max_share"):
             assert logged[step, key] >= 1 / 4 >= logged[step, key.replace("max", "min")]

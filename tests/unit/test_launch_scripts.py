@@ -432,6 +432,59 @@ def test_full_model_on_one_large_gpu_uses_micro_batch_one(tmp_path):
     assert argv[argv.index("--micro-batch-size") + 1] == "1" and "--nproc-per-node=1" in argv
 
 
+# --- zaya1_stage*.sbatch: ZAYA1's schedule over pretrain_zaya1_8b.sbatch ---------------------------------------
+
+STAGE_FLAGS = {  # script -> (seq, global batch, {platform: micro-batch}, flags it adds)
+    "zaya1_stage1_4k.sbatch": ("4096", "4096", {"h200": "4", "mi300x": "8"}, [
+        "--rotary-base", "10000", "--overlap-grad-reduce", "--clip-grad", "2.0", "--zaya-expert-clip-grad", "1.0",
+        "--zaya-router-freeze-tokens", "1000000000", "--zaya-balancing-warmup-steps", "1000"]),
+    "zaya1_stage2_32k.sbatch": ("32768", "512", {"h200": "1", "mi300x": "2"}, [
+        "--rotary-base", "1000000", "--zaya-allow-rotary-base-change", "--context-parallel-size", "2",
+        "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--overlap-grad-reduce", "--clip-grad",
+        "2.0", "--zaya-expert-clip-grad", "1.0", "--override-opt_param-scheduler", "--lr-decay-style", "constant"]),
+    "zaya1_stage3_128k.sbatch": ("131072", "128", {"h200": "2", "mi300x": "2"}, [
+        "--rotary-base", "1000000", "--context-parallel-size", "8", "--expert-model-parallel-size", "2",
+        "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--overlap-grad-reduce", "--clip-grad",
+        "2.0", "--zaya-expert-clip-grad", "1.0", "--override-opt_param-scheduler", "--lr-decay-style", "constant"]),
+}
+
+
+def stage_command(tmp_path: Path, script: str, platform: str, **extra) -> tuple[subprocess.CompletedProcess, list]:
+    """Run a stage script as a 2-node job; its node-0 zaya-pretrain arguments."""
+    env, run_dir, _, _ = pretrain_job(tmp_path, platform, EXTRA_ARGS="--wandb-project zaya1", **extra)
+    proc = run(SLURM / script, env, tmp_path)
+    calls = by_node(records(tmp_path, "zaya-torchrun"))
+    return proc, calls[0]["argv"][calls[0]["argv"].index("zaya-pretrain") + 1:] if calls else []
+
+
+@pytest.mark.parametrize("platform", ["h200", "mi300x"])
+def test_stage_scripts_run_the_pretrain_job_with_their_flags(tmp_path, platform):
+    previous = tmp_path / "previous/checkpoints"
+    for script, (seq, batch, micro, flags) in STAGE_FLAGS.items():
+        first = script == "zaya1_stage1_4k.sbatch"
+        proc, argv = stage_command(tmp_path / script, script, platform, **({} if first else {"INIT_FROM": previous}))
+        assert proc.returncode == 0, proc.stderr
+        value = lambda flag: argv[argv.index(flag) + 1]  # noqa: E731
+        assert (value("--seq-length"), value("--global-batch-size"), value("--micro-batch-size")) == (
+            seq, batch, micro[platform])
+        if script == "zaya1_stage3_128k.sbatch" and platform == "h200":
+            flags = flags[:9] + ["--recompute-granularity", "selective"] + flags[9:]
+        stage = argv[argv.index("--eval-iters") + 2:argv.index("--wandb-project")]  # after the shared flags
+        assert stage == flags
+        assert value("--load") == str(tmp_path / script / "run/checkpoints" if first else previous)
+
+
+def test_a_stage_resumes_its_own_checkpoint_once_it_has_one(tmp_path):
+    own = tmp_path / "run/checkpoints"
+    own.mkdir(parents=True)
+    (own / "latest_checkpointed_iteration.txt").write_text("715100")
+    proc, argv = stage_command(tmp_path, "zaya1_stage2_32k.sbatch", "h200", INIT_FROM=tmp_path / "stage1")
+    assert proc.returncode == 0, proc.stderr
+    assert argv[argv.index("--load") + 1] == str(own)
+    proc, _ = stage_command(tmp_path / "missing", "zaya1_stage3_128k.sbatch", "h200")
+    assert proc.returncode != 0 and "set INIT_FROM to the checkpoints of stage 2" in proc.stderr
+
+
 # --- the flags parse in zaya-pretrain ----------------------------------------------------------
 
 PARSE_WITH_ZAYA_PRETRAIN = """
@@ -473,11 +526,14 @@ def test_every_generated_command_line_parses_in_zaya_pretrain(tmp_path):
     for job in ("job", "roundtrip", "tiny", "zaya1-8b-shallow"):
         call = records(tmp_path / job, "zaya-torchrun")[0]["argv"]
         command_lines.append(call[call.index("zaya-pretrain") + 1:])
+    for script in STAGE_FLAGS:
+        command_lines.append(stage_command(tmp_path / script, script, "h200", OPTIMIZER="adam", INIT_FROM="/c")[1])
 
     proc = subprocess.run([sys.executable, "-c", PARSE_WITH_ZAYA_PRETRAIN], input=json.dumps(command_lines),
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    job, roundtrip, tiny, shallow = json.loads(proc.stdout.splitlines()[-1])
+    job, roundtrip, tiny, shallow, *stages = json.loads(proc.stdout.splitlines()[-1])
+    assert [stage["micro_batch_size"] for stage in stages] == [4, 1, 2] and stages[1]["load"] == "/c"
     assert job | {"data_path": None} == {"num_layers": 40, "micro_batch_size": 1, "data_path": None,
                                          "load": f"{run_dir}/checkpoints", "finetune": False,
                                          "exit_signal_handler": True, "mock_data": False}
