@@ -12,7 +12,7 @@ What happens on each fault, how the tests inject it, and the flags, are in ``doc
   data-parallel replicas.
 * :func:`arm_sigterm_deadline` bounds the time between SIGTERM and the exit.
 * The progress watchdog (``--zaya-watchdog-seconds``, ``watchdog.py``) hears the guard's beats: each micro-batch's
-  forward and each optimizer step.
+  forward and each optimizer step. A launch's first step and a hang go into the event ledger (``ledger.py``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import threading
 
 import torch
 
-from ..checkpoint.format import describe_latest_checkpoint
+from ..checkpoint.format import describe_latest_checkpoint, read_tracker
 from ..errors import TrainingFault
+from .ledger import LEDGER
 from .watchdog import WATCHDOG
 
 FAULT_EXIT_CODE = 3
@@ -80,7 +81,9 @@ class StepGuard:
             router.balancing_biases, router.balancing_exp_avg, router.balancing_exp_avg_sq, router.balancing_step)]
         prepare_grads, get_grad_norm = optimizer.prepare_grads, optimizer.get_grad_norm
         cached_norm = []
-        WATCHDOG.arm(args.zaya_watchdog_seconds, describe=lambda: f" in iteration {_iteration()}")
+        WATCHDOG.arm(args.zaya_watchdog_seconds, describe=lambda: f" in iteration {_iteration()}",
+                     on_hang=lambda silent, cause: LEDGER.failure("hang", _iteration(), cause, read_tracker(args.save)
+                                                                  if args.save else None, seconds=silent))
 
         @functools.wraps(prepare_grads)
         def guarded_prepare_grads() -> bool:
@@ -109,11 +112,17 @@ class StepGuard:
         def watched_forward_step(data_iterator, model, *args, **kwargs):
             WATCHDOG.beat()
             if torch.is_grad_enabled() and _iteration() != self._step_iteration:  # not evaluation; every stage
+                LEDGER.first_step(_iteration())
                 self._start_step(_iteration())
             output, loss_func = forward_step(data_iterator, model, *args, **kwargs)
             return output, functools.partial(self._record_loss, loss_func)
 
         return watched_forward_step
+
+    @property
+    def idle(self) -> bool:
+        """No training step has begun in this process."""
+        return self._step_iteration is None
 
     # ------------------------------------------------------------------------------------- per step
     def _start_step(self, iteration: int) -> None:
@@ -238,10 +247,15 @@ def arm_sigterm_deadline(seconds: float, save_dir: str | None, exit=os._exit) ->
     """After SIGTERM (Megatron's ``--exit-signal-handler`` saves at the end of the current step and exits 0),
     give the save ``seconds``; past them print why and exit with :data:`FAULT_EXIT_CODE`, before the
     scheduler's SIGKILL. The ``latest`` marker is replaced atomically, so the last complete checkpoint stays.
-    SIGINT (Ctrl-C) does the same, instead of a KeyboardInterrupt that would lose the steps since the last save."""
+    SIGINT (Ctrl-C) does the same, instead of a KeyboardInterrupt that would lose the steps since the last save.
+    Before the first step the process exits 0 at once: it may be waiting in a collective that never ends."""
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_signal(signum, frame):
+        if GUARD.idle:  # before the first step (start-up, a peer that failed its self-test): nothing new to save
+            print(f"[zaya] {signal.Signals(signum).name} before the first step: nothing to save; exiting", flush=True)
+            exit(0)
+            return
         def expire():
             print(f"zaya-pretrain: error: {signal.Signals(signum).name}: the checkpoint did not finish within "
                   f"--zaya-sigterm-deadline {seconds:g} s; exiting without it; the last complete checkpoint: "

@@ -22,7 +22,7 @@ from megatron_zaya.data.preprocess import write_indexed_dataset
 from megatron_zaya.errors import UsageError
 from megatron_zaya.training.data_checks import indexed_dataset_problem
 from megatron_zaya.checkpoint.save_failures import check_save_dir
-from megatron_zaya.training.reliability import arm_sigterm_deadline
+from megatron_zaya.training.reliability import GUARD, arm_sigterm_deadline
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -111,8 +111,11 @@ def test_sigkill_while_replacing_the_latest_marker(tmp_path, writer):
     assert tracker.read_text() == ("3" if writer == "atomic" else "")
 
 
-def test_sigterm_deadline_exits_when_the_save_does_not_finish(tmp_path, capsys):
+@pytest.mark.parametrize("training", [True, False], ids=["in-a-step", "before-the-first-step"])
+def test_sigterm_deadline_exits_when_the_save_does_not_finish(tmp_path, capsys, monkeypatch, training):
+    """In training: exit 3 at the deadline. Before the first step there is nothing to save: exit 0 at once."""
     (tmp_path / TRACKER).write_text("12")
+    monkeypatch.setattr(GUARD, "_step_iteration", 1 if training else None)
     exits = []
     originals = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -125,6 +128,10 @@ def test_sigterm_deadline_exits_when_the_save_does_not_finish(tmp_path, capsys):
     finally:
         for sig, handler in originals.items():
             signal.signal(sig, handler)
+    if not training:
+        assert exits == [0] and elapsed < 0.3, (exits, elapsed)
+        assert "[zaya] SIGTERM before the first step: nothing to save; exiting" in capsys.readouterr().out
+        return
     assert exits == [3] and 0.3 <= elapsed < 2.0, (exits, elapsed)
     assert f"{tmp_path}/iter_0000012 (iteration 12)" in capsys.readouterr().err
 
