@@ -70,3 +70,32 @@ def no_restart_after_a_stop():
         return result
 
     replace_attr(LocalElasticAgent, "_monitor_workers", monitor_workers)
+
+
+@register("launch.store_per_restart", target="torch.distributed.rendezvous._create_c10d_store")
+def store_per_restart():
+    """Each restart of a torchrun group keys its process group's rendezvous apart from the launches before it.
+
+    Under torchrun the workers' ``init_process_group`` (``env://``) connects to the elastic agent's TCP store
+    (``TORCHELASTIC_USE_AGENT_STORE``), which outlives a restart with every key the failed launch wrote: a restarted
+    rank then reads a peer's address or communicator id of the launch before (gloo: "connectFullMesh failed ...
+    Connection refused") instead of waiting for the new one. Patched, ``_create_c10d_store`` hands the workers of
+    restart N a ``PrefixStore("restart_N/", store)``; the first launch keeps the bare store. It applies in the
+    trainers (zaya-pretrain), where the process group is created. Off: leave ``launch`` out of ``--zaya-patches`` /
+    ``ZAYA_PATCHES``.
+    """
+    import importlib
+    import os
+
+    from torch.distributed import PrefixStore
+
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")  # the package's name is a function
+    create = rendezvous._create_c10d_store
+
+    @functools.wraps(create)
+    def create_c10d_store(*args, **kwargs):
+        store = create(*args, **kwargs)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return store if restart == "0" else PrefixStore(f"restart_{restart}/", store)
+
+    replace_attr(rendezvous, "_create_c10d_store", create_c10d_store)

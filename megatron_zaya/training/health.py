@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 
 import torch
 
 from ..errors import UnhealthyNode
-from .ledger import LEDGER
+from .ledger import LEDGER, node_name
 
 UNHEALTHY_NODE_EXIT_CODE = 6
 GEMM_SIZE = 512
@@ -118,7 +117,7 @@ def check_this_node() -> None:
     problems = self_test(device, check_ecc=local_rank == 0)
     if not problems:
         return
-    node, rank = socket.gethostname(), os.environ.get("RANK", "0")
+    node, rank = node_name(), os.environ.get("RANK", "0")
     cause = "; ".join(problems)
     LEDGER.record("node_excluded", cause=f"self-test of rank {rank} ({device}): {cause}")
     raise UnhealthyNode(f"node {node} failed its self-test on rank {rank} ({device}): {cause}; it is recorded in the "

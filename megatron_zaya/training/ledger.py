@@ -17,7 +17,7 @@ lines of several ranks never interleave (on one host, and on NFS and Lustre for 
 * ``end``: rank 0, when a launch stops cleanly (its last step, ``--exit-interval``, a saved pre-emption).
 
 Fields: ``time`` (UTC, ISO 8601), ``event``, ``step`` (the iteration, 1-based; null before training), ``rank``,
-``node`` (host name), ``launch`` (shared by the ranks of one launch), ``cause`` (the last error line),
+``node`` (Slurm's node name, else the host name), ``launch`` (shared by the ranks of one launch), ``cause`` (the last error line),
 ``steps_lost`` and ``seconds_lost`` (null when unknown). What each costs: docs/reliability.md.
 """
 
@@ -49,6 +49,11 @@ def launch_id() -> str:
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def node_name() -> str:
+    """The scheduler's name for this node (what ``scontrol`` takes), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def _now() -> float:
@@ -164,7 +169,7 @@ class Ledger:
             return
         stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
         line = json.dumps({"time": stamp, "event": event, "step": step, "rank": _rank(),
-                           "node": socket.gethostname(), "launch": self.launch, "cause": cause,
+                           "node": node_name(), "launch": self.launch, "cause": cause,
                            "steps_lost": steps_lost, "seconds_lost": seconds_lost}) + "\n"
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -181,10 +186,10 @@ class Ledger:
         lost = max(0, step - 1 - int(saved)) if step is not None and saved and saved.isdigit() else None
         self.record(event, step, cause, steps_lost=lost, seconds_lost=round(seconds, 1))
 
-    def checkpoint_skipped(self, damaged: list[str], tracker: str | None, loaded: str) -> None:
-        """A resume passed over the ``damaged`` checkpoints (one finding each) for ``loaded``: the steps between
-        the tracker's and the loaded one are trained again."""
-        lost = int(tracker) - int(loaded) if tracker and tracker.isdigit() and loaded.isdigit() else None
+    def checkpoint_skipped(self, damaged: list[str], newest: str, loaded: str) -> None:
+        """A resume passed over the ``damaged`` checkpoints (one finding each), the ``newest`` of them first, for
+        ``loaded``: the steps between the two are trained again."""
+        lost = int(newest) - int(loaded) if newest.isdigit() and loaded.isdigit() else None
         self.record("checkpoint_skipped", int(loaded) if loaded.isdigit() else None, "; ".join(damaged),
                     steps_lost=lost)
 

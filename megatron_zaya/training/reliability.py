@@ -65,6 +65,7 @@ class StepGuard:
         self._balancing_snapshot: list[torch.Tensor] = []
         self._step_iteration = None
         self._loss = torch.zeros(2, dtype=torch.float64)  # summed loss, tokens of this step on this rank
+        self.at_first_step = lambda: None  # called once, in the main thread (arm_sigterm_deadline)
 
     # ------------------------------------------------------------------------------------------ setup
     def install(self, optimizer, model_chunks, args) -> None:
@@ -112,17 +113,14 @@ class StepGuard:
         def watched_forward_step(data_iterator, model, *args, **kwargs):
             WATCHDOG.beat()
             if torch.is_grad_enabled() and _iteration() != self._step_iteration:  # not evaluation; every stage
-                LEDGER.first_step(_iteration())
+                if self._step_iteration is None:
+                    self.at_first_step()
+                    LEDGER.first_step(_iteration())
                 self._start_step(_iteration())
             output, loss_func = forward_step(data_iterator, model, *args, **kwargs)
             return output, functools.partial(self._record_loss, loss_func)
 
         return watched_forward_step
-
-    @property
-    def idle(self) -> bool:
-        """No training step has begun in this process."""
-        return self._step_iteration is None
 
     # ------------------------------------------------------------------------------------- per step
     def _start_step(self, iteration: int) -> None:
@@ -248,14 +246,13 @@ def arm_sigterm_deadline(seconds: float, save_dir: str | None, exit=os._exit) ->
     give the save ``seconds``; past them print why and exit with :data:`FAULT_EXIT_CODE`, before the
     scheduler's SIGKILL. The ``latest`` marker is replaced atomically, so the last complete checkpoint stays.
     SIGINT (Ctrl-C) does the same, instead of a KeyboardInterrupt that would lose the steps since the last save.
-    Before the first step the process exits 0 at once: it may be waiting in a collective that never ends."""
+
+    Until the first training step the signals keep their default action, which ends the process at once: there is
+    nothing new to save yet, and a start-up waiting in C (for a peer that failed its self-test, in the store or a
+    collective) would run no Python handler. :data:`GUARD` installs the handler at the first step."""
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_signal(signum, frame):
-        if GUARD.idle:  # before the first step (start-up, a peer that failed its self-test): nothing new to save
-            print(f"[zaya] {signal.Signals(signum).name} before the first step: nothing to save; exiting", flush=True)
-            exit(0)
-            return
         def expire():
             print(f"zaya-pretrain: error: {signal.Signals(signum).name}: the checkpoint did not finish within "
                   f"--zaya-sigterm-deadline {seconds:g} s; exiting without it; the last complete checkpoint: "
@@ -265,9 +262,17 @@ def arm_sigterm_deadline(seconds: float, save_dir: str | None, exit=os._exit) ->
 
         timer = threading.Timer(seconds, expire)
         timer.daemon = True
-        timer.start()
+        try:
+            timer.start()
+        except RuntimeError:  # no new thread while the interpreter exits: it is ending already
+            return
         if callable(previous):
             previous(signal.SIGTERM, frame)  # Megatron's handler: save at the end of the step
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    def install() -> None:
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    GUARD.at_first_step = install

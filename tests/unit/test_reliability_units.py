@@ -111,15 +111,17 @@ def test_sigkill_while_replacing_the_latest_marker(tmp_path, writer):
     assert tracker.read_text() == ("3" if writer == "atomic" else "")
 
 
-@pytest.mark.parametrize("training", [True, False], ids=["in-a-step", "before-the-first-step"])
-def test_sigterm_deadline_exits_when_the_save_does_not_finish(tmp_path, capsys, monkeypatch, training):
-    """In training: exit 3 at the deadline. Before the first step there is nothing to save: exit 0 at once."""
+def test_sigterm_deadline_exits_when_the_save_does_not_finish(tmp_path, capsys, monkeypatch):
+    """Before the first step SIGTERM keeps its default action (the process ends at once); from the first step on,
+    exit 3 at the deadline."""
     (tmp_path / TRACKER).write_text("12")
-    monkeypatch.setattr(GUARD, "_step_iteration", 1 if training else None)
+    monkeypatch.setattr(GUARD, "at_first_step", lambda: None)
     exits = []
     originals = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         arm_sigterm_deadline(0.3, str(tmp_path), exit=exits.append)
+        assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGINT) == signal.SIG_DFL
+        GUARD.at_first_step()
         start = time.monotonic()
         os.kill(os.getpid(), signal.SIGTERM)
         while not exits and time.monotonic() - start < 10:
@@ -128,10 +130,6 @@ def test_sigterm_deadline_exits_when_the_save_does_not_finish(tmp_path, capsys, 
     finally:
         for sig, handler in originals.items():
             signal.signal(sig, handler)
-    if not training:
-        assert exits == [0] and elapsed < 0.3, (exits, elapsed)
-        assert "[zaya] SIGTERM before the first step: nothing to save; exiting" in capsys.readouterr().out
-        return
     assert exits == [3] and 0.3 <= elapsed < 2.0, (exits, elapsed)
     assert f"{tmp_path}/iter_0000012 (iteration 12)" in capsys.readouterr().err
 
