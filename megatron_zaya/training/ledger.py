@@ -17,8 +17,8 @@ lines of several ranks never interleave (on one host, and on NFS and Lustre for 
 * ``end``: rank 0, when a launch stops cleanly (its last step, ``--exit-interval``, a saved pre-emption).
 
 Fields: ``time`` (UTC, ISO 8601), ``event``, ``step`` (the iteration, 1-based; null before training), ``rank``,
-``node`` (Slurm's node name, else the host name), ``launch`` (shared by the ranks of one launch), ``cause`` (the last error line),
-``steps_lost`` and ``seconds_lost`` (null when unknown). What each costs: docs/reliability.md.
+``node`` (Slurm's node name, else the host name), ``launch`` (shared by the ranks of one launch), ``cause`` (the
+last error line), ``steps_lost`` and ``seconds_lost`` (null when unknown). What each costs: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -111,21 +111,26 @@ def launch_record(events: list[dict], launch: str, first_step: int, now: float) 
 
 
 def failing_step(events: list[dict], limit: int) -> dict | None:
-    """The last failure of a step that failed in ``limit`` launches in a row (a crash loop), or None.
+    """The first failure of the last launch, when the launches before it failed first at its step too, ``limit``
+    launches in a row (a crash loop); else None.
 
-    The launches are counted once each, however many of its ranks recorded the failure; a launch that failed at
-    another step, or a ``skipped_step`` of it, starts the count again."""
-    step, launches, last = None, set(), None
+    A launch counts by its first failure (``hang`` or ``crash`` in training), whichever of its ranks recorded it and
+    whatever its other ranks recorded after; a ``skipped_step`` ends the row."""
+    firsts, seen = [], set()
     for event in events:
-        if event["event"] == "skipped_step" and event.get("step") == step:
-            step, launches, last = None, set(), None
-        if event["event"] not in ("hang", "crash") or event.get("step") is None:
-            continue
-        if event["step"] != step:
-            step, launches = event["step"], set()
-        launches.add(event.get("launch"))
-        last = event
-    return last if limit and step is not None and len(launches) >= limit else None
+        if event["event"] == "skipped_step":
+            firsts.append(event)
+        elif event["event"] in ("hang", "crash") and event.get("step") is not None and event["launch"] not in seen:
+            seen.add(event["launch"])
+            firsts.append(event)
+    if not limit or not firsts or firsts[-1]["event"] == "skipped_step":
+        return None
+    last, count = firsts[-1], 0
+    for event in reversed(firsts):
+        if event["event"] == "skipped_step" or event["step"] != last["step"]:
+            break
+        count += 1
+    return last if count >= limit else None
 
 
 def summary(events: list[dict], path: str | os.PathLike) -> str:
@@ -136,14 +141,13 @@ def summary(events: list[dict], path: str | os.PathLike) -> str:
     launches = counts.get("start", 0) + counts.get("restart", 0)
     named = [("restart", "restarts"), ("hang", "hangs"), ("crash", "crashes"), ("skipped_step", "skipped steps"),
              ("checkpoint_skipped", "damaged checkpoints skipped"), ("node_excluded", "nodes excluded")]
-    parts = [f"{counts.get(kind, 0)} {label}" for kind, label in named]
+    parts = [f"launches {launches}"] + [f"{label} {counts.get(kind, 0)}" for kind, label in named]
     costs = [e for e in events if e["event"] in ("restart", "skipped_step", "checkpoint_skipped")]
     steps = sum(e.get("steps_lost") or 0 for e in costs)
     seconds = sum(e.get("seconds_lost") or 0.0 for e in costs)
     unknown = sum(e.get("seconds_lost") is None for e in costs)
-    more = f" (and {unknown} restarts of unknown cost)" if unknown else ""
-    return (f"[zaya] events ({path}): {launches} launches, {', '.join(parts)}; lost to faults: {steps} steps and "
-            f"{seconds:.0f} s{more}")
+    more = f", and restarts of unknown cost {unknown}" if unknown else ""
+    return f"[zaya] event ledger {path}: {', '.join(parts)}; lost to faults: steps {steps}, seconds {seconds:.0f}{more}"
 
 
 class Ledger:

@@ -82,9 +82,12 @@ class StepGuard:
             router.balancing_biases, router.balancing_exp_avg, router.balancing_exp_avg_sq, router.balancing_step)]
         prepare_grads, get_grad_norm = optimizer.prepare_grads, optimizer.get_grad_norm
         cached_norm = []
-        WATCHDOG.arm(args.zaya_watchdog_seconds, describe=lambda: f" in iteration {_iteration()}",
-                     on_hang=lambda silent, cause: LEDGER.failure("hang", _iteration(), cause, read_tracker(args.save)
-                                                                  if args.save else None, seconds=silent))
+
+        def record_hang(silent: float, cause: str) -> None:
+            saved = read_tracker(args.save) if args.save else None
+            LEDGER.failure("hang", _iteration(), cause, saved, seconds=silent)
+
+        WATCHDOG.arm(args.zaya_watchdog_seconds, describe=lambda: f" in iteration {_iteration()}", on_hang=record_hang)
 
         @functools.wraps(prepare_grads)
         def guarded_prepare_grads() -> bool:
@@ -247,9 +250,11 @@ def arm_sigterm_deadline(seconds: float, save_dir: str | None, exit=os._exit) ->
     scheduler's SIGKILL. The ``latest`` marker is replaced atomically, so the last complete checkpoint stays.
     SIGINT (Ctrl-C) does the same, instead of a KeyboardInterrupt that would lose the steps since the last save.
 
-    Until the first training step the signals keep their default action, which ends the process at once: there is
+    Until the first training step SIGTERM keeps its default action, which ends the process at once: there is
     nothing new to save yet, and a start-up waiting in C (for a peer that failed its self-test, in the store or a
-    collective) would run no Python handler. :data:`GUARD` installs the handler at the first step."""
+    collective) would run no Python handler. :data:`GUARD` installs the handler at the first step. SIGINT's is
+    installed at once: the data-loader workers forked before the first step inherit it (Megatron gives them a
+    SIGTERM handler of their own), and a terminal's Ctrl-C reaches them too."""
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_signal(signum, frame):
@@ -269,10 +274,6 @@ def arm_sigterm_deadline(seconds: float, save_dir: str | None, exit=os._exit) ->
         if callable(previous):
             previous(signal.SIGTERM, frame)  # Megatron's handler: save at the end of the step
 
-    def install() -> None:
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    GUARD.at_first_step = install
+    signal.signal(signal.SIGINT, on_signal)
+    GUARD.at_first_step = lambda: signal.signal(signal.SIGTERM, on_signal)

@@ -138,7 +138,7 @@ def test_a_run_resumes_past_a_damaged_checkpoint_and_saves_a_verified_one(saved,
     assert skipped["step"] == 2 and skipped["steps_lost"] == 2 and skipped["rank"] == 0, skipped
     assert f"ck/iter_0000004 ({SHARD} differs from its checksum at save)" in skipped["cause"], skipped
     assert events[3]["step"] == 3 and events[3]["cause"] == "resumed at step 3", events[3]
-    assert "1 damaged checkpoints skipped, 0 nodes excluded; lost to faults: 2 steps and 0 s" in run.stdout
+    assert "damaged checkpoints skipped 1, nodes excluded 0; lost to faults: steps 2, seconds 0\n" in run.stdout
 
 
 def test_a_run_with_no_intact_checkpoint_exits_2_and_changes_nothing(saved, tmp_path):

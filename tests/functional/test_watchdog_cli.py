@@ -110,9 +110,9 @@ def test_faults_under_torchrun_restart_from_the_newest_checkpoint_and_the_ledger
     assert launches[2]["seconds_lost"] == pytest.approx(hang["seconds_lost"] + start_up, abs=0.2), launches[2]
     assert launches[2]["steps_lost"] == step - 7
     assert events[-1]["event"] == "end" and events[-1]["step"] == 9, events[-1]
-    summary = [line for line in output.splitlines() if line.startswith("[zaya] events (ck/events.jsonl): ")]
-    assert summary and summary[-1].startswith("[zaya] events (ck/events.jsonl): 3 launches, 3 restarts, 1 hangs, "), \
-        summary
+    summary = [line for line in output.splitlines() if line.startswith("[zaya] event ledger ck/events.jsonl: ")]
+    assert summary[-1].startswith("[zaya] event ledger ck/events.jsonl: launches 3, restarts 3, hangs 1, crashes 2, "
+                                  "skipped steps 0, damaged checkpoints skipped 0, nodes excluded 1; "), summary
 
 
 def _seconds(event: dict) -> float:

@@ -57,8 +57,8 @@ def test_a_launch_after_a_clean_end_is_a_start_and_after_a_failure_a_restart():
 
 
 def test_a_crash_loop_counts_launches_not_ranks_and_restarts_the_count():
-    two_ranks = [_event("crash", 1, "a", step=7), _event("crash", 1, "a", step=7, rank=1)]
-    assert failing_step(two_ranks, 2) is None  # one launch, two lines
+    two_ranks = [_event("crash", 1, "a", step=7), _event("crash", 1, "a", step=8, rank=1)]
+    assert failing_step(two_ranks, 2) is None  # one launch, two lines: its first failure counts
     loop = two_ranks + [_event("hang", 9, "b", step=7, rank=1, cause="stuck")]
     assert failing_step(loop, 2)["cause"] == "stuck" and failing_step(loop, 3) is None
     assert failing_step(loop, 0) is None  # 0: never stop
@@ -74,6 +74,6 @@ def test_the_summary_counts_events_and_what_they_cost():
               _event("checkpoint_skipped", 71, "b", step=2, steps_lost=2),
               _event("restart", 90, "c", step=3, steps_lost=None, seconds_lost=None)]
     assert summary(events, "ck/events.jsonl") == (
-        "[zaya] events (ck/events.jsonl): 3 launches, 2 restarts, 1 hangs, 0 crashes, 0 skipped steps, "
-        "1 damaged checkpoints skipped, 0 nodes excluded; lost to faults: 3 steps and 42 s (and 1 restarts of "
-        "unknown cost)")
+        "[zaya] event ledger ck/events.jsonl: launches 3, restarts 2, hangs 1, crashes 0, skipped steps 0, "
+        "damaged checkpoints skipped 1, nodes excluded 0; lost to faults: steps 3, seconds 42, and restarts of "
+        "unknown cost 1")
