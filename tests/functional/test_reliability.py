@@ -91,12 +91,12 @@ def test_replica_drift_and_a_nan_on_one_rank_under_torchrun(tmp_path):
 
 
 def test_a_step_failing_in_every_launch_stops_the_run_or_is_skipped(tmp_path):
-    """Step 2 raises in every launch (``crash@2``) under zaya-torchrun --max-restarts 3 with --zaya-max-step-failures
-    2: two launches fail at step 2, the third stops before training with one line naming the step, the rank and the
-    error, exit 5, and the launcher leaves its last restart unused. --zaya-skip-failing-steps then skips step 2's
+    """Step 1 raises in every launch (``crash@1``) under zaya-torchrun --max-restarts 3 with --zaya-max-step-failures
+    2: two launches fail at step 1, the third stops before training with one line naming the step, the rank and the
+    error, exit 5, and the launcher leaves its last restart unused. --zaya-skip-failing-steps then skips step 1's
     batch (Megatron consumes it: 8 skipped samples) and trains on; the ledger records it."""
-    flags = QUICK + ["--train-iters", "4", "--save-interval", "1", "--save", "ck", "--zaya-max-step-failures", "2"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **with_faults("crash@2")}
+    flags = QUICK + ["--train-iters", "3", "--save-interval", "3", "--save", "ck", "--zaya-max-step-failures", "2"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **with_faults("crash@1")}
     env.pop("WORLD_SIZE", None)
     run = subprocess.run([sys.executable, "-m", "megatron_zaya.launch", "--standalone", "--nproc-per-node", "1",
                           "--max-restarts", "3", "-m", "megatron_zaya.pretrain", *flags],
@@ -104,24 +104,24 @@ def test_a_step_failing_in_every_launch_stops_the_run_or_is_skipped(tmp_path):
     assert run.returncode == 5, run.stderr[-3000:]
     ledger = tmp_path / "ck" / "events.jsonl"
     events = [json.loads(line) for line in ledger.read_text().splitlines()]
-    assert [(e["event"], e["step"]) for e in events] == [("start", 1), ("crash", 2), ("restart", 2), ("crash", 2)]
+    assert [(e["event"], e["step"]) for e in events] == [("start", 1), ("crash", 1), ("restart", 1), ("crash", 1)]
     error = _last_error(run.stderr)
-    assert error == (f"zaya-pretrain: error: step 2 failed in 2 launches in a row (--zaya-max-step-failures 2), last "
+    assert error == (f"zaya-pretrain: error: step 1 failed in 2 launches in a row (--zaya-max-step-failures 2), last "
                      f"on rank 0 ({events[-1]['node']}): RuntimeError: injected fault (ZAYA_FAULT_INJECT); stopping "
                      "instead of restarting (exit 5). Fix the cause and relaunch with a higher "
                      "--zaya-max-step-failures, or skip the step's batch with --zaya-skip-failing-steps "
                      "(ck/events.jsonl)"), error
-    assert run.stderr.count("zaya-pretrain: error: step 2 failed") == 1
+    assert run.stderr.count("zaya-pretrain: error: step 1 failed") == 1
     assert "zaya-torchrun: a worker stopped on a crash loop; not restarted: exit 5" in run.stderr
 
-    skipping = pretrain(flags + ["--zaya-skip-failing-steps"], cwd=tmp_path, extra_env=with_faults("crash@2"))
+    skipping = pretrain(flags + ["--zaya-skip-failing-steps"], cwd=tmp_path, extra_env=with_faults("crash@1"))
     assert skipping.returncode == 0, skipping.stderr[-3000:]
     consumed = re.findall(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \| skipped samples:\s+(\d+)",
                           skipping.stdout)
-    assert consumed == [("3", "24", "8"), ("4", "32", "8")], consumed
+    assert consumed == [("2", "16", "8"), ("3", "24", "8")], consumed
     events = [json.loads(line) for line in ledger.read_text().splitlines()][4:]
     assert [(e["event"], e["step"], e["steps_lost"]) for e in events] == [
-        ("skipped_step", 2, 1), ("restart", 3, 0), ("end", 4, 0)], events
+        ("skipped_step", 1, 1), ("restart", 2, 0), ("end", 3, 0)], events
 
 
 KILL_BEFORE_TRACKER = str(Path(__file__).parents[1] / "kill_before_tracker.py")
