@@ -143,24 +143,28 @@ zaya_excluded_nodes() {
   printf '%s\n' "$current" "${recorded[@]}" | sed '/^$/d' | LC_ALL=C sort -u | paste -sd, -
 }
 
-# zaya_requeue_after_failure STATUS LEDGER: after a training step that failed on its own with exit STATUS
+# zaya_requeue_after_failure STATUS SAVE: after a training step that failed on its own with exit STATUS
 # (zaya-torchrun has spent its in-job restarts, or a node failed its self-test: exit 6), requeue the job
-# without the nodes LEDGER records as excluded, at most MAX_REQUEUES times (default 3; counted in
-# $RUN_DIR/logs/failure-requeues, pre-emptions aside). A crash loop (exit 5: the same step failed
-# --zaya-max-step-failures times) is not requeued: it needs a person. Exits.
+# without the nodes that the event ledger SAVE/events.jsonl records as excluded, at most MAX_REQUEUES
+# times (default 3) in a row without a new checkpoint in SAVE (counted in $RUN_DIR/logs/failure-requeues).
+# A crash loop (exit 5: the same step failed --zaya-max-step-failures times) is not requeued: it needs a
+# person. Exits.
 zaya_requeue_after_failure() {
-  local status=$1 ledger=$2 count=0 nodes count_file=$RUN_DIR/logs/failure-requeues
-  [[ ! -f $count_file ]] || count=$(<"$count_file")
+  local status=$1 save=$2 count=0 at="" latest="" nodes count_file=$RUN_DIR/logs/failure-requeues
+  local ledger=$save/events.jsonl
+  [[ ! -f $save/latest_checkpointed_iteration.txt ]] || latest=$(<"$save/latest_checkpointed_iteration.txt")
+  [[ ! -f $count_file ]] || read -r count at <"$count_file"
+  [[ $at == "$latest" ]] || count=0 # the run progressed since the last requeue on failure
   if ((status == 5)); then
     echo "$(date -Is) the training step stopped on a crash loop (exit 5, see $ledger): not requeued" >&2
     exit "$status"
   fi
   if ((count >= ${MAX_REQUEUES:-3})); then
-    echo "$(date -Is) the training step failed (exit $status) after $count requeues on failure" \
-      "(MAX_REQUEUES=${MAX_REQUEUES:-3}): not requeued" >&2
+    echo "$(date -Is) the training step failed (exit $status) after $count requeues on failure without a" \
+      "new checkpoint (MAX_REQUEUES=${MAX_REQUEUES:-3}): not requeued" >&2
     exit "$status"
   fi
-  echo $((count + 1)) >"$count_file"
+  echo "$((count + 1)) $latest" >"$count_file"
   nodes=$(zaya_excluded_nodes "$ledger")
   if [[ -n $nodes ]]; then
     echo "$(date -Is) excluding nodes $nodes (failed their self-test, see $ledger)" >&2
@@ -245,5 +249,5 @@ zaya_launch_training() {
   local status=0
   zaya_run_requeueable "${ZAYA_SRUN[@]}" bash "$ZAYA_REPO/examples/slurm/node_launch.sh" \
     zaya-pretrain "$@" || status=$?
-  ((status == 0)) || zaya_requeue_after_failure "$status" "$save/events.jsonl"
+  ((status == 0)) || zaya_requeue_after_failure "$status" "$save"
 }

@@ -120,8 +120,8 @@ def failing_step(events: list[dict], limit: int) -> dict | None:
     for event in events:
         if event["event"] == "skipped_step":
             firsts.append(event)
-        elif event["event"] in ("hang", "crash") and event.get("step") is not None and event["launch"] not in seen:
-            seen.add(event["launch"])
+        elif event["event"] in ("hang", "crash") and event.get("step") is not None and event.get("launch") not in seen:
+            seen.add(event.get("launch"))
             firsts.append(event)
     if not limit or not firsts or firsts[-1]["event"] == "skipped_step":
         return None

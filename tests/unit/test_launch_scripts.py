@@ -274,7 +274,8 @@ def _record_excluded_node(run_dir: Path, node: str) -> None:
 
 def test_pretrain_sbatch_requeues_a_failed_step_without_the_nodes_the_ledger_excludes(tmp_path):
     """A node failed its self-test (its zaya-torchrun exits 6) and the ledger names it: the job is requeued with it
-    added to the nodes it already excludes; once MAX_REQUEUES requeues on failure are spent, the failure ends it."""
+    added to the nodes it already excludes; once MAX_REQUEUES requeues on failure without a new checkpoint are
+    spent, the failure ends it; a new checkpoint starts the count again."""
     env, run_dir, _, _ = pretrain_job(tmp_path, "h200", FAKE_TORCHRUN_FAIL_NODE="1", FAKE_TORCHRUN_FAIL_CODE="6",
                                       CONTAINER_RUNTIME="none", FAKE_SLURM_EXCLUDED="gpu-c07", MAX_REQUEUES="2")
     _record_excluded_node(run_dir, "gpu-a02")
@@ -284,13 +285,15 @@ def test_pretrain_sbatch_requeues_a_failed_step_without_the_nodes_the_ledger_exc
         assert f"requeueing job {JOB_ID} ({requeue} of 2 requeues on failure)" in proc.stderr
     calls = [c["argv"][1:] for c in records(tmp_path, "scontrol") if c["argv"][1] != "show"]
     assert calls == 2 * [["update", f"JobId={JOB_ID}", "ExcludeNodeList=gpu-a02,gpu-c07"], ["requeue", str(JOB_ID)]]
-    assert (run_dir / "logs/failure-requeues").read_text() == "2\n"
+    assert (run_dir / "logs/failure-requeues").read_text() == "2 100000\n"  # node 0 saved 100000 each time
     (srun, _) = records(tmp_path, "srun")
     assert not any(option.startswith("container") for option in srun["options"])
 
     proc = run(SLURM / "pretrain_zaya1_8b.sbatch", env, tmp_path)
-    assert proc.returncode == 6 and "after 2 requeues on failure (MAX_REQUEUES=2): not requeued" in proc.stderr
+    assert proc.returncode == 6 and "after 2 requeues on failure without a new checkpoint" in proc.stderr
     assert len([c for c in records(tmp_path, "scontrol") if c["argv"][1] == "requeue"]) == 2
+    proc = run(SLURM / "pretrain_zaya1_8b.sbatch", env | {"TRAIN_ITERS": "100010"}, tmp_path)  # a new checkpoint
+    assert proc.returncode == 0 and "(1 of 2 requeues on failure)" in proc.stderr, proc.stderr
 
 
 def test_pretrain_sbatch_leaves_a_crash_loop_to_a_person(tmp_path):
