@@ -29,3 +29,11 @@ class PatchError(RuntimeError):
 
 class TrainingFault(RuntimeError):
     """The run stopped on a fault; the message names it, the last good checkpoint and what to do."""
+
+
+class CrashLoop(TrainingFault):
+    """The same step failed in ``--zaya-max-step-failures`` launches in a row: the run stops instead of restarting."""
+
+
+class UnhealthyNode(TrainingFault):
+    """This node failed its self-test before training: the run stops for the node to be left out."""

@@ -7,17 +7,36 @@ On SIGTERM or SIGINT it passes the signal to the workers and exits 0 when every 
 saved its checkpoint); torchrun exits 1 then. Any other outcome is torchrun's: a worker that fails, or one
 still running at the end of ``--shutdown-timeout``, makes it exit 1. The patch ``launch.clean_stop_exits_0``
 (megatron_zaya/patches/launch.py) says how.
+
+A worker that stops on purpose is not restarted (``launch.no_restart_after_a_stop``), and zaya-torchrun exits with
+its code: 5 for a crash loop (``--zaya-max-step-failures``), 6 for a node that failed its self-test.
 """
 
+import sys
+
 from .patches.registry import apply_patches, resolve
+from .training.health import UNHEALTHY_NODE_EXIT_CODE
+from .training.ledger import CRASH_LOOP_EXIT_CODE
+
+STOP_CODES = (CRASH_LOOP_EXIT_CODE, UNHEALTHY_NODE_EXIT_CODE)
 
 
 def main() -> None:
     selected, _ = resolve(None)  # ZAYA_PATCHES, as the workers read it, can leave the launch group out
     apply_patches(",".join(p.id for p in selected if p.group == "launch") or "none")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    torchrun()
+    try:
+        torchrun()
+    except ChildFailedError as failed:
+        codes = [f.exitcode for f in failed.failures.values() if f.exitcode in STOP_CODES]
+        if not codes:
+            raise
+        reason = "a crash loop" if codes[0] == CRASH_LOOP_EXIT_CODE else "a node that failed its self-test"
+        print(f"zaya-torchrun: a worker stopped on {reason}; not restarted: exit {codes[0]}", file=sys.stderr,
+              flush=True)
+        sys.exit(codes[0])
 
 
 if __name__ == "__main__":

@@ -34,21 +34,31 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     with one_line_for_missing_packages():  # what the command imports: Megatron's training stack
-        from .errors import TrainingFault, UsageError
+        from .errors import CrashLoop, TrainingFault, UnhealthyNode, UsageError
+        from .training import ledger
         from .training.arguments import early_flags
         from .training.command import run
+        from .training.health import UNHEALTHY_NODE_EXIT_CODE
         from .training.reliability import FAULT_EXIT_CODE
     if early_flags(argv).zaya_memory_plan is None:  # a memory plan is for the world size it names
         _relaunch_on_all_gpus(argv)
+    first_rank = os.environ.get("RANK", "0") == "0"
     try:
         run(argv)
     except UsageError as error:
         print(f"zaya-pretrain: error: {error}", file=sys.stderr)
         return 2
+    except CrashLoop as error:  # every rank read the same ledger: one of them says it
+        if first_rank:
+            print(f"zaya-pretrain: error: {error}", file=sys.stderr, flush=True)
+        return ledger.CRASH_LOOP_EXIT_CODE
     except TrainingFault as error:  # on every rank: one write, so that ranks sharing a pipe do not interleave
         sys.stderr.write(f"zaya-pretrain: error: {error}\n")
         sys.stderr.flush()
-        return FAULT_EXIT_CODE
+        return UNHEALTHY_NODE_EXIT_CODE if isinstance(error, UnhealthyNode) else FAULT_EXIT_CODE
+    finally:
+        if first_rank and ledger.LEDGER.path and ledger.LEDGER.path.is_file():
+            print(ledger.summary(ledger.LEDGER.events(), ledger.LEDGER.path), flush=True)
     return 0
 
 

@@ -4,8 +4,8 @@
 # Reads the variables the scripts' headers explain: ZAYA_REPO (the checkout), ZAYA_PLATFORM, RUN_DIR,
 # CONTAINER_RUNTIME (pyxis | apptainer | none), CONTAINER_IMAGE, CONTAINER_MOUNTS, and for training
 # MODEL, SEQ_LENGTH, GLOBAL_BATCH, MICRO_BATCH, TRAIN_ITERS, OPTIMIZER, LR, MIN_LR, WARMUP_ITERS,
-# SAVE_INTERVAL, DATA_PATH, TOKENIZER, STAGE_ARGS, INIT_FROM, EXTRA_ARGS, MASTER_PORT. Sources the launch
-# presets.
+# SAVE_INTERVAL, WATCHDOG_SECONDS, MAX_RESTARTS, MAX_REQUEUES, DATA_PATH, TOKENIZER, STAGE_ARGS, INIT_FROM,
+# EXTRA_ARGS, MASTER_PORT. Sources the launch presets.
 
 # shellcheck source-path=SCRIPTDIR source=../launch/presets.sh
 source "$ZAYA_REPO/examples/launch/presets.sh"
@@ -130,6 +130,56 @@ _zaya_stop_and_requeue() {
   exit 0
 }
 
+# zaya_excluded_nodes LEDGER: the nodes that the event ledger LEDGER (<save>/events.jsonl) records as
+# excluded (their self-test failed), with the nodes the job already excludes, comma-separated.
+zaya_excluded_nodes() {
+  local recorded=() current
+  if [[ -f $1 ]]; then
+    mapfile -t recorded < <(grep '"event": "node_excluded"' "$1" | sed -n 's/.*"node": "\([^"]*\)".*/\1/p' || true)
+  fi
+  current=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -o 'ExcNodeList=[^ ]*' || true)
+  current=${current#ExcNodeList=}
+  [[ $current != "(null)" ]] || current=
+  printf '%s\n' "$current" "${recorded[@]}" | sed '/^$/d' | LC_ALL=C sort -u | paste -sd, -
+}
+
+# zaya_requeue_after_failure STATUS SAVE: after a training step that failed on its own with exit STATUS
+# (zaya-torchrun has spent its in-job restarts, or a node failed its self-test: exit 6), requeue the job
+# without the nodes that the event ledger SAVE/events.jsonl records as excluded, at most MAX_REQUEUES
+# times (default 3) in a row without a new checkpoint in SAVE (counted in $RUN_DIR/logs/failure-requeues).
+# A crash loop (exit 5: the same step failed --zaya-max-step-failures times) is not requeued: it needs a
+# person. Exits.
+zaya_requeue_after_failure() {
+  local status=$1 save=$2 count=0 at="" latest="" nodes count_file=$RUN_DIR/logs/failure-requeues
+  local ledger=$save/events.jsonl
+  [[ ! -f $save/latest_checkpointed_iteration.txt ]] || latest=$(<"$save/latest_checkpointed_iteration.txt")
+  [[ ! -f $count_file ]] || read -r count at <"$count_file"
+  [[ $at == "$latest" ]] || count=0 # the run progressed since the last requeue on failure
+  if ((status == 5)); then
+    echo "$(date -Is) the training step stopped on a crash loop (exit 5, see $ledger): not requeued" >&2
+    exit "$status"
+  fi
+  if ((count >= ${MAX_REQUEUES:-3})); then
+    echo "$(date -Is) the training step failed (exit $status) after $count requeues on failure without a" \
+      "new checkpoint (MAX_REQUEUES=${MAX_REQUEUES:-3}): not requeued" >&2
+    exit "$status"
+  fi
+  echo "$((count + 1)) $latest" >"$count_file"
+  nodes=$(zaya_excluded_nodes "$ledger")
+  if [[ -n $nodes ]]; then
+    echo "$(date -Is) excluding nodes $nodes (failed their self-test, see $ledger)" >&2
+    scontrol update JobId="$SLURM_JOB_ID" ExcludeNodeList="$nodes" ||
+      echo "warning: scontrol update ExcludeNodeList failed; the requeued job may get the same nodes" >&2
+  fi
+  echo "$(date -Is) the training step failed (exit $status): requeueing job $SLURM_JOB_ID" \
+    "($((count + 1)) of ${MAX_REQUEUES:-3} requeues on failure); it resumes from the latest checkpoint" >&2
+  if ! scontrol requeue "$SLURM_JOB_ID"; then
+    echo "warning: scontrol requeue failed; resubmit this job" >&2
+    exit "$status"
+  fi
+  exit 0
+}
+
 # zaya_train_args: set the array ZAYA_TRAIN_ARGS to the zaya-pretrain flags shared by the training
 # jobs (everything but --load), from the variables above; checkpoints go to $RUN_DIR/checkpoints.
 # Also sets ZAYA_DATA_PREFIXES, the --data-path words.
@@ -164,6 +214,7 @@ zaya_train_args() {
     --ckpt-format torch_dist
     --save-interval "$SAVE_INTERVAL"
     --exit-signal-handler
+    --zaya-watchdog-seconds "${WATCHDOG_SECONDS:-300}"
     --log-interval 10
     --log-throughput
     --tensorboard-dir "$RUN_DIR/tensorboard"
@@ -187,11 +238,16 @@ zaya_load_dir() {
 }
 
 # zaya_launch_training "PATH..." ZAYA_PRETRAIN_ARGS...: run zaya-pretrain on every node of the job
-# (torchrun through node_launch.sh, one task per node) with requeue on pre-emption or time limit.
+# (torchrun through node_launch.sh, one task per node, MAX_RESTARTS in-job restarts) with requeue on
+# pre-emption or time limit, and on failure (zaya_requeue_after_failure).
 # PATHs are host paths the container must see besides ZAYA_REPO and RUN_DIR.
 zaya_launch_training() {
-  local mount_paths=$1
+  local mount_paths=$1 save="" arg previous=""
   shift
+  for arg in "$@"; do
+    [[ $previous != --save ]] || save=$arg
+    previous=$arg
+  done
   MASTER_ADDR=$(zaya_master_addr)
   MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}
   export MASTER_ADDR MASTER_PORT
@@ -203,6 +259,8 @@ zaya_launch_training() {
     --output="$logs/train-%j-restart$restart-node%n.log"
   echo "$(date -Is) job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES nodes x $GPUS_PER_NODE GPUs," \
     "rendezvous $MASTER_ADDR:$MASTER_PORT, restart $restart, logs in $logs"
+  local status=0
   zaya_run_requeueable "${ZAYA_SRUN[@]}" bash "$ZAYA_REPO/examples/slurm/node_launch.sh" \
-    zaya-pretrain "$@"
+    zaya-pretrain "$@" || status=$?
+  ((status == 0)) || zaya_requeue_after_failure "$status" "$save"
 }

@@ -5,7 +5,8 @@
 #   srun --ntasks-per-node=1 ... examples/slurm/node_launch.sh zaya-pretrain --zaya-preset zaya1-8b ...
 #
 # Started once per node by the sbatch scripts in this folder (inside the container when there is
-# one). Runs `zaya-torchrun --no-python COMMAND ARGS...` with GPUS_PER_NODE processes.
+# one). Runs `zaya-torchrun --no-python COMMAND ARGS...` with GPUS_PER_NODE processes, restarting
+# them up to MAX_RESTARTS times (default 3) after a failure or a hang (--zaya-watchdog-seconds).
 # Reads:
 #   ZAYA_PLATFORM            platform presets (examples/launch/presets.sh)
 #   MASTER_ADDR, MASTER_PORT rendezvous host and port (exported by the batch script)
@@ -29,4 +30,5 @@ if [[ $node_rank == 0 ]]; then
 fi
 
 exec zaya-torchrun --nnodes="$nnodes" --nproc-per-node="$GPUS_PER_NODE" --node-rank="$node_rank" \
-  --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" --no-python "$@"
+  --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" --max-restarts="${MAX_RESTARTS:-3}" \
+  --no-python "$@"

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, UsageError
+from ..training.ledger import LEDGER
 from .format import TRACKER, file_crcs, read_tracker, recorded_files, step_name
 
 
@@ -137,6 +138,7 @@ def newest_intact_checkpoint(load_dir: str) -> str:
             if damaged and _rank_and_size()[0] == 0:
                 print(f"zaya-pretrain: warning: {'; '.join(damaged)}: damaged; loading the newest intact "
                       f"checkpoint, {path} (iteration {candidate})", file=sys.stderr, flush=True)
+                LEDGER.checkpoint_skipped(damaged, candidates[0], candidate)
             return candidate
         more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
         damaged.append(f"{path} ({problems[0]}{more})")

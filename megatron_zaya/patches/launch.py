@@ -39,3 +39,63 @@ def clean_stop_exits_0():
             return RunResult(state=WorkerState.SUCCEEDED)
 
     replace_attr(SimpleElasticAgent, "run", run_clean_stop_exits_0)
+
+
+@register("launch.no_restart_after_a_stop",
+          target="torch.distributed.elastic.agent.server.local_elastic_agent.LocalElasticAgent._monitor_workers")
+def no_restart_after_a_stop():
+    """The launcher does not restart a group in which a worker stopped on purpose: a crash loop (exit 5) or a node
+    that failed its self-test (exit 6).
+
+    torch's elastic agent restarts the group on any worker failure until ``--max-restarts`` is spent. A run stopped
+    by ``--zaya-max-step-failures`` would stop again at each restart, and a node that failed its self-test fails
+    it again: the restarts only cost start-ups, and hide the code from the scheduler. Patched, the agent's
+    ``_monitor_workers`` leaves no restarts when a failed worker exited with one of these codes, so the agent stops
+    the group, and ``zaya-torchrun`` exits with that code (``megatron_zaya/launch.py``) for the Slurm scripts to
+    tell a crash loop (no requeue) from a bad node (requeue without it). ``zaya-torchrun`` applies it in its own
+    process. Off: launch with plain ``torchrun``, or leave ``launch`` out of ``ZAYA_PATCHES``.
+    """
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from megatron_zaya.launch import STOP_CODES
+
+    monitor = LocalElasticAgent._monitor_workers
+
+    @functools.wraps(monitor)
+    def monitor_workers(self, worker_group):
+        result = monitor(self, worker_group)
+        if result.state == WorkerState.FAILED and any(f.exitcode in STOP_CODES for f in result.failures.values()):
+            self._remaining_restarts = 0
+        return result
+
+    replace_attr(LocalElasticAgent, "_monitor_workers", monitor_workers)
+
+
+@register("launch.store_per_restart", target="torch.distributed.rendezvous._create_c10d_store")
+def store_per_restart():
+    """Each restart of a torchrun group keys its process group's rendezvous apart from the launches before it.
+
+    Under torchrun the workers' ``init_process_group`` (``env://``) connects to the elastic agent's TCP store
+    (``TORCHELASTIC_USE_AGENT_STORE``), which outlives a restart with every key the failed launch wrote: a restarted
+    rank then reads a peer's address or communicator id of the launch before (gloo: "connectFullMesh failed ...
+    Connection refused") instead of waiting for the new one. Patched, ``_create_c10d_store`` hands the workers of
+    restart N a ``PrefixStore("restart_N/", store)``; the first launch keeps the bare store. It applies in the
+    trainers (zaya-pretrain), where the process group is created. Off: leave ``launch`` out of ``--zaya-patches`` /
+    ``ZAYA_PATCHES``.
+    """
+    import importlib
+    import os
+
+    from torch.distributed import PrefixStore
+
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")  # the package's name is a function
+    create = rendezvous._create_c10d_store
+
+    @functools.wraps(create)
+    def create_c10d_store(*args, **kwargs):
+        store = create(*args, **kwargs)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return store if restart == "0" else PrefixStore(f"restart_{restart}/", store)
+
+    replace_attr(rendezvous, "_create_c10d_store", create_c10d_store)

@@ -109,6 +109,14 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Python's garbage collector runs between steps, every this many steps (Megatron's --manual-gc "
                         "--manual-gc-interval), over what the steps created: set-up's objects are frozen; 0: "
                         "Python's automatic collector, which may pause any step")
+    g.add_argument("--zaya-max-step-failures", type=int, default=3,
+                   help="stop, at the next launch, a run whose same step failed (a crash or a hang) in this many "
+                        "launches in a row, as recorded in <save>/events.jsonl (exit 5); 0: never stop")
+    g.add_argument("--zaya-skip-failing-steps", action="store_true",
+                   help="instead of stopping, skip the batch of a step that failed --zaya-max-step-failures times "
+                        "(recorded in <save>/events.jsonl)")
+    g.add_argument("--zaya-no-self-test", action="store_true",
+                   help="skip the node self-test before training (a GEMM, a memory write and read, ECC counters)")
     g.add_argument("--zaya-allow-tokenizer-change", action="store_true",
                    help="load a checkpoint trained with another tokenizer (each token id keeps its embedding)")
     g.add_argument("--zaya-allow-rotary-base-change", action="store_true",
@@ -246,6 +254,12 @@ def _check_flag_combinations(args) -> None:
     if args.zaya_watchdog_seconds < 0:
         raise UsageError(f"--zaya-watchdog-seconds {args.zaya_watchdog_seconds:g} is negative; give the seconds "
                          "without progress that make a hang, or 0 to turn the watchdog off")
+    if args.zaya_max_step_failures < 0:
+        raise UsageError(f"--zaya-max-step-failures {args.zaya_max_step_failures} is negative; give the launches in a "
+                         "row a step may fail before the run stops, or 0 to never stop")
+    if args.zaya_skip_failing_steps and not (args.save and args.zaya_max_step_failures):
+        raise UsageError("--zaya-skip-failing-steps needs --save (its events.jsonl records the failures) and "
+                         "--zaya-max-step-failures above 0; add them or drop --zaya-skip-failing-steps")
     if args.data_path and args.tokenizer_type is None:
         raise UsageError("--data-path needs the tokenizer the data was built with: add --tokenizer-type "
                          "HuggingFaceTokenizer --tokenizer-model <the directory or name given to zaya-preprocess>")

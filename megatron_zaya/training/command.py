@@ -18,21 +18,22 @@ from megatron.training.arguments import parse_and_validate_args, parse_args
 from megatron.training.global_vars import get_tokenizer
 
 from ..checkpoint import resume, save_lock
-from ..checkpoint.format import describe_latest_checkpoint
+from ..checkpoint.format import describe_latest_checkpoint, read_tracker
 from ..checkpoint.save_failures import check_save_dir
 from ..checkpoint.tiers import ASYNC_FLAGS
 from ..config import PRESETS, preset
 from ..data import embedded_tokenizer_dir
 from ..data.preprocess import embedded_dataset_prefix
-from ..errors import PatchError, UsageError
+from ..errors import CrashLoop, PatchError, UsageError
 from ..memory_plan import report as memory_plan_report
 from ..patches import apply_patches
 from ..patches.registry import check_selection as check_patch_selection
 from ..runtime import (START_LOG, end_data_workers_at_exit, end_helpers_with_this_process, free_master_port,
                        write_start_log)
-from . import reliability
+from . import health, reliability
 from .arguments import (ZAYA_FLAGS, add_zaya_args, check_args, check_data, early_flags, memory_plan_inputs,
                         preset_flags, zaya_pretrain_parser)
+from .ledger import CRASH_LOOP_EXIT_CODE, LEDGER, LEDGER_FILE, failing_step, last_error_line
 from .loss_curve import LOSS_CURVE, curve_group, writes_curve
 from .steps import forward_step, model_provider, train_valid_test_datasets_provider
 
@@ -230,6 +231,13 @@ def run(argv: list[str]) -> None:
             line = resume.remove_checkpoints(args.save) if args.zaya_overwrite_save else resuming
             if line:
                 print(line, flush=True)
+            if args.zaya_overwrite_save:  # a fresh run: the failures of the old one are not its own
+                (Path(args.save) / LEDGER_FILE).unlink(missing_ok=True)
+    LEDGER.open(args.save)
+    if not args.zaya_no_self_test:
+        health.check_this_node()
+    if not args.zaya_overwrite_save:
+        _guard_against_crash_loops(args)
     write_start_log(args.save, sum(state == "applied" for state in patches.values()), len(patches))
     if reliability.saves_on_sigterm(args.save, args.zaya_sigterm_deadline):
         reliability.arm_sigterm_deadline(args.zaya_sigterm_deadline, args.save)
@@ -242,8 +250,50 @@ def run(argv: list[str]) -> None:
     except SystemExit as stop:  # --exit-interval, --exit-duration-in-mins, SIGTERM: the curve so far is kept too
         if stop.code in (None, 0):
             _finish(args, user_argv, plot, stopped_early=True)
+            _record_end(args, "stopped early (--exit-interval, --exit-duration-in-mins or a saved pre-emption)")
+        else:
+            _record_crash(args, f"exit {stop.code}")
+        raise
+    except UsageError:  # bad input found on the way (no intact checkpoint, one that does not fit): no fault
+        raise
+    except BaseException as error:
+        _record_crash(args, last_error_line(error))
         raise
     _finish(args, user_argv, plot)
+    _record_end(args, "finished")
+
+
+def _step(args) -> int | None:
+    """The step in progress (1-based), None before the first."""
+    return args.curr_iteration + 1 if hasattr(args, "curr_iteration") else None
+
+
+def _record_crash(args, cause: str) -> None:
+    LEDGER.failure("crash", _step(args), cause, read_tracker(args.save) if args.save else None)
+
+
+def _record_end(args, cause: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        LEDGER.record("end", _step(args), cause)
+
+
+def _guard_against_crash_loops(args) -> None:
+    """Before training, on every rank: a step that failed in ``--zaya-max-step-failures`` launches in a row stops
+    the run (:class:`CrashLoop`), or with ``--zaya-skip-failing-steps`` joins ``--iterations-to-skip`` (Megatron
+    then consumes its batch without training on it), as do the steps skipped by earlier launches."""
+    events = LEDGER.events()
+    failing = failing_step(events, args.zaya_max_step_failures)
+    if failing and not args.zaya_skip_failing_steps:
+        raise CrashLoop(f"step {failing['step']} failed in {args.zaya_max_step_failures} launches in a row "
+                        f"(--zaya-max-step-failures {args.zaya_max_step_failures}), last on rank {failing['rank']} "
+                        f"({failing['node']}): {failing['cause']}; stopping instead of restarting (exit "
+                        f"{CRASH_LOOP_EXIT_CODE}). Fix the cause and relaunch with a higher --zaya-max-step-failures, "
+                        f"or skip the step's batch with --zaya-skip-failing-steps ({LEDGER.path})")
+    if failing and int(os.environ.get("RANK", "0")) == 0:
+        LEDGER.record("skipped_step", failing["step"], f"failed in {args.zaya_max_step_failures} launches in a "
+                      f"row, last: {failing['cause']}; its batch is skipped (--zaya-skip-failing-steps)", steps_lost=1)
+    skipped = {e["step"] for e in events if e["event"] == "skipped_step"} | ({failing["step"]} if failing else set())
+    args.iterations_to_skip = sorted(set(args.iterations_to_skip or []) | skipped)
 
 
 # Flags of a finished run that its continuation replaces (the number of values each takes).

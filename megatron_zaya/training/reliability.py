@@ -12,7 +12,7 @@ What happens on each fault, how the tests inject it, and the flags, are in ``doc
   data-parallel replicas.
 * :func:`arm_sigterm_deadline` bounds the time between SIGTERM and the exit.
 * The progress watchdog (``--zaya-watchdog-seconds``, ``watchdog.py``) hears the guard's beats: each micro-batch's
-  forward and each optimizer step.
+  forward and each optimizer step. A launch's first step and a hang go into the event ledger (``ledger.py``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import threading
 
 import torch
 
-from ..checkpoint.format import describe_latest_checkpoint
+from ..checkpoint.format import describe_latest_checkpoint, read_tracker
 from ..errors import TrainingFault
+from .ledger import LEDGER
 from .watchdog import WATCHDOG
 
 FAULT_EXIT_CODE = 3
@@ -64,6 +65,7 @@ class StepGuard:
         self._balancing_snapshot: list[torch.Tensor] = []
         self._step_iteration = None
         self._loss = torch.zeros(2, dtype=torch.float64)  # summed loss, tokens of this step on this rank
+        self.at_first_step = lambda: None  # called once, in the main thread (arm_sigterm_deadline)
 
     # ------------------------------------------------------------------------------------------ setup
     def install(self, optimizer, model_chunks, args) -> None:
@@ -80,7 +82,12 @@ class StepGuard:
             router.balancing_biases, router.balancing_exp_avg, router.balancing_exp_avg_sq, router.balancing_step)]
         prepare_grads, get_grad_norm = optimizer.prepare_grads, optimizer.get_grad_norm
         cached_norm = []
-        WATCHDOG.arm(args.zaya_watchdog_seconds, describe=lambda: f" in iteration {_iteration()}")
+
+        def record_hang(silent: float, cause: str) -> None:
+            saved = read_tracker(args.save) if args.save else None
+            LEDGER.failure("hang", _iteration(), cause, saved, seconds=silent)
+
+        WATCHDOG.arm(args.zaya_watchdog_seconds, describe=lambda: f" in iteration {_iteration()}", on_hang=record_hang)
 
         @functools.wraps(prepare_grads)
         def guarded_prepare_grads() -> bool:
@@ -109,6 +116,9 @@ class StepGuard:
         def watched_forward_step(data_iterator, model, *args, **kwargs):
             WATCHDOG.beat()
             if torch.is_grad_enabled() and _iteration() != self._step_iteration:  # not evaluation; every stage
+                if self._step_iteration is None:
+                    self.at_first_step()
+                    LEDGER.first_step(_iteration())
                 self._start_step(_iteration())
             output, loss_func = forward_step(data_iterator, model, *args, **kwargs)
             return output, functools.partial(self._record_loss, loss_func)
@@ -238,7 +248,13 @@ def arm_sigterm_deadline(seconds: float, save_dir: str | None, exit=os._exit) ->
     """After SIGTERM (Megatron's ``--exit-signal-handler`` saves at the end of the current step and exits 0),
     give the save ``seconds``; past them print why and exit with :data:`FAULT_EXIT_CODE`, before the
     scheduler's SIGKILL. The ``latest`` marker is replaced atomically, so the last complete checkpoint stays.
-    SIGINT (Ctrl-C) does the same, instead of a KeyboardInterrupt that would lose the steps since the last save."""
+    SIGINT (Ctrl-C) does the same, instead of a KeyboardInterrupt that would lose the steps since the last save.
+
+    Until the first training step SIGTERM keeps its default action, which ends the process at once: there is
+    nothing new to save yet, and a start-up waiting in C (for a peer that failed its self-test, in the store or a
+    collective) would run no Python handler. :data:`GUARD` installs the handler at the first step. SIGINT's is
+    installed at once: the data-loader workers forked before the first step inherit it (Megatron gives them a
+    SIGTERM handler of their own), and a terminal's Ctrl-C reaches them too."""
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_signal(signum, frame):
@@ -251,9 +267,13 @@ def arm_sigterm_deadline(seconds: float, save_dir: str | None, exit=os._exit) ->
 
         timer = threading.Timer(seconds, expire)
         timer.daemon = True
-        timer.start()
+        try:
+            timer.start()
+        except RuntimeError:  # no new thread while the interpreter exits: it is ending already
+            return
         if callable(previous):
             previous(signal.SIGTERM, frame)  # Megatron's handler: save at the end of the step
 
-    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, on_signal)
+    GUARD.at_first_step = lambda: signal.signal(signal.SIGTERM, on_signal)

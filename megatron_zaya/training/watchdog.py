@@ -41,12 +41,14 @@ class ProgressWatchdog:
         self._beaten = self._stepped = False
         self._pauses = 0
         self._describe = lambda: ""
+        self._on_hang = lambda silent, cause: None
 
-    def arm(self, seconds: float, describe=lambda: "") -> None:
-        """Watch from now on; ``describe()`` names where the run is (e.g. the iteration) in the hang's line."""
+    def arm(self, seconds: float, describe=lambda: "", on_hang=lambda silent, cause: None) -> None:
+        """Watch from now on; ``describe()`` names where the run is (e.g. the iteration) in the hang's line, and
+        ``on_hang(seconds without progress, cause)`` records a hang before the exit."""
         if seconds <= 0 or self.seconds > 0:
             return
-        self.seconds, self._describe, self._last = seconds, describe, self._clock()
+        self.seconds, self._describe, self._on_hang, self._last = seconds, describe, on_hang, self._clock()
         threading.Thread(target=self._watch, name="zaya-watchdog", daemon=True).start()
 
     def beat(self, step_done: bool = False) -> None:
@@ -93,6 +95,7 @@ class ProgressWatchdog:
               f"{allowance:.0f} s, --zaya-watchdog-seconds {self.seconds:g}): a hang; every thread's stack "
               f"follows; exiting with code {HANG_EXIT_CODE} so that torchrun --max-restarts restarts the group "
               "from the newest intact checkpoint", file=stream, flush=True)
+        self._on_hang(silent, f"no progress for {silent:.0f} s (allowed: {allowance:.0f} s)")
         faulthandler.dump_traceback(file=stream, all_threads=True)
         stream.flush()
         self._exit(HANG_EXIT_CODE)

@@ -9,7 +9,11 @@ imported, its :class:`StepGuard` is wrapped so that the given (1-based) iteratio
 * ``loss_spike``: the losses of that iteration are multiplied by 10;
 * ``nan_grad`` / ``inf_grad``: one gradient element becomes NaN / +Inf after the gradient all-reduce;
 * ``drift``: one weight of this rank changes by +1 (data-parallel replicas disagree from then on);
-* ``hang``: the forward of that iteration never returns, in a launch that torchrun has not restarted yet.
+* ``hang``: the forward of that iteration never returns, in a launch that torchrun has not restarted yet;
+* ``crash``: the forward of that iteration raises, in every launch (a crash loop);
+* ``first_crash``: the same, in a launch that torchrun has not restarted yet.
+
+``bad_gemm@0[@rank]`` breaks the node self-test before training instead: its GEMM returns one wrong element.
 
 ``slow_write@iteration`` instead delays the background writer (``--async-save``): its write of that checkpoint
 starts :data:`SLOW_WRITE_SECONDS` late, so that the steps after it reach the next save while it is in flight.
@@ -25,8 +29,9 @@ import os
 import sys
 
 ENV_VAR = "ZAYA_FAULT_INJECT"
-STEP_KINDS = ("nan_loss", "inf_loss", "loss_spike", "nan_grad", "inf_grad", "drift", "hang")
+STEP_KINDS = ("nan_loss", "inf_loss", "loss_spike", "nan_grad", "inf_grad", "drift", "hang", "crash", "first_crash")
 WRITE_KINDS = ("slow_write",)
+NODE_KINDS = ("bad_gemm",)
 SLOW_WRITE_SECONDS = 5.0
 
 
@@ -36,9 +41,10 @@ def _plan() -> tuple[tuple[str, int, int | None], ...]:
     for item in (s.strip() for s in os.environ.get(ENV_VAR, "").split(",") if s.strip()):
         kind, _, rest = item.partition("@")
         iteration, _, rank = rest.partition("@")
-        if kind not in STEP_KINDS + WRITE_KINDS or not iteration.isdigit() or (rank and not rank.isdigit()):
+        kinds = STEP_KINDS + WRITE_KINDS + NODE_KINDS
+        if kind not in kinds or not iteration.isdigit() or (rank and not rank.isdigit()):
             raise ValueError(f"{ENV_VAR}: bad entry {item!r}; use kind@iteration[@rank], kind one of "
-                             f"{', '.join(STEP_KINDS + WRITE_KINDS)}")
+                             f"{', '.join(kinds)}")
         faults.append((kind, int(iteration), int(rank) if rank else None))
     return tuple(faults)
 
@@ -95,10 +101,13 @@ def _wrap_step_guard(module) -> None:
     def watch_with_faults(self, forward_step):
         @functools.wraps(forward_step)
         def forward_step_with_faults(*args, **kwargs):
-            if _asked("hang") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            first_launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            if _asked("hang") and first_launch:
                 import time
 
                 time.sleep(24 * 3600)
+            if _asked("crash") or (_asked("first_crash") and first_launch):
+                raise RuntimeError(f"injected fault ({ENV_VAR})")
             output, loss_func = forward_step(*args, **kwargs)
             return output, functools.partial(_poisoned, loss_func)
 
@@ -126,6 +135,21 @@ def _wrap_writer(module) -> None:
     module.stage_write_record = slowed
 
 
+def _wrap_self_test(module) -> None:
+    """One wrong element in the self-test's GEMM on the ranks ``bad_gemm`` names."""
+    rank = int(os.environ.get("RANK", "0"))
+    if not any(kind == "bad_gemm" and r in (None, rank) for kind, _, r in _plan()):
+        return
+    gemm = module._device_gemm
+
+    def bad_gemm(a, b):
+        product = gemm(a, b)
+        product.view(-1)[0] += 1e3
+        return product
+
+    module._device_gemm = bad_gemm
+
+
 class _WrapOnImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: hands the ``target`` module's spec on with a loader that applies ``wrap`` to it once
     executed."""
@@ -150,5 +174,7 @@ class _WrapOnImport(importlib.abc.MetaPathFinder):
 
 if any(kind in STEP_KINDS for kind, _, _ in _plan()):
     sys.meta_path.insert(0, _WrapOnImport("megatron_zaya.training.reliability", _wrap_step_guard))
+if any(kind in NODE_KINDS for kind, _, _ in _plan()):
+    sys.meta_path.insert(0, _WrapOnImport("megatron_zaya.training.health", _wrap_self_test))
 if any(kind in WRITE_KINDS for kind, _, _ in _plan()):
     sys.meta_path.insert(0, _WrapOnImport("megatron_zaya.checkpoint.tiers", _wrap_writer))

@@ -131,6 +131,14 @@ def test_a_run_resumes_past_a_damaged_checkpoint_and_saves_a_verified_one(saved,
     assert (ckpt / TRACKER).read_text() == "4"
     assert newest_intact_checkpoint(str(ckpt)) == "4"
     assert {k: v for k, v in _hashes(ckpt).items() if k.startswith("iter_0000002")} == kept
+    # The event ledger: the damage found while the run was down, what it cost, and the resume past it.
+    events = [json.loads(line) for line in (ckpt / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["start", "end", "checkpoint_skipped", "start", "end"], events
+    skipped = events[2]
+    assert skipped["step"] == 2 and skipped["steps_lost"] == 2 and skipped["rank"] == 0, skipped
+    assert f"ck/iter_0000004 ({SHARD} differs from its checksum at save)" in skipped["cause"], skipped
+    assert events[3]["step"] == 3 and events[3]["cause"] == "resumed at step 3", events[3]
+    assert "damaged checkpoints skipped 1, nodes excluded 0; lost to faults: steps 2, seconds 0\n" in run.stdout
 
 
 def test_a_run_with_no_intact_checkpoint_exits_2_and_changes_nothing(saved, tmp_path):

@@ -6,6 +6,7 @@ trainer (tests/kill_before_tracker.py times one), and from damaged files on disk
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import resource
@@ -18,6 +19,8 @@ from pathlib import Path
 import pytest
 from zaya_cli import (KILLED_RUN, QUICK, assert_resumed_exactly, checkpoint_state, differing, loss_csv, losses,
                       pretrain, same_leaf, with_faults)
+
+from megatron_zaya.training.ledger import KILLED
 
 SKIPPED = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?number of skipped iterations:\s+(\d+)")
 
@@ -87,6 +90,40 @@ def test_replica_drift_and_a_nan_on_one_rank_under_torchrun(tmp_path):
     assert len(errors) >= max(1, list(codes.values()).count("3")), out[-3000:]  # every rank that exited on its own named it
 
 
+def test_a_step_failing_in_every_launch_stops_the_run_or_is_skipped(tmp_path):
+    """Step 1 raises in every launch (``crash@1``) under zaya-torchrun --max-restarts 3 with --zaya-max-step-failures
+    2: two launches fail at step 1, the third stops before training with one line naming the step, the rank and the
+    error, exit 5, and the launcher leaves its last restart unused. --zaya-skip-failing-steps then skips step 1's
+    batch (Megatron consumes it: 8 skipped samples) and trains on; the ledger records it."""
+    flags = QUICK + ["--train-iters", "3", "--save-interval", "3", "--save", "ck", "--zaya-max-step-failures", "2"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **with_faults("crash@1")}
+    env.pop("WORLD_SIZE", None)
+    run = subprocess.run([sys.executable, "-m", "megatron_zaya.launch", "--standalone", "--nproc-per-node", "1",
+                          "--max-restarts", "3", "-m", "megatron_zaya.pretrain", *flags],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 5, run.stderr[-3000:]
+    ledger = tmp_path / "ck" / "events.jsonl"
+    events = [json.loads(line) for line in ledger.read_text().splitlines()]
+    assert [(e["event"], e["step"]) for e in events] == [("start", 1), ("crash", 1), ("restart", 1), ("crash", 1)]
+    error = _last_error(run.stderr)
+    assert error == (f"zaya-pretrain: error: step 1 failed in 2 launches in a row (--zaya-max-step-failures 2), last "
+                     f"on rank 0 ({events[-1]['node']}): RuntimeError: injected fault (ZAYA_FAULT_INJECT); stopping "
+                     "instead of restarting (exit 5). Fix the cause and relaunch with a higher "
+                     "--zaya-max-step-failures, or skip the step's batch with --zaya-skip-failing-steps "
+                     "(ck/events.jsonl)"), error
+    assert run.stderr.count("zaya-pretrain: error: step 1 failed") == 1
+    assert "zaya-torchrun: a worker stopped on a crash loop; not restarted: exit 5" in run.stderr
+
+    skipping = pretrain(flags + ["--zaya-skip-failing-steps"], cwd=tmp_path, extra_env=with_faults("crash@1"))
+    assert skipping.returncode == 0, skipping.stderr[-3000:]
+    consumed = re.findall(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \| skipped samples:\s+(\d+)",
+                          skipping.stdout)
+    assert consumed == [("2", "16", "8"), ("3", "24", "8")], consumed
+    events = [json.loads(line) for line in ledger.read_text().splitlines()][4:]
+    assert [(e["event"], e["step"], e["steps_lost"]) for e in events] == [
+        ("skipped_step", 1, 1), ("restart", 2, 0), ("end", 3, 0)], events
+
+
 KILL_BEFORE_TRACKER = str(Path(__file__).parents[1] / "kill_before_tracker.py")
 
 
@@ -140,6 +177,10 @@ def test_sigkill_during_a_save_then_sigterm_with_a_deadline(tmp_path, uninterrup
     saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert saved == max(resumed) >= 8
     assert_resumed_exactly(loss_csv(ckpt / "loss.csv"), range(1, 9), first, resumed, uninterrupted)  # from checkpoint 3
+    # The killed launch wrote nothing more after its start; the next one tells that from a clean end.
+    events = [json.loads(line) for line in (ckpt / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["step"]) for e in events] == [("start", 1), ("restart", 4), ("end", saved)], events
+    assert events[1]["cause"] == KILLED and events[1]["steps_lost"] is None, events[1]
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.05, 0.3], ids=["at-start", "early", "late"])

@@ -169,7 +169,7 @@ def expected_train_args(run_dir: Path, data: list[str], tokenizer: Path, micro_b
         "--weight-decay", "0.1", "--clip-grad", "1.0", "--bf16", "--use-distributed-optimizer",
         "--data-path", *data, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tokenizer),
         "--save", f"{run_dir}/checkpoints", "--ckpt-format", "torch_dist", "--save-interval", "1000",
-        "--exit-signal-handler", "--log-interval", "10", "--log-throughput",
+        "--exit-signal-handler", "--zaya-watchdog-seconds", "300", "--log-interval", "10", "--log-throughput",
         "--tensorboard-dir", f"{run_dir}/tensorboard", "--eval-interval", "1000", "--eval-iters", "10",
     ]
 
@@ -177,7 +177,7 @@ def expected_train_args(run_dir: Path, data: list[str], tokenizer: Path, micro_b
 def torchrun_argv(node_rank: int, command_args: list[str]) -> list[str]:
     return [
         "--nnodes=2", "--nproc-per-node=8", f"--node-rank={node_rank}", f"--master-addr={HOSTS[0]}",
-        f"--master-port={MASTER_PORT}", "--no-python", "zaya-pretrain", *command_args,
+        f"--master-port={MASTER_PORT}", "--max-restarts=3", "--no-python", "zaya-pretrain", *command_args,
     ]
 
 
@@ -263,13 +263,45 @@ def test_pretrain_sbatch_checkpoints_then_requeues_on_signal(tmp_path, signum):
     assert apptainer_call["image"] == "/images/megatron-zaya.sqsh"
 
 
-def test_pretrain_sbatch_fails_without_requeue_when_a_node_fails(tmp_path):
-    env, _, _, _ = pretrain_job(tmp_path, "h200", FAKE_TORCHRUN_FAIL_NODE="1", CONTAINER_RUNTIME="none")
-    proc = run(SLURM / "pretrain_zaya1_8b.sbatch", env, tmp_path)
-    assert proc.returncode == 3
-    assert not [c for c in records(tmp_path, "scontrol") if c["argv"][1] == "requeue"]
-    (srun,) = records(tmp_path, "srun")
+def _record_excluded_node(run_dir: Path, node: str) -> None:
+    """What a rank on ``node`` writes to the event ledger when its self-test fails."""
+    code = ("import sys; from megatron_zaya.training.ledger import Ledger; ledger = Ledger(); "
+            "ledger.open(sys.argv[1]); ledger.record('node_excluded', cause='self-test of rank 9 (cuda:1): ...')")
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-c", code, str(run_dir / "checkpoints")], check=True,
+                   env={"SLURMD_NODENAME": node, "RANK": "9", "PATH": "/usr/bin:/bin"}, cwd=REPO)
+
+
+def test_pretrain_sbatch_requeues_a_failed_step_without_the_nodes_the_ledger_excludes(tmp_path):
+    """A node failed its self-test (its zaya-torchrun exits 6) and the ledger names it: the job is requeued with it
+    added to the nodes it already excludes; once MAX_REQUEUES requeues on failure without a new checkpoint are
+    spent, the failure ends it; a new checkpoint starts the count again."""
+    env, run_dir, _, _ = pretrain_job(tmp_path, "h200", FAKE_TORCHRUN_FAIL_NODE="1", FAKE_TORCHRUN_FAIL_CODE="6",
+                                      CONTAINER_RUNTIME="none", FAKE_SLURM_EXCLUDED="gpu-c07", MAX_REQUEUES="2")
+    _record_excluded_node(run_dir, "gpu-a02")
+    for requeue in (1, 2):
+        proc = run(SLURM / "pretrain_zaya1_8b.sbatch", env, tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert f"requeueing job {JOB_ID} ({requeue} of 2 requeues on failure)" in proc.stderr
+    calls = [c["argv"][1:] for c in records(tmp_path, "scontrol") if c["argv"][1] != "show"]
+    assert calls == 2 * [["update", f"JobId={JOB_ID}", "ExcludeNodeList=gpu-a02,gpu-c07"], ["requeue", str(JOB_ID)]]
+    assert (run_dir / "logs/failure-requeues").read_text() == "2 100000\n"  # node 0 saved 100000 each time
+    (srun, _) = records(tmp_path, "srun")
     assert not any(option.startswith("container") for option in srun["options"])
+
+    proc = run(SLURM / "pretrain_zaya1_8b.sbatch", env, tmp_path)
+    assert proc.returncode == 6 and "after 2 requeues on failure without a new checkpoint" in proc.stderr
+    assert len([c for c in records(tmp_path, "scontrol") if c["argv"][1] == "requeue"]) == 2
+    proc = run(SLURM / "pretrain_zaya1_8b.sbatch", env | {"TRAIN_ITERS": "100010"}, tmp_path)  # a new checkpoint
+    assert proc.returncode == 0 and "(1 of 2 requeues on failure)" in proc.stderr, proc.stderr
+
+
+def test_pretrain_sbatch_leaves_a_crash_loop_to_a_person(tmp_path):
+    env, _, _, _ = pretrain_job(tmp_path, "h200", FAKE_TORCHRUN_FAIL_NODE="0", FAKE_TORCHRUN_FAIL_CODE="5",
+                                CONTAINER_RUNTIME="none")
+    proc = run(SLURM / "pretrain_zaya1_8b.sbatch", env, tmp_path)
+    assert proc.returncode == 5 and "crash loop (exit 5" in proc.stderr, proc.stderr
+    assert [c["argv"][1:3] for c in records(tmp_path, "scontrol")] == [["show", "hostnames"]]
 
 
 def test_pretrain_sbatch_names_every_missing_variable(tmp_path):

@@ -22,7 +22,7 @@ from megatron_zaya.data.preprocess import write_indexed_dataset
 from megatron_zaya.errors import UsageError
 from megatron_zaya.training.data_checks import indexed_dataset_problem
 from megatron_zaya.checkpoint.save_failures import check_save_dir
-from megatron_zaya.training.reliability import arm_sigterm_deadline
+from megatron_zaya.training.reliability import GUARD, arm_sigterm_deadline
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -111,12 +111,18 @@ def test_sigkill_while_replacing_the_latest_marker(tmp_path, writer):
     assert tracker.read_text() == ("3" if writer == "atomic" else "")
 
 
-def test_sigterm_deadline_exits_when_the_save_does_not_finish(tmp_path, capsys):
+def test_sigterm_deadline_exits_when_the_save_does_not_finish(tmp_path, capsys, monkeypatch):
+    """Before the first step SIGTERM keeps its default action (the process ends at once); from the first step on,
+    exit 3 at the deadline."""
     (tmp_path / TRACKER).write_text("12")
+    monkeypatch.setattr(GUARD, "at_first_step", lambda: None)
     exits = []
     originals = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         arm_sigterm_deadline(0.3, str(tmp_path), exit=exits.append)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        GUARD.at_first_step()
+        assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGINT)
         start = time.monotonic()
         os.kill(os.getpid(), signal.SIGTERM)
         while not exits and time.monotonic() - start < 10:

@@ -1,0 +1,42 @@
+"""The node self-test: a healthy CPU passes within a second, and the ECC counters of nvidia-smi and amd-smi are read
+from the tools' real output formats (fake tools on PATH print them). A failing node through the CLI:
+tests/functional/test_watchdog_cli.py."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from megatron_zaya.training import health
+
+
+def _tool(directory, name, output):
+    path = directory / name
+    path.write_text(f"#!/bin/sh\nprintf '%s\\n' '{output}'\n")  # printf: a shell builtin, PATH holds only the fakes
+    path.chmod(0o755)
+
+
+def test_a_healthy_cpu_passes_in_a_second():
+    start = time.monotonic()
+    assert health.self_test(torch.device("cpu"), check_ecc=False) == []
+    assert time.monotonic() - start < 1.0
+
+
+def test_a_wrong_gemm_is_named(monkeypatch):
+    monkeypatch.setattr(health, "_device_gemm", lambda a, b: (a @ b).half().float() + 1)
+    (problem,) = health.self_test(torch.device("cpu"), check_ecc=False)
+    assert problem.startswith("a 512x512 float32 GEMM is off its float64 reference by ")
+
+
+def test_ecc_counters_are_read_from_whichever_tool_is_installed(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert health.ecc_problems() == []  # no tool
+    _tool(tmp_path, "nvidia-smi", "0, 0\n1, 3\n2, [N/A]")
+    assert health.ecc_problems() == ["GPU 1 has 3 uncorrectable ECC errors (nvidia-smi)"]
+    (tmp_path / "nvidia-smi").unlink()
+    amd = [{"gpu": 0, "ecc": {"total_correctable_count": 5, "total_uncorrectable_count": 0}},
+           {"gpu": 1, "ecc": {"total_correctable_count": 0, "total_uncorrectable_count": 2}}]
+    _tool(tmp_path, "amd-smi", json.dumps(amd))
+    assert health.ecc_problems() == ["1/ecc/total_uncorrectable_count = 2 (amd-smi)"]
