@@ -74,6 +74,11 @@ def record_written(paths: list[str | os.PathLike], rank: int) -> None:
     _write_atomically(paths[0].parent / f".{CHECKSUMS}.rank-{rank:05d}", {"algorithm": "crc32", "files": table})
 
 
+def write_checksum_table(path: str | os.PathLike, table: dict[str, list[int]]) -> None:
+    """Write ``{file: [size, crc32]}`` as the :data:`CHECKSUMS` of the directory ``path``, atomically."""
+    _write_atomically(Path(path) / CHECKSUMS, {"algorithm": "crc32", "files": table})
+
+
 def _write_atomically(target: Path, record: dict) -> None:
     staging = target.with_name(f".{CHECKSUMS}.tmp-{os.getpid()}")
     with staging.open("w") as stream:
@@ -101,15 +106,16 @@ def check_written(path: str | os.PathLike) -> None:
                                   f"checkpoint's .metadata places data up to byte {end} in it: the save is incomplete")
 
 
-def write_checksums(path: str | os.PathLike) -> None:
+def write_checksums(path: str | os.PathLike, known: dict[str, list[int]] | None = None) -> None:
     """Record the size and CRC-32 of every file of the step directory ``path`` in :data:`CHECKSUMS`, written
     last and atomically (staged, fsynced, renamed), so that its presence means every file was complete.
-    Files the writers recorded (:func:`record_written`) with the size they still have are not read again."""
+    Files the writers recorded (:func:`record_written`, or ``known``: ``{file: [size, crc32]}`` checksummed as
+    they were written) with the size they still have are not read again."""
     path = Path(path)
     files = sorted(f for f in path.rglob("*") if f.is_file() and f.name != CHECKSUMS and not f.name.startswith(
         f".{CHECKSUMS}"))
     records = sorted(path.glob(f".{CHECKSUMS}.rank-*"))
-    known = {}
+    known = dict(known or {})
     for record in records:
         known.update(recorded_files(path, record.name) or {})
     names = [str(f.relative_to(path)) for f in files]
@@ -117,7 +123,7 @@ def write_checksums(path: str | os.PathLike) -> None:
     crcs = [known[n][1] if known.get(n, [None])[0] == size else None for n, size in zip(names, sizes)]
     hashed = iter(file_crcs([f for f, crc in zip(files, crcs) if crc is None]))
     table = {n: [size, next(hashed) if crc is None else crc] for n, size, crc in zip(names, sizes, crcs)}
-    _write_atomically(path / CHECKSUMS, {"algorithm": "crc32", "files": table})
+    write_checksum_table(path, table)
     for record in records:
         record.unlink()
 

@@ -115,15 +115,18 @@ def _damage_on_all_ranks(path: Path, tracker_named: bool) -> list[str]:
     return problems
 
 
-def newest_intact_checkpoint(load_dir: str) -> str:
+def newest_intact_checkpoint(load_dir: str, loaded_instead: int = -1) -> str:
     """The tracker marker of the checkpoint to load from ``load_dir`` (collective: every rank calls it).
 
     The tracker's checkpoint if its files match the checksums recorded at save; else, named in one line,
     the newest older ``iter_*`` that does (every one when the tracker itself is damaged). None intact:
-    :class:`UsageError` (exit 2), so that a run never trains on damaged weights.
+    :class:`UsageError` (exit 2), so that a run never trains on damaged weights. A tracker's step no newer than
+    ``loaded_instead`` (a local checkpoint the run loads instead) is returned unread.
     """
     root = Path(load_dir)
     marker = read_tracker(root)
+    if marker is not None and marker.isdigit() and int(marker) <= loaded_instead:
+        return marker
     saved = sorted((int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit() and p.is_dir()),
                    reverse=True)
     if marker == "release":

@@ -1,20 +1,26 @@
-"""ZAYA1's local checkpoint tier: each rank writes its own shards to node-local storage (NVMe, ``/dev/shm``).
+"""ZAYA1's local checkpoint tier: each rank writes its own shards to node-local storage (NVMe, ``/dev/shm``); and
+the in-memory tier, the same tier in host memory with copies on another node.
 
 ``--non-persistent-ckpt-type local --non-persistent-local-ckpt-dir DIR --non-persistent-save-interval N`` saves
-every N steps, between the persistent saves of ``--save-interval``. Megatron builds what a rank holds
-(``MCoreTensorAwareStateDict``: the common state, this rank's tensor shards; with the default
-``--non-persistent-local-ckpt-algo fully_parallel`` a replicated shard is kept by one data-parallel rank and
-exchanged on load) and hands it to the ``local_checkpoint_manager`` of its checkpointing context: an instance
-of :class:`LocalTier`, installed by the ``checkpointing.local_tier`` patch in place of NVIDIA's resiliency
-package. On disk::
+every N steps, between the persistent saves of ``--save-interval``. ``--zaya-memory-ckpt-interval N`` is that
+tier in shared memory (``/dev/shm``, which outlives the training processes; :mod:`.tiers` sets the flags),
+keeping ``--zaya-memory-ckpt-keep`` parts, each also copied to a rank on another node (:mod:`.peer_copy`).
+Megatron builds what a rank holds (``MCoreTensorAwareStateDict``: the common state, this rank's tensor shards;
+with the default ``--non-persistent-local-ckpt-algo fully_parallel`` a replicated shard is kept by one
+data-parallel rank and exchanged on load) and hands it to the ``local_checkpoint_manager`` of its
+checkpointing context: an instance of :class:`LocalTier`, installed by the ``checkpointing.local_tier`` patch
+in place of NVIDIA's resiliency package. On disk::
 
-    DIR/iter_0000040/rank_00003/state.pt             this rank's shards (torch.save, CPU tensors)
+    DIR/iter_0000040/rank_00003/tensors.000.bin      this rank's tensor bytes, 1 GiB per file (:mod:`.staging`)
+                                state.pt             the rest (torch.save), with each tensor's dtype and shape
                                 layout.json          world size, parallel sizes and rank that wrote it
-                                zaya_checksums.json  sizes and CRC-32 of both, written last and atomically
+                                zaya_checksums.json  sizes and CRC-32 of them all, written last and atomically
 
-A rank's part is complete when its ``zaya_checksums.json`` exists; an iteration can be resumed when every rank
-of the same layout holds an intact part. Each rank keeps its last ``--zaya-local-ckpt-keep`` complete parts.
-No file is shared between ranks, so nothing here needs a shared filesystem.
+The tensor bytes are checksummed as they are written (device tensors through a pinned host pool, in chunks);
+only the small files are hashed after. A rank's part is complete when its ``zaya_checksums.json`` exists; an
+iteration can be resumed when every rank of the same layout holds an intact part, or its keeper an intact
+copy, which the rank then receives. Each rank keeps its last K complete parts (and copies). No file is shared
+between ranks, so nothing here needs a shared filesystem.
 """
 
 from __future__ import annotations
@@ -30,12 +36,16 @@ from pathlib import Path
 import torch
 
 from ..errors import UsageError
-from .format import CHECKSUMS, TRACKER, recorded_files, step_name, write_checksums
+from . import peer_copy
+from .format import CHECKSUMS, TRACKER, read_tracker, recorded_files, step_name, write_checksums
 from .integrity import damage
+from .staging import read_tensors, write_tensors
 from .tiers import stage, take_copies
 
 STATE = "state.pt"
 LAYOUT = "layout.json"
+TENSORS = "tensors"
+_loading = -1  # the local iteration a resume loads (set by find_latest), for the persistent tier to skip
 
 
 def rank_dir(root: str | os.PathLike, iteration: int, rank: int) -> Path:
@@ -63,16 +73,27 @@ def stage_state(state, which: frozenset[int] | None = None):
 
 
 def write_part(path: str, state, layout: dict[str, int]) -> None:
-    """Write a rank's part (in the background writer for ``--async-save``): its tensors staged to host memory,
-    the shards, the layout, then the checksums, last and atomically. A part of the same iteration left by an
-    earlier run is removed first."""
-    stage_state(state)
+    """Write a rank's part (in the background writer for ``--async-save``): its tensors' bytes, checksummed as
+    written, the rest of the state, the layout, then the checksums, last and atomically. A part of the same
+    iteration left by an earlier run is removed first."""
     part = Path(path)
     shutil.rmtree(part, ignore_errors=True)
     part.mkdir(parents=True)
-    _synced(part / STATE, lambda stream: torch.save(state, stream))
+    tensors = state.pop_tensors()
+    try:
+        specs, written = write_tensors(part, TENSORS, tensors)
+        _synced(part / STATE, lambda stream: torch.save({"state": state, "tensors": specs}, stream))
+    finally:
+        state.insert_tensors(tensors)
     _synced(part / LAYOUT, lambda stream: stream.write(json.dumps(layout).encode()))
-    write_checksums(part)
+    write_checksums(part, written)
+
+
+def read_part(part: Path):
+    """A part's state, its tensors on the host (:meth:`restore_tensor_device` puts them back)."""
+    saved = torch.load(part / STATE, map_location="cpu", weights_only=False)
+    saved["state"].insert_tensors(read_tensors(part, TENSORS, saved["tensors"]))
+    return saved["state"]
 
 
 def _synced(path: Path, write) -> None:
@@ -109,90 +130,143 @@ def _warn(message: str) -> None:
         print(f"zaya-pretrain: warning: {message}", file=sys.stderr, flush=True)
 
 
+def loading() -> int:
+    """The local iteration this process's resume loads (-1: none): the persistent checkpoints no newer than it
+    need no check, as they are not loaded."""
+    return _loading
+
+
 class LocalTier:
     """Megatron's ``local_checkpoint_manager`` (``save``, ``find_latest``, ``load``, ``local_ckpt_dir``) for
-    ZAYA1's local tier. ``find_latest`` is collective: every rank calls it, as Megatron does on load."""
+    ZAYA1's local tier; ``peer``: each part also copied to a rank on another node (the in-memory tier).
+    ``find_latest`` is collective: every rank calls it, as Megatron does on load."""
 
-    def __init__(self, local_ckpt_dir: str, keep: int, persistent_dir: str | None):
+    def __init__(self, local_ckpt_dir: str, keep: int, persistent_dir: str | None, peer: bool = False):
         self.local_ckpt_dir = local_ckpt_dir
         self.keep = keep
         self.persistent_dir = persistent_dir
+        self.peer = peer
         self._latest: int | None = None
         self._loaded = None
+
+    def _part(self, iteration: int, rank: int | None = None) -> Path:
+        return rank_dir(self.local_ckpt_dir, iteration, torch.distributed.get_rank() if rank is None else rank)
 
     # ------------------------------------------------------------------------------------------- save
     def save(self, state, iteration: int, is_async: bool):
         """Write this rank's part of ``iteration``; with ``is_async`` return the request that does it in the
-        background writer (Megatron schedules it and runs its finalize functions once every rank is done)."""
+        background writer (Megatron schedules it and runs its finalize functions on every rank at once, when
+        every rank is done: the copy to the peer goes there)."""
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
-        path = str(rank_dir(self.local_ckpt_dir, iteration, torch.distributed.get_rank()))
-        prune = functools.partial(self._prune, iteration)
+        path = str(self._part(iteration))
+        after = [functools.partial(self._copy_to_peer, iteration)] if self.peer else []
+        after.append(functools.partial(self._prune, iteration))
         if not is_async:
             write_part(path, state, current_layout())
-            prune()
+            for step in after:
+                step()
             return None
         tensors, originals = take_copies(state.pop_tensors())
         # The rest (the optimizer's step counts, ...) as of this step: Megatron's writer queue pickles the request
         # later, from a thread, while training goes on and changes those tensors in place.
         state = copy.deepcopy(state)
         state.insert_tensors(tensors)
-        return AsyncRequest(write_part, (path, state, current_layout()), [prune],
+        return AsyncRequest(write_part, (path, state, current_layout()), after,
                             preload_fn=functools.partial(stage_state, state, originals))
 
+    def _copy_to_peer(self, iteration: int) -> None:
+        peer_copy.send_copy(self._part(iteration), functools.partial(self._part, iteration))
+
     def _prune(self, iteration: int) -> None:
-        """After ``iteration`` is complete on every rank: keep this rank's newest ``keep`` complete parts, and
-        remove parts older than ``iteration`` that never completed (a crash during their write)."""
+        """After ``iteration`` is complete on every rank: keep this rank's newest ``keep`` complete parts (and
+        copies), and remove those older than ``iteration`` that never completed (a crash during their write)."""
         root, rank = Path(self.local_ckpt_dir), torch.distributed.get_rank()
-        complete = sorted(_complete_parts(root, rank), reverse=True)
-        kept = set(complete[: self.keep])
+        source = peer_copy.keeper_and_source()[1] if self.peer else None
+        for owner in [rank] + ([source] if source is not None else []):
+            kept = set(sorted(_complete_parts(root, owner), reverse=True)[: self.keep])
+            for step in root.glob("iter_*"):
+                if step.name[5:].isdigit() and int(step.name[5:]) < iteration and int(step.name[5:]) not in kept:
+                    shutil.rmtree(step / f"rank_{owner:05d}", ignore_errors=True)
         for step in root.glob("iter_*"):
-            if not step.name[5:].isdigit() or int(step.name[5:]) >= iteration or int(step.name[5:]) in kept:
-                continue
-            shutil.rmtree(step / f"rank_{rank:05d}", ignore_errors=True)
             try:
-                step.rmdir()  # the last rank of this node to prune it
+                step.rmdir()  # emptied by the last rank of this node to prune it
             except OSError:
                 pass
 
     # ------------------------------------------------------------------------------------------- load
     def find_latest(self) -> int:
-        """The newest iteration whose parts are complete and intact on every rank and were written with this
-        layout, or -1. A newer local checkpoint of another layout than the persistent one is refused."""
+        """The newest iteration whose parts are complete and intact on every rank (or at its keeper) and were
+        written with this layout, newer than the persistent checkpoint, or -1. A newer local checkpoint of
+        another layout than the persistent one is refused."""
+        global _loading
         if self._latest is None:
-            self._latest = self._find_latest()
+            self._latest = _loading = self._find_latest()
         return self._latest
 
     def _find_latest(self) -> int:
         root, layout = Path(self.local_ckpt_dir), current_layout()
-        parts = _complete_parts(root, layout["rank"])
+        rank = layout["rank"]
+        parts = _complete_parts(root, rank)
         same = {it: _layout_of(part) == layout for it, part in parts.items()}
-        everyone = _gather(same)
-        persistent = self._persistent_iteration()
-        seen = sorted({it for ranks in everyone for it in ranks}, reverse=True)
-        for it in (it for it in seen if it > persistent):
-            if any(it in ranks and not ranks[it] for ranks in everyone):
+        keeper, source = peer_copy.keeper_and_source() if self.peer else (None, None)
+        held = set() if source is None else {
+            it for it, part in _complete_parts(root, source).items() if _layout_of(part) == {**layout, "rank": source}}
+        everyone = _gather((same, held, keeper))
+        has_copy = [everyone[k][1] if k is not None else set() for _, _, k in everyone]  # held by each's keeper
+        persistent = None  # verified only when a local candidate is not newer than the tracker's step
+        marker = read_tracker(self.persistent_dir) if self.persistent_dir else None
+        seen = sorted({it for ranks, _, _ in everyone for it in ranks} | {it for _, h, _ in everyone for it in h},
+                      reverse=True)
+        for it in seen:
+            if persistent is None and (marker is None or not marker.isdigit() or it <= int(marker)):
+                persistent = self._persistent_iteration()
+            if persistent is not None and it <= persistent:
+                break
+            if any(it in ranks and not ranks[it] for ranks, _, _ in everyone):
+                shown = persistent if persistent is not None else int(marker)
                 raise UsageError(
                     f"--non-persistent-local-ckpt-dir {self.local_ckpt_dir} holds iteration {it}, newer than the "
-                    f"persistent checkpoint ({persistent if persistent >= 0 else 'none'}), saved with another world "
+                    f"persistent checkpoint ({shown if shown >= 0 else 'none'}), saved with another world "
                     f"size or parallel layout; resume with the layout it was saved with, or give an empty "
                     f"--non-persistent-local-ckpt-dir to resume from --load")
-            missing = [rank for rank, ranks in enumerate(everyone) if it not in ranks]
+            missing = [r for r, (ranks, _, _) in enumerate(everyone) if it not in ranks and it not in has_copy[r]]
             if missing:
                 _warn(f"local checkpoint {root / step_name(it)} is incomplete (no part from rank "
                       f"{', '.join(map(str, missing[:8]))}{' ...' if len(missing) > 8 else ''}); skipped")
                 continue
-            recorded = recorded_files(parts[it]) or {}
-            problems = damage(parts[it], list(recorded), recorded)
-            problems = sorted(p for ranks in _gather([f"rank {layout['rank']}: {p}" for p in problems]) for p in ranks)
+            problems = self._damage(it, parts) if it in parts else ["missing"]
+            if self.peer:
+                problems = self._take_copies(it, bool(problems) and it in has_copy[rank],
+                                             [k for _, _, k in everyone], problems)
+            problems = sorted(p for ranks in _gather([f"rank {rank}: {p}" for p in problems]) for p in ranks)
             if not problems:
-                if layout["rank"] == 0:
+                if rank == 0:
+                    older = persistent if persistent is not None else int(marker)  # unread: not loaded
                     print(f"[zaya] resuming from the local checkpoint {root / step_name(it)} (the persistent one in "
-                          f"--load: {persistent if persistent >= 0 else 'none'})", flush=True)
+                          f"--load: {older if older >= 0 else 'none'})", flush=True)
                 return it
             _warn(f"local checkpoint {root / step_name(it)} is damaged ({problems[0]}"
                   f"{f' and {len(problems) - 1} more' if len(problems) > 1 else ''}); skipped")
         return -1
+
+    def _damage(self, iteration: int, parts: dict[int, Path]) -> list[str]:
+        recorded = recorded_files(parts[iteration]) or {}
+        return damage(parts[iteration], list(recorded), recorded)
+
+    def _take_copies(self, iteration: int, need: bool, keepers: list[int | None], problems: list[str]) -> list[str]:
+        """Collective: every rank without an intact part of ``iteration`` (``need``) receives its keeper's copy
+        in its place; returns what is still wrong with this rank's part."""
+        needs = _gather(need)
+        received = peer_copy.fetch(needs, keepers, self._part(iteration), functools.partial(self._part, iteration))
+        if need and received:
+            problems = self._damage(iteration, {iteration: self._part(iteration)})
+        taken = _gather(received and not problems)
+        if torch.distributed.get_rank() == 0 and any(taken):
+            print(f"[zaya] local checkpoint {Path(self.local_ckpt_dir) / step_name(iteration)}: the part of rank "
+                  f"{', '.join(str(r) for r, t in enumerate(taken) if t)} taken from its copy on another node",
+                  flush=True)
+        return problems
 
     def _persistent_iteration(self) -> int:
         """The iteration Megatron loads from ``--load`` (through ``read_metadata``: the newest intact), or -1."""
@@ -207,8 +281,8 @@ class LocalTier:
     def load(self):
         """This rank's part of the iteration :meth:`find_latest` chose, its tensors back on their devices."""
         if self._loaded is None:
-            part = rank_dir(self.local_ckpt_dir, self.find_latest(), torch.distributed.get_rank())
-            state = torch.load(part / STATE, map_location="cpu", weights_only=False)
+            part = self._part(self.find_latest())
+            state = read_part(part)
             state.restore_tensor_device(non_blocking=False)
             self._loaded = (state, str(part))
         return self._loaded

@@ -70,7 +70,8 @@ def verified_load() -> None:
     ``zaya_checksums.json``, the ranks gather their findings, and a damaged checkpoint is named in one line
     and skipped for the newest older intact one; with none intact the run stops, exit 2. Megatron calls
     ``read_metadata`` on every rank at the same points (the original all-reduces the iteration), so the
-    check is collective there too; its result is kept per directory and tracker content. Checkpoints
+    check is collective there too; its result is kept per directory and tracker content. When the local or
+    in-memory tier has chosen a newer iteration, the persistent checkpoint is not read. Checkpoints
     without checksums (older saves) load as before when the tracker names them. Multi-storage-client paths
     keep the original. Megatron's own ``--verify-integrity`` hashes every file with SHA-256 on rank 0 alone
     and stops on a mismatch; this one is parallel and falls back.
@@ -81,6 +82,7 @@ def verified_load() -> None:
 
     from megatron_zaya.checkpoint.format import read_tracker
     from megatron_zaya.checkpoint.integrity import newest_intact_checkpoint
+    from megatron_zaya.checkpoint.local_tier import loading
 
     original = checkpointing.read_metadata
     chosen: dict[tuple[str, str | None], str] = {}
@@ -92,7 +94,7 @@ def verified_load() -> None:
         load_dir = os.path.dirname(tracker_filename)
         key = (os.path.abspath(load_dir), read_tracker(load_dir))
         if key not in chosen:
-            chosen[key] = newest_intact_checkpoint(load_dir)
+            chosen[key] = newest_intact_checkpoint(load_dir, loading())
         return (0, True) if chosen[key] == "release" else (int(chosen[key]), False)
 
     replace_attr(checkpointing, "read_metadata", read_metadata)
