@@ -207,6 +207,8 @@ class Run:
     lm_head_grad_in_forward: bool = True
     path: str = "kernels"
     async_save: bool = False
+    memory_ckpt_keep: int = 0  # --zaya-memory-ckpt-keep with --zaya-memory-ckpt-interval; 0: no in-memory tier
+    gpus_per_node: int = 1
 
 
 def plan(cfg, par: Parallel, run: Run, stage: int = 0) -> dict[str, float]:
@@ -264,6 +266,16 @@ def plan(cfg, par: Parallel, run: Run, stage: int = 0) -> dict[str, float]:
     return out
 
 
+def memory_tier_host_bytes(result: dict[str, float], run: Run, world_size: int) -> float:
+    """Host memory per node that the in-memory tier takes (``--zaya-memory-ckpt-interval``): each GPU's
+    checkpoint state (weights, master weights, optimizer state; an upper bound, as for the background-save
+    copies) for the K parts kept and the one being written, twice when the node also keeps the copies of
+    another node's parts."""
+    state = result["weights"] + result["master weights"] + result["optimizer state"]
+    copies = 2 if world_size > run.gpus_per_node else 1
+    return state * min(run.gpus_per_node, world_size) * (run.memory_ckpt_keep + 1) * copies
+
+
 def largest_micro_batch(cfg, par: Parallel, run: Run, capacity_gib: float) -> int:
     """The largest micro-batch (up to 1024) whose peak fits ``capacity_gib`` minus ``RESERVE_GIB``; 0: none."""
     fits = 0
@@ -293,5 +305,11 @@ def report(cfg, par: Parallel, run: Run) -> str:
         fits = min(copies, max(0.0, (gib - RESERVE_GIB) * GIB - result["peak"]))
         lines.append(f"  background-save copies beside the peak on {gpu:<7s}: {fits / GIB:6.2f} GiB (the loop waits "
                      "for the rest)")
+    if run.memory_ckpt_keep:
+        world = par.tp * par.pp * par.cp * par.dp
+        lines.append(f"  in-memory checkpoints, host memory per node: "
+                     f"{memory_tier_host_bytes(result, run, world) / GIB:.2f} GiB ({min(run.gpus_per_node, world)} "
+                     f"GPUs, {run.memory_ckpt_keep} kept + 1 being written"
+                     f"{', and the copies of another node' if world > run.gpus_per_node else ''})")
     return "\n".join(lines)
 

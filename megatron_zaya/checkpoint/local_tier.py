@@ -130,6 +130,14 @@ def _warn(message: str) -> None:
         print(f"zaya-pretrain: warning: {message}", file=sys.stderr, flush=True)
 
 
+def tier_for(args) -> "LocalTier":
+    """The tier of ``--non-persistent-ckpt-type local``: the in-memory tier (copies on another node, its own
+    number kept) when ``--zaya-memory-ckpt-interval`` set it."""
+    memory = bool(args.zaya_memory_ckpt_interval)
+    keep = args.zaya_memory_ckpt_keep if memory else args.zaya_local_ckpt_keep
+    return LocalTier(args.non_persistent_local_ckpt_dir, keep, args.load, peer=memory)
+
+
 def loading() -> int:
     """The local iteration this process's resume loads (-1: none): the persistent checkpoints no newer than it
     need no check, as they are not loaded."""

@@ -1,5 +1,5 @@
-"""Background (``--async-save``) and local-tier checkpoint saves: the flags they imply, the combinations refused
-before training starts, the copies a background save takes so that training goes on while it is written, the
+"""Background (``--async-save``), local-tier and in-memory checkpoint saves: the flags they imply, the combinations
+refused before training starts (an in-memory tier larger than the node's free host memory among them), the copies a background save takes so that training goes on while it is written, the
 per-rank checksums the background writer records, and waiting for writes in flight.
 
 How the tiers behave on faults: ``docs/reliability.md``. The local tier itself: :mod:`.local_tier`.
@@ -8,6 +8,7 @@ How the tiers behave on faults: ``docs/reliability.md``. The local tier itself: 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -24,6 +25,68 @@ from .format import record_written
 ASYNC_FLAGS = ["--use-persistent-ckpt-worker", "--async-strategy", "mcore"]
 
 
+MEMORY_ROOT = "/dev/shm"
+
+
+def memory_dir(given: str | None, save: str | None) -> str | None:
+    """The in-memory tier's directory: ``--zaya-memory-ckpt-dir``, else one per run under ``/dev/shm`` named
+    after ``--save`` (its name and a hash of its path, so that two runs on a node do not collide)."""
+    if given or not save:
+        return given
+    path = os.path.realpath(save)
+    return f"{MEMORY_ROOT}/zaya-{os.path.basename(path)}-{hashlib.sha1(path.encode()).hexdigest()[:10]}"
+
+
+def memory_tier_flags(interval: int | None, given_dir: str | None, save: str | None) -> list[str]:
+    """The flags ``--zaya-memory-ckpt-interval`` implies, placed before the user's: the in-memory tier is
+    Megatron's local non-persistent checkpoint in shared memory (:mod:`.local_tier`)."""
+    directory = memory_dir(given_dir, save)
+    if not interval or directory is None:
+        return []
+    return ["--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", directory,
+            "--non-persistent-save-interval", str(interval)]
+
+
+def _check_memory_tier(args) -> None:
+    interval = args.zaya_memory_ckpt_interval
+    if interval is None:
+        return
+    if interval < 1:
+        raise UsageError(f"--zaya-memory-ckpt-interval {interval}: must be at least 1")
+    if args.zaya_memory_ckpt_keep < 1:
+        raise UsageError(f"--zaya-memory-ckpt-keep {args.zaya_memory_ckpt_keep}: keep at least 1 in-memory checkpoint")
+    if not args.save:
+        raise UsageError("--zaya-memory-ckpt-interval needs --save: in-memory checkpoints sit between persistent ones")
+    implied = ("local", memory_dir(args.zaya_memory_ckpt_dir, args.save), interval)
+    if (args.non_persistent_ckpt_type, args.non_persistent_local_ckpt_dir, args.non_persistent_save_interval) != implied:
+        raise UsageError("--zaya-memory-ckpt-interval is Megatron's local non-persistent checkpoint in host memory; "
+                         "drop --non-persistent-ckpt-type, --non-persistent-local-ckpt-dir and "
+                         "--non-persistent-save-interval, or drop --zaya-memory-ckpt-interval")
+
+
+def host_memory_available(directory: str) -> float:
+    """Bytes of host memory this node can still give: ``MemAvailable``, plus what ``directory`` (the in-memory
+    tier of a run being resumed, which its own saves replace) already holds."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        available = float(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        available = float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    held = sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file()) if Path(directory).is_dir() else 0
+    return available + held
+
+
+def check_host_memory(args, needed: float) -> None:
+    """Refuse an in-memory tier that needs more than this node's free host memory (``needed``: the memory
+    planner's bytes per node)."""
+    available = host_memory_available(args.non_persistent_local_ckpt_dir)
+    if needed > available:
+        raise UsageError(f"--zaya-memory-ckpt-interval: the in-memory tier needs {needed / GIB:.1f} GiB of host memory "
+                         f"on each node ({args.zaya_memory_ckpt_keep} kept + 1 being written, and the copies of "
+                         f"another node's parts; --zaya-memory-plan itemizes it), this node has {available / GIB:.1f} "
+                         "GiB free; lower --zaya-memory-ckpt-keep, or spread the state over more GPUs")
+
+
 def _resiliency_package() -> bool:
     import importlib.util
 
@@ -32,6 +95,7 @@ def _resiliency_package() -> bool:
 
 def check_args(args) -> None:
     """Refuse, in one line, checkpoint-tier flags that cannot work (before Megatron sees them)."""
+    _check_memory_tier(args)
     local = args.non_persistent_ckpt_type == "local"
     if args.async_save and args.ckpt_format != "torch_dist":
         raise UsageError(f"--async-save writes --ckpt-format torch_dist only, not {args.ckpt_format}; drop one of them")

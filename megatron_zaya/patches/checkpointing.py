@@ -141,8 +141,9 @@ def in_process_write_results() -> None:
 
 @register("checkpointing.local_tier", target="megatron.training.training.setup_model_and_optimizer")
 def local_tier() -> None:
-    """``--non-persistent-ckpt-type local`` saves through ZAYA1's :class:`~megatron_zaya.checkpoint.local_tier.
-    LocalTier`, without NVIDIA's resiliency package (which ROCm images lack).
+    """``--non-persistent-ckpt-type local`` (and the in-memory tier, ``--zaya-memory-ckpt-interval``, which sets
+    it) saves through ZAYA1's :class:`~megatron_zaya.checkpoint.local_tier.LocalTier`, without NVIDIA's
+    resiliency package (which ROCm images lack).
 
     Megatron's local type takes its manager from the checkpointing context (``local_checkpoint_manager``:
     ``save``, ``find_latest``, ``load``; checkpointing.py:629, 940, 1491, 1529) and fills that slot with the
@@ -158,7 +159,7 @@ def local_tier() -> None:
     from megatron.core.dist_checkpointing import tensor_aware_state_dict
     from megatron.training import arguments, get_args, training
 
-    from megatron_zaya.checkpoint.local_tier import LocalTier
+    from megatron_zaya.checkpoint.local_tier import tier_for
 
     original_validate = arguments.validate_args
 
@@ -186,8 +187,7 @@ def local_tier() -> None:
     def setup_model_and_optimizer(*rest, checkpointing_context=None, **kwargs):
         args = get_args()
         if args.non_persistent_ckpt_type == "local" and checkpointing_context is not None:
-            checkpointing_context.setdefault("local_checkpoint_manager", LocalTier(
-                args.non_persistent_local_ckpt_dir, args.zaya_local_ckpt_keep, args.load))
+            checkpointing_context.setdefault("local_checkpoint_manager", tier_for(args))
         return original_setup(*rest, checkpointing_context=checkpointing_context, **kwargs)
 
     replace_attr(arguments, "validate_args", validate_args)

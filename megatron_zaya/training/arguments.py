@@ -130,6 +130,15 @@ def add_zaya_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "older than this many seconds, or whose run on this host has ended")
     g.add_argument("--zaya-local-ckpt-keep", type=int, default=2,
                    help="with --non-persistent-ckpt-type local: each rank keeps its newest this many local checkpoints")
+    g.add_argument("--zaya-memory-ckpt-interval", type=int, default=None, metavar="N",
+                   help="every N steps, save the full training state into host memory that outlives the training "
+                        "processes (shared memory, --zaya-memory-ckpt-dir), each rank's part also copied to a rank "
+                        "on another node; a resume takes the newest intact state of any tier (needs --save)")
+    g.add_argument("--zaya-memory-ckpt-keep", type=int, default=2,
+                   help="with --zaya-memory-ckpt-interval: each rank keeps its newest this many in-memory checkpoints")
+    g.add_argument("--zaya-memory-ckpt-dir", default=None,
+                   help="with --zaya-memory-ckpt-interval: the in-memory tier's directory on each node (default: "
+                        "/dev/shm/zaya-<name of --save>-<hash of its path>, one per run)")
     return add_muon_args(parser)  # --zaya-muon-* and the --optimizer zaya_muon choice
 
 
@@ -148,7 +157,8 @@ EARLY_FLAGS = frozenset({
     "--zaya-preset", "--zaya-patches", "--zaya-memory-plan", "--zaya-vocab-size", "--zaya-sigterm-deadline",
     "--zaya-overwrite-save", "--vocab-size", "--tokenizer-type", "--data-path", "--train-data-path",
     "--data-args-path", "--mock-data", "--train-iters", "--save", "--load", "--tensor-model-parallel-size",
-    "--sequence-parallel", "--async-save", "--zaya-gc-interval"})
+    "--sequence-parallel", "--async-save", "--zaya-gc-interval", "--zaya-memory-ckpt-interval",
+    "--zaya-memory-ckpt-dir"})
 
 
 def early_flags(argv: list[str]) -> argparse.Namespace:
@@ -223,7 +233,9 @@ def memory_plan_inputs(args) -> tuple[ZayaConfig, Parallel, Run]:
               recompute=args.recompute_granularity,
               recompute_modules=tuple(cfg.zaya_recompute_modules), cuda_graphs=bool(args.zaya_cuda_graphs),
               sequence_parallel=bool(args.sequence_parallel),
-              lm_head_grad_in_forward=cfg.lm_head_grad_in_forward, async_save=bool(args.async_save))
+              lm_head_grad_in_forward=cfg.lm_head_grad_in_forward, async_save=bool(args.async_save),
+              memory_ckpt_keep=args.zaya_memory_ckpt_keep if args.zaya_memory_ckpt_interval else 0,
+              gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", min(args.world_size, 8))))
     return cfg, par, run
 
 

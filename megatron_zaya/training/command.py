@@ -20,11 +20,12 @@ from megatron.training.global_vars import get_tokenizer
 from ..checkpoint import resume, save_lock
 from ..checkpoint.format import describe_latest_checkpoint, read_tracker
 from ..checkpoint.save_failures import check_save_dir
-from ..checkpoint.tiers import ASYNC_FLAGS
+from ..checkpoint.tiers import ASYNC_FLAGS, check_host_memory, memory_tier_flags
 from ..config import PRESETS, preset
 from ..data import embedded_tokenizer_dir
 from ..data.preprocess import embedded_dataset_prefix
 from ..errors import CrashLoop, PatchError, UsageError
+from ..memory_plan import memory_tier_host_bytes, plan as memory_plan
 from ..memory_plan import report as memory_plan_report
 from ..patches import apply_patches
 from ..patches.registry import check_selection as check_patch_selection
@@ -107,6 +108,7 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
             print(f"[zaya] --tensor-model-parallel-size {tp} with ZAYA1's experts needs sequence parallelism: added "
                   "--sequence-parallel", flush=True)
     save = EMBEDDED_RUN_DIR if main_job and early.save is None else early.save  # `--save ""`: no checkpoints
+    flags += memory_tier_flags(early.zaya_memory_ckpt_interval, early.zaya_memory_ckpt_dir, save)
     if save and early.load is None and not early.zaya_overwrite_save:
         # A run resumes where it saves (Megatron starts afresh from a directory without a checkpoint).
         flags += ["--load", save]
@@ -176,6 +178,9 @@ def _parse(argv: list[str], main_job: bool, planning: bool):
         raise UsageError(f"the tokenizer has {tokenizer_vocab} tokens but the model's vocabulary is {model_vocab}; "
                          "use a tokenizer that fits or raise --zaya-vocab-size")
     args.padded_vocab_size = model_vocab
+    if args.zaya_memory_ckpt_interval and not planning:
+        cfg, par, run = memory_plan_inputs(args)
+        check_host_memory(args, memory_tier_host_bytes(memory_plan(cfg, par, run), run, args.world_size))
     if main_job:  # the embedded corpus is tokenised once the flags are known to be sound
         embedded_dataset_prefix(EMBEDDED_DATA_DIR)
         check_data(args)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,7 +42,7 @@ def _tier_on_ranks(rank, world, root, saves):
     return result if isinstance(result, str) else (result, printed.getvalue())
 
 
-def _save_and_resume(rank, world, root, saves):
+def _save_and_resume(rank, world, root, saves, peer=False, flips=()):
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
@@ -55,8 +56,12 @@ def _save_and_resume(rank, world, root, saves):
         for iteration in saves:
             state, _ = MCoreTensorAwareStateDict.from_state_dict(
                 _sharded_state(iteration, rank, world), algo="fully_parallel", parallelization_group=group)
-            LocalTier(root, 2, None).save(state, iteration, is_async=False)
-        tier = LocalTier(root, 2, None)
+            LocalTier(root, 2, None, peer).save(state, iteration, is_async=False)
+        torch.distributed.barrier()
+        for path in flips if rank == 0 else ():
+            _flip(Path(path))
+        torch.distributed.barrier()
+        tier = LocalTier(root, 2, None, peer)
         try:
             latest = tier.find_latest()
         except UsageError as error:
@@ -141,3 +146,49 @@ def test_a_background_save_keeps_the_state_of_its_step(tmp_path):
     (loaded,) = run_ranks(_background_save_then_step, 1, tmp_path, str(tmp_path / "local"))
     assert loaded["step"] == 7.0 and loaded["iteration"] == 7, loaded
     assert loaded["sharded"] == [700.0, 701.0, 702.0, 703.0], loaded
+
+
+def _memory_tier_on_nodes(rank, world, root, saves, flips):
+    """Each rank a node of its own (``LOCAL_WORLD_SIZE`` 1) with its own directory ``root/node<rank>``: save
+    ``saves`` with copies on the other node, damage the files ``flips`` (relative to ``root``), then resume:
+    ``((find_latest, the loaded state's values), what it printed)``."""
+    import os
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed), contextlib.redirect_stdout(printed):
+        result = _save_and_resume(rank, world, f"{root}/node{rank}", saves, peer=True, flips=[f"{root}/{f}" for f in flips])
+    return result, printed.getvalue()
+
+
+def test_the_memory_tier_survives_a_lost_node_and_a_damaged_part(tmp_path):
+    """Two "nodes" of one rank: each keeps its newest two parts and the other's copies; after node 1 is replaced
+    (its memory empty) the resume takes rank 1's part from node 0's copy, exactly; a damaged part is taken from
+    its copy, and without an intact copy the iteration is skipped for the newest intact one."""
+    root = tmp_path / "mem"
+
+    def resumed(name, saves=(), flips=()):
+        results = run_ranks(_memory_tier_on_nodes, 2, tmp_path / name, str(root), list(saves), list(flips))
+        for rank, ((latest, loaded), _) in enumerate(results):
+            assert loaded == {"sharded": [100.0 * latest + 10 * rank + i for i in range(4)],
+                              "replicated": [100.0 * latest + i for i in range(4)], "iteration": latest}, loaded
+        return results[0][0][0], results[0][1]
+
+    assert resumed("saved", [1, 2, 3])[0] == 3
+    for node in ("node0", "node1"):
+        assert sorted(p.relative_to(root / node).as_posix() for p in (root / node).glob("iter_*/rank_*")) == [
+            f"iter_000000{i}/rank_0000{r}" for i in (2, 3) for r in (0, 1)]
+
+    shutil.rmtree(root / "node1")  # node 1 replaced
+    latest, printed = resumed("replaced")
+    assert latest == 3 and (f"local checkpoint {root}/node0/iter_0000003: the part of rank 1 taken from its copy "
+                            "on another node") in printed, printed
+
+    # Rank 0's part of 3 damaged, its copy lost with node 1: 2 (rank 1's part again from its copy).
+    latest, printed = resumed("damaged", flips=["node0/iter_0000003/rank_00000/state.pt"])
+    assert latest == 2, printed
+    assert (f"local checkpoint {root}/node0/iter_0000003 is damaged (rank 0: state.pt differs from its checksum at "
+            "save); skipped") in printed, printed
+
+    latest, printed = resumed("repaired", [4], ["node0/iter_0000004/rank_00000/state.pt"])
+    assert latest == 4 and "the part of rank 0 taken from its copy" in printed, printed
