@@ -1,0 +1,77 @@
+"""The in-memory tier in real runs: two "nodes" of one rank each (started as torchrun starts ranks, with
+``LOCAL_WORLD_SIZE`` 1; each with its own memory directory, as two hosts' ``/dev/shm``) train with in-memory checkpoints every 3 steps and a persistent one every 5;
+node 1 is SIGKILLed, the job ends, node 1 is replaced (its memory directory gone) and the persistent checkpoint is
+damaged. The relaunch resumes from the in-memory checkpoint, rank 1's part from its copy on node 0, without
+reading the persistent checkpoint, and repeats the killed run's losses bit for bit."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from zaya_cli import KILLED_RUN, losses
+
+from megatron_zaya.checkpoint import CHECKSUMS
+
+FLAGS = KILLED_RUN + ["--save", "ck", "--save-interval", "5", "--zaya-memory-ckpt-interval", "3"]
+
+
+def _launch(directory, name: str, extra: list[str]) -> list[subprocess.Popen]:
+    """The two ranks of one job, each in its own session (a node), logging to ``<name><node>.log``."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for node in (0, 1):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "WORLD_SIZE": "2", "RANK": str(node), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+        with (directory / f"{name}{node}.log").open("w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "megatron_zaya.pretrain", *FLAGS, "--zaya-memory-ckpt-dir", f"mem{node}",
+                 *extra], cwd=directory, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env))
+    return procs
+
+
+def _kill_node(rank: subprocess.Popen) -> None:
+    """SIGKILL a node: its rank and the rank's helpers."""
+    os.killpg(rank.pid, signal.SIGKILL)
+    rank.wait()
+
+
+def test_a_node_killed_and_replaced_resumes_from_the_copy_on_its_peer(tmp_path):
+    procs = _launch(tmp_path, "killed", [])
+    log = tmp_path / "killed1.log"  # the last rank prints the iteration lines
+    deadline = time.time() + 300
+    while max(losses(log.read_text()), default=0) < 7 and procs[1].poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    _kill_node(procs[1])  # node 1 fails
+    _kill_node(procs[0])  # and the scheduler ends the job
+    killed = losses(log.read_text())
+    assert max(killed) >= 7, log.read_text()[-3000:]
+
+    saved = sorted(int(p.parent.parent.name[5:]) for p in (tmp_path / "mem0").glob(f"iter_*/rank_00001/{CHECKSUMS}"))
+    start = saved[-1]  # rank 1's newest part, as node 0 keeps it
+    assert start == 6 < max(killed), (saved, killed)
+    shutil.rmtree(tmp_path / "mem1")  # the replacement node's memory is empty
+    shard = tmp_path / "ck" / "iter_0000005" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[1000:1008] = bytes(b ^ 0xFF for b in data[1000:1008])
+    shard.write_bytes(bytes(data))
+
+    procs = _launch(tmp_path, "resumed", ["--exit-interval", str(start + 2)])
+    assert [p.wait(timeout=300) for p in procs] == [0, 0], (tmp_path / "resumed0.log").read_text()[-3000:]
+    output = (tmp_path / "resumed0.log").read_text()
+    assert (f"[zaya] local checkpoint mem0/iter_{start:07d}: the part of rank 1 taken from its copy on another node"
+            in output), output[-3000:]
+    assert f"[zaya] resuming from the local checkpoint mem0/iter_{start:07d} (the persistent one in --load: 5)" \
+        in output, output[-3000:]
+    assert "damaged" not in output  # the persistent checkpoint was not read
+    relaunch = losses((tmp_path / "resumed1.log").read_text())
+    assert min(relaunch) == start + 1 and max(relaunch) == start + 2, relaunch
+    both = [i for i in relaunch if i in killed]
+    assert both and all(relaunch[i] == killed[i] for i in both), (relaunch, killed)
