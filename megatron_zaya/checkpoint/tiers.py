@@ -124,10 +124,13 @@ def check_args(args) -> None:
             raise UsageError(f"{flag} does not work with --non-persistent-ckpt-type local; drop one of them")
     root = Path(args.non_persistent_local_ckpt_dir)
     probe = root / f".zaya-write-probe-{os.getpid()}"
+    existed = root.is_dir()
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"\0")
         probe.unlink()
+        if not existed:  # made again by the first save; a run refused later leaves nothing
+            root.rmdir()
     except OSError as error:
         raise UsageError(f"--non-persistent-local-ckpt-dir {root} is not writable ({error.strerror}); choose a "
                          "writable node-local directory") from error
