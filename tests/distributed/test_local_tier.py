@@ -192,3 +192,80 @@ def test_the_memory_tier_survives_a_lost_node_and_a_damaged_part(tmp_path):
 
     latest, printed = resumed("repaired", [4], ["node0/iter_0000004/rank_00000/state.pt"])
     assert latest == 4 and "the part of rank 0 taken from its copy" in printed, printed
+
+
+def _resume_then_save_until_killed(root, store, log, start):
+    """In a forked process, one rank: resume from the tier (the loaded state must be exactly the one saved at
+    that iteration; written to ``log``), then save iterations ``start``, ``start + 1``, ... of a 16 MiB state
+    until killed, logging each one saved."""
+    import itertools
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+
+    from megatron_zaya.checkpoint.local_tier import LocalTier
+    from megatron_zaya.patches import apply_patches
+
+    def state(iteration, fill=True):
+        big = torch.full((1 << 22,), float(iteration)) if fill else torch.zeros(1 << 22)
+        return {**_sharded_state(iteration, 0, 1, fill),
+                "big": ShardedTensor.from_rank_offsets("big", big, (0, 0, 1))}
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    apply_patches("cpu,checkpointing.local_tier")
+    ps.initialize_model_parallel()
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    with open(log, "a") as out:
+        tier = LocalTier(root, 2, None)
+        latest = tier.find_latest()
+        if latest >= 0:
+            loaded = tier.load()[0].to_state_dict(state(latest, fill=False), algo="fully_parallel",
+                                                  parallelization_group=group)
+            exact = all(torch.equal(loaded[k], v.data) for k, v in state(latest).items() if k != "iteration")
+            out.write(f"resumed {latest} {'exact' if exact and loaded['iteration'] == latest else 'differs'}\n")
+            out.flush()
+        os.fsync(out.fileno())
+        for iteration in itertools.count(start):
+            saved, _ = MCoreTensorAwareStateDict.from_state_dict(state(iteration), algo="fully_parallel",
+                                                                 parallelization_group=group)
+            LocalTier(root, 2, None).save(saved, iteration, is_async=False)
+            out.write(f"saved {iteration}\n")
+            out.flush()
+
+
+def test_sigkills_at_random_moments_of_a_write_leave_the_tier_resumable(tmp_path):
+    """Five processes killed (SIGKILL) at random moments of their in-memory saves; each next one resumes from
+    the newest part written, exactly, never older than the last save its predecessor reported."""
+    import random
+    import time
+
+    import torch.multiprocessing as mp
+    from gloo import FORKSERVER_PRELOAD
+
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(FORKSERVER_PRELOAD + [__name__])
+    root, log, chance = tmp_path / "mem", tmp_path / "log", random.Random(38)
+    reported = []
+    for launch in range(6):
+        process = context.Process(target=_resume_then_save_until_killed,
+                                  args=(str(root), str(tmp_path / f"store{launch}"), str(log), 1000 * (launch + 1)))
+        process.start()
+        if launch < 5:
+            while not log.is_file() or f"saved {1000 * (launch + 1)}\n" not in log.read_text():
+                assert process.is_alive(), log.read_text() if log.is_file() else "no log"
+                time.sleep(0.005)
+            time.sleep(chance.uniform(0.0, 0.3))
+            process.kill()
+            process.join()
+            reported.append(max(int(line.split()[1]) for line in log.read_text().splitlines() if "saved" in line))
+        else:
+            while "resumed" not in log.read_text().splitlines()[-1]:
+                time.sleep(0.005)
+            process.kill()
+    resumes = [line.split() for line in log.read_text().splitlines() if line.startswith("resumed")]
+    assert [r[2] for r in resumes] == ["exact"] * 5, resumes
+    assert all(int(r[1]) >= saved for r, saved in zip(resumes, reported, strict=True)), (resumes, reported)
