@@ -19,6 +19,17 @@ import torch
 
 CHUNK_BYTES = 64 << 20
 FILE_BYTES = 1 << 30
+ALIGN = 64  # each tensor starts at a multiple of this in the data, so that it is read back as a view
+
+
+def _offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Where each tensor of ``sizes`` bytes starts in the data, and the data's length."""
+    offsets, end = [], 0
+    for size in sizes:
+        start = -(-end // ALIGN) * ALIGN
+        offsets.append(start)
+        end = start + size
+    return offsets, end
 
 
 class HostPool:
@@ -119,8 +130,12 @@ def write_tensors(directory: Path, stem: str, tensors: list[torch.Tensor], limit
     """Write the bytes of ``tensors`` into ``directory/<stem>.NNN.bin``; returns each tensor's dtype and shape,
     and ``{file: [size, crc32]}``. Device tensors go through ``pool`` (the process's pool by default)."""
     files = _DataFiles(Path(directory), stem, limit)
+    offsets, _ = _offsets([tensor.numel() * tensor.element_size() for tensor in tensors])
+    written = 0
     try:
-        for tensor in tensors:
+        for tensor, offset in zip(tensors, offsets, strict=True):
+            files.write(memoryview(bytes(offset - written)))
+            written = offset + tensor.numel() * tensor.element_size()
             flat = _bytes(tensor)
             if flat.device.type == "cpu":
                 if flat.numel():
@@ -136,7 +151,8 @@ def write_tensors(directory: Path, stem: str, tensors: list[torch.Tensor], limit
 def read_tensors(directory: Path, stem: str, specs: list[tuple[str, tuple[int, ...]]]) -> list[torch.Tensor]:
     """The tensors :func:`write_tensors` wrote, as views of one host buffer filled from the files in order."""
     sizes = [torch.Size(shape).numel() * getattr(torch, dtype).itemsize for dtype, shape in specs]
-    buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+    offsets, end = _offsets(sizes)
+    buffer = torch.empty(end, dtype=torch.uint8)
     view, offset = memoryview(buffer.numpy()), 0
     for path in sorted(Path(directory).glob(f"{stem}.*.bin")):
         with path.open("rb") as stream:
@@ -144,8 +160,5 @@ def read_tensors(directory: Path, stem: str, specs: list[tuple[str, tuple[int, .
                 offset += got
     if offset != buffer.numel():
         raise ValueError(f"{directory}: {stem} files hold {offset} bytes, the tensors {buffer.numel()}")
-    tensors, start = [], 0
-    for (dtype, shape), size in zip(specs, sizes, strict=True):
-        tensors.append(buffer[start:start + size].view(getattr(torch, dtype)).view(shape))
-        start += size
-    return tensors
+    return [buffer[start:start + size].view(getattr(torch, dtype)).view(shape)
+            for (dtype, shape), size, start in zip(specs, sizes, offsets, strict=True)]
