@@ -7,17 +7,21 @@ Trains ZAYA1 (``zaya1-8b-shallow``: ZAYA1-8B's width, 8 layers; ``--num-layers``
 * ``sync``: Megatron's synchronous ``torch_dist`` save to ``--save`` (``--dir``);
 * ``async``: the same with ``--async-save`` (Megatron's background writer);
 * ``local``: the local tier (``--non-persistent-ckpt-type local``) in ``--local-dir`` (e.g. ``/dev/shm``),
-  with ``--async-save``; ``local_sync``: without it.
+  with ``--async-save``; ``local_sync``: without it;
+* ``memory``: the in-memory tier (``--zaya-memory-ckpt-interval``) in ``--local-dir``, written by the training
+  process through its pinned host pool (no device copy); ``memory_async``: with ``--async-save`` (device copies
+  within the free memory, written by the background writer).
 
 Per mode it prints, from Megatron's log: the save call (Megatron's ``save-checkpoint`` timer: what the loop
 waits for in the call), the loop's excess time per save (every iteration from the first save on, against the
 ``none`` run's median iteration: includes a background write's slowdown of the steps and its finalization),
 the total time of a save (from "saving checkpoint" to the line saying it is complete: for a background save,
 when the next step finalized it), the bytes per parameter of one checkpoint (its files over the parameters the
-memory planner counts), and for the background writer its peak device memory (``nvidia-smi``, the processes of
-the run other than the trainer). The table is printed again after each mode. Persistent checkpoints beyond the
-newest are deleted as the run goes (``--save-retain-interval``) and the local tier keeps one, so a mode holds
-two checkpoints at most (the newest and the one being written); they are deleted once the mode is summarized.
+memory planner counts), for the background writer its peak device memory (``nvidia-smi``, the processes of
+the run other than the trainer), and the trainer's peak device memory above the ``none`` run's (what the saves
+add). The table is printed again after each mode. Persistent checkpoints beyond the newest are deleted as the
+run goes (``--save-retain-interval``) and the local tiers keep one, so a mode holds two checkpoints at most (the
+newest and the one being written); they are deleted once the mode is summarized.
 At 10.98 bytes per parameter (measured on an H200), two of the 8-layer model's (2.2B parameters) fit a 64 GiB
 disk, and two of the 12-layer model's (3.0B) 128 GiB of host memory (``/dev/shm``).
 
@@ -33,6 +37,11 @@ written`` lines); an interval shorter than that measures the wait for the previo
 
 The last one saves once per mode, at the last step (``--iters`` equal to ``--interval``: Megatron then makes no
 extra save after it): 4 minutes for ``async`` and 5 for ``local`` on one H200 (``sync``: not measured yet).
+
+The in-memory tier against today's ``--async-save``, in one call::
+
+    python -m benchmarks.checkpoint_save --modes none,async,memory,memory_async --iters 60 --interval 25 \\
+        --extra "--dist-ckpt-workers 8" --dir /dev/shm/ckpt-bench --local-dir /dev/shm/ckpt-mem
 
 ``--smoke`` runs the ``test`` preset on any device (CPU: fp32, gloo) to check the script.
 """
@@ -63,6 +72,10 @@ MODES = {
     "local_sync": ["--save-interval", "1000000", "--non-persistent-ckpt-type", "local",
                    "--non-persistent-local-ckpt-dir", "{local}", "--non-persistent-save-interval", "{interval}",
                    "--zaya-local-ckpt-keep", "1"],
+    "memory": ["--save-interval", "1000000", "--zaya-memory-ckpt-interval", "{interval}", "--zaya-memory-ckpt-keep",
+               "1", "--zaya-memory-ckpt-dir", "{local}"],
+    "memory_async": ["--save-interval", "1000000", "--zaya-memory-ckpt-interval", "{interval}",
+                     "--zaya-memory-ckpt-keep", "1", "--zaya-memory-ckpt-dir", "{local}", "--async-save"],
 }
 STAMP = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\]"
 STARTED = re.compile(STAMP + r" saving checkpoint at iteration\s+(\d+) to (\S+)")
@@ -94,7 +107,7 @@ def command(mode: str, args) -> list[str]:
 
 
 def _watch_device_memory(trainer: int, peak: dict, stop: threading.Event) -> None:
-    """Peak device memory (MiB) of the run's processes other than the trainer (the background writer)."""
+    """Peak device memory (MiB) of the trainer and of the run's other processes (the background writer)."""
     while not stop.wait(0.5):
         try:
             table = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,"
@@ -103,7 +116,9 @@ def _watch_device_memory(trainer: int, peak: dict, stop: threading.Event) -> Non
             return
         for line in table.strip().splitlines():
             pid, used = (int(x) for x in line.split(","))
-            if pid != trainer and _group(pid) == trainer:  # (n/a where nvidia-smi sees another PID namespace)
+            if pid == trainer:
+                peak["trainer"] = max(peak.get("trainer", 0), used)
+            elif _group(pid) == trainer:  # (n/a where nvidia-smi sees another PID namespace)
                 peak["writer"] = max(peak.get("writer", 0), used)
 
 
@@ -133,7 +148,7 @@ def run(mode: str, args) -> dict:
     if code:
         sys.stderr.write(text[-5000:])
         raise SystemExit(f"{mode}: zaya-pretrain exited {code} (log: {log})")
-    result = dict(summarize(text, args.interval), writer_mib=peak.get("writer"))
+    result = dict(summarize(text, args.interval), writer_mib=peak.get("writer"), trainer_mib=peak.get("trainer"))
     shutil.rmtree(Path(args.dir) / mode, ignore_errors=True)  # the next mode gets the storage to itself
     shutil.rmtree(args.local_dir, ignore_errors=True)
     return result
@@ -189,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
 def table(results: dict, count: float) -> str:
     base = results.get("none")
     baseline = statistics.median(ms for i, (ms, _) in base["iterations"].items() if i > 2) if base else None
-    lines = [f"\n{'mode':<11} {'saves':>5} {'save call ms':>13} {'loop excess ms/save':>20} {'total s/save':>13} "
-             f"{'bytes/param':>12} {'writer MiB':>11}   ({count / 1e6:.1f}M parameters, baseline "
+    lines = [f"\n{'mode':<12} {'saves':>5} {'save call ms':>13} {'loop excess ms/save':>20} {'total s/save':>13} "
+             f"{'bytes/param':>12} {'writer MiB':>11} {'trainer +MiB':>13}   ({count / 1e6:.1f}M parameters, baseline "
              f"{baseline or float('nan'):.0f} ms/iteration)"]
     for mode, r in results.items():
         saves = len(r["saved"])
@@ -202,8 +217,10 @@ def table(results: dict, count: float) -> str:
         total = statistics.mean(r["totals_s"]) if r["totals_s"] else float("nan")
         per_param = r.get("bytes") / count if r.get("bytes") else float("nan")
         writer = r.get("writer_mib") if r.get("writer_mib") is not None else "n/a"
-        lines.append(f"{mode:<11} {saves:>5} {call:>13.0f} {excess:>20.0f} {total:>13.2f} {per_param:>12.2f} "
-                     f"{writer:>11}")
+        extra = "n/a" if None in (r.get("trainer_mib"), (base or {}).get("trainer_mib")) else \
+            r["trainer_mib"] - base["trainer_mib"]
+        lines.append(f"{mode:<12} {saves:>5} {call:>13.0f} {excess:>20.0f} {total:>13.2f} {per_param:>12.2f} "
+                     f"{writer:>11} {extra:>13}")
     return "\n".join(lines)
 
 
