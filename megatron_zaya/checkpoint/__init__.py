@@ -4,7 +4,9 @@
 * :mod:`.integrity`: the files compared with their checksums; the step a tool or a resume loads.
 * :mod:`.model_io`: the arguments and architecture a step records; save and load by one process.
 * :mod:`.tiers`: background (``--async-save``) saves and the checkpoint-tier flags.
-* :mod:`.local_tier`: the node-local tier each rank writes between persistent saves.
+* :mod:`.local_tier`: the node-local tier each rank writes between persistent saves, and the in-memory tier.
+* :mod:`.staging`: a rank's tensors written in one pass, through a reusable host pool, checksummed as written.
+* :mod:`.peer_copy`: the in-memory tier's copies of each rank's part on another node.
 * :mod:`.resume`: a run resumes from its ``--save``; a fresh start into it only when asked.
 * :mod:`.save_lock`: one run at a time writes into a ``--save`` directory.
 * :mod:`.save_failures`: a ``--save`` that cannot take the next checkpoint, and a save that fails.
