@@ -57,6 +57,9 @@ def _check_memory_tier(args) -> None:
         raise UsageError(f"--zaya-memory-ckpt-keep {args.zaya_memory_ckpt_keep}: keep at least 1 in-memory checkpoint")
     if not args.save:
         raise UsageError("--zaya-memory-ckpt-interval needs --save: in-memory checkpoints sit between persistent ones")
+    if not getattr(args, "use_gloo_process_groups", True):
+        raise UsageError("--zaya-memory-ckpt-interval copies each rank's part to another node over the data-parallel "
+                         "gloo group; drop --disable-gloo-process-groups")
     implied = ("local", memory_dir(args.zaya_memory_ckpt_dir, args.save), interval)
     if (args.non_persistent_ckpt_type, args.non_persistent_local_ckpt_dir, args.non_persistent_save_interval) != implied:
         raise UsageError("--zaya-memory-ckpt-interval is Megatron's local non-persistent checkpoint in host memory; "
