@@ -243,7 +243,7 @@ class LocalTier:
                 _warn(f"local checkpoint {root / step_name(it)} is incomplete (no part from rank "
                       f"{', '.join(map(str, missing[:8]))}{' ...' if len(missing) > 8 else ''}); skipped")
                 continue
-            problems = self._damage(it, parts) if it in parts else ["missing"]
+            problems = self._damage(it, parts) if it in parts else ["its part is missing"]
             if self.peer:
                 problems = self._take_copies(it, bool(problems) and it in has_copy[rank],
                                              [k for _, _, k in everyone], problems)
@@ -267,8 +267,9 @@ class LocalTier:
         in its place; returns what is still wrong with this rank's part."""
         needs = _gather(need)
         received = peer_copy.fetch(needs, keepers, self._part(iteration), functools.partial(self._part, iteration))
-        if need and received:
-            problems = self._damage(iteration, {iteration: self._part(iteration)})
+        if need:
+            problems = (self._damage(iteration, {iteration: self._part(iteration)}) if received else
+                        problems + ["its copy on another node differs from its checksums"])
         taken = _gather(received and not problems)
         if torch.distributed.get_rank() == 0 and any(taken):
             print(f"[zaya] local checkpoint {Path(self.local_ckpt_dir) / step_name(iteration)}: the part of rank "

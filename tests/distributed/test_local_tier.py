@@ -238,7 +238,7 @@ def _resume_then_save_until_killed(root, store, log, start):
 
 
 def test_sigkills_at_random_moments_of_a_write_leave_the_tier_resumable(tmp_path):
-    """Five processes killed (SIGKILL) at random moments of their in-memory saves; each next one resumes from
+    """Four processes killed (SIGKILL) at random moments of their in-memory saves; each next one resumes from
     the newest part written, exactly, never older than the last save its predecessor reported."""
     import random
     import time
@@ -250,11 +250,11 @@ def test_sigkills_at_random_moments_of_a_write_leave_the_tier_resumable(tmp_path
     context.set_forkserver_preload(FORKSERVER_PRELOAD + [__name__])
     root, log, chance = tmp_path / "mem", tmp_path / "log", random.Random(38)
     reported = []
-    for launch in range(6):
+    for launch in range(5):
         process = context.Process(target=_resume_then_save_until_killed,
                                   args=(str(root), str(tmp_path / f"store{launch}"), str(log), 1000 * (launch + 1)))
         process.start()
-        if launch < 5:
+        if launch < 4:
             while not log.is_file() or f"saved {1000 * (launch + 1)}\n" not in log.read_text():
                 assert process.is_alive(), log.read_text() if log.is_file() else "no log"
                 time.sleep(0.005)
@@ -267,5 +267,5 @@ def test_sigkills_at_random_moments_of_a_write_leave_the_tier_resumable(tmp_path
                 time.sleep(0.005)
             process.kill()
     resumes = [line.split() for line in log.read_text().splitlines() if line.startswith("resumed")]
-    assert [r[2] for r in resumes] == ["exact"] * 5, resumes
+    assert [r[2] for r in resumes] == ["exact"] * 4, resumes
     assert all(int(r[1]) >= saved for r, saved in zip(resumes, reported, strict=True)), (resumes, reported)
