@@ -42,7 +42,7 @@ def _tier_on_ranks(rank, world, root, saves):
     return result if isinstance(result, str) else (result, printed.getvalue())
 
 
-def _save_and_resume(rank, world, root, saves, peer=False, flips=()):
+def _save_and_resume(rank, world, root, saves, peer=False, flips=(), background=False):
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
@@ -56,7 +56,11 @@ def _save_and_resume(rank, world, root, saves, peer=False, flips=()):
         for iteration in saves:
             state, _ = MCoreTensorAwareStateDict.from_state_dict(
                 _sharded_state(iteration, rank, world), algo="fully_parallel", parallelization_group=group)
-            LocalTier(root, 2, None, peer).save(state, iteration, is_async=False)
+            request = LocalTier(root, 2, None, peer).save(state, iteration, is_async=background)
+            if background:  # as Megatron's writer runs it, then its finalization on every rank
+                request.async_fn(*request.async_fn_args[:1], request.preload_fn(), *request.async_fn_args[2:])
+                for finalize in request.finalize_fns:
+                    finalize()
         torch.distributed.barrier()
         for path in flips if rank == 0 else ():
             _flip(Path(path))
@@ -148,27 +152,31 @@ def test_a_background_save_keeps_the_state_of_its_step(tmp_path):
     assert loaded["sharded"] == [700.0, 701.0, 702.0, 703.0], loaded
 
 
-def _memory_tier_on_nodes(rank, world, root, saves, flips):
+def _memory_tier_on_nodes(rank, world, root, saves, flips, background):
     """Each rank a node of its own (``LOCAL_WORLD_SIZE`` 1) with its own directory ``root/node<rank>``: save
-    ``saves`` with copies on the other node, damage the files ``flips`` (relative to ``root``), then resume:
-    ``((find_latest, the loaded state's values), what it printed)``."""
+    ``saves`` (in the background: the copies are sent at the finalization) with copies on the other node, damage
+    the files ``flips`` (relative to ``root``), then resume: ``((find_latest, the loaded state's values), what
+    it printed)``."""
     import os
 
     os.environ["LOCAL_WORLD_SIZE"] = "1"
     printed = io.StringIO()
     with contextlib.redirect_stderr(printed), contextlib.redirect_stdout(printed):
-        result = _save_and_resume(rank, world, f"{root}/node{rank}", saves, peer=True, flips=[f"{root}/{f}" for f in flips])
+        result = _save_and_resume(rank, world, f"{root}/node{rank}", saves, peer=True,
+                                  flips=[f"{root}/{f}" for f in flips], background=background)
     return result, printed.getvalue()
 
 
 def test_the_memory_tier_survives_a_lost_node_and_a_damaged_part(tmp_path):
     """Two "nodes" of one rank: each keeps its newest two parts and the other's copies; after node 1 is replaced
     (its memory empty) the resume takes rank 1's part from node 0's copy, exactly; a damaged part is taken from
-    its copy, and without an intact copy the iteration is skipped for the newest intact one."""
+    its copy (sent by a background save), and without an intact copy the iteration is skipped for the newest
+    intact one."""
     root = tmp_path / "mem"
 
-    def resumed(name, saves=(), flips=()):
-        results = run_ranks(_memory_tier_on_nodes, 2, tmp_path / name, str(root), list(saves), list(flips))
+    def resumed(name, saves=(), flips=(), background=False):
+        results = run_ranks(_memory_tier_on_nodes, 2, tmp_path / name, str(root), list(saves), list(flips),
+                            background)
         for rank, ((latest, loaded), _) in enumerate(results):
             assert loaded == {"sharded": [100.0 * latest + 10 * rank + i for i in range(4)],
                               "replicated": [100.0 * latest + i for i in range(4)], "iteration": latest}, loaded
@@ -190,7 +198,7 @@ def test_the_memory_tier_survives_a_lost_node_and_a_damaged_part(tmp_path):
     assert (f"local checkpoint {root}/node0/iter_0000003 is damaged (rank 0: state.pt differs from its checksum at "
             "save); skipped") in printed, printed
 
-    latest, printed = resumed("repaired", [4], ["node0/iter_0000004/rank_00000/state.pt"])
+    latest, printed = resumed("repaired", [4], ["node0/iter_0000004/rank_00000/state.pt"], background=True)
     assert latest == 4 and "the part of rank 0 taken from its copy" in printed, printed
 
 
