@@ -1,24 +1,28 @@
-"""A rank's checkpoint tensors written to files in one pass: device tensors staged through a reusable host pool
-in chunks, each byte checksummed as it is written, never read back.
+"""A rank's checkpoint tensors written to files in one pass: device tensors staged through reusable host pools in
+chunks, each byte checksummed as it is written, never read back.
 
-:func:`write_tensors` writes the raw bytes of a list of tensors, one after the other, into data files of at
-most :data:`FILE_BYTES` each (so that a resume checks them in parallel threads), and returns their sizes and
-CRC-32 for the checksum record (:func:`~.format.write_checksums`). A host tensor is written from its own
-memory. A device tensor is copied chunk by chunk into the :class:`HostPool`'s buffers (pinned, on a stream of
-its own) while the previous chunk is written: the device holds no copy of the state, and the host holds two
-chunks beyond the files. :func:`read_tensors` reads them back into one host buffer.
+:func:`write_tensors` lays the raw bytes of a list of tensors out one after the other (each aligned to
+:data:`ALIGN`) and writes them as data files of at most :data:`FILE_BYTES`, :data:`THREADS` files at a time,
+and returns their sizes and CRC-32 for the checksum record (:func:`~.format.write_checksums`); the files also
+let a resume check them in parallel. A host tensor is written from its own memory. A device tensor is copied
+chunk by chunk into a :class:`HostPool`'s buffers (pinned, on a stream of its own) while the previous chunk is
+written: the device holds no copy of the state, and the host two chunks per writing thread beyond the files.
+:func:`read_tensors` reads them back into one host buffer.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import queue
 import zlib
 from pathlib import Path
 
 import torch
 
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = 32 << 20
 FILE_BYTES = 1 << 30
+THREADS = 8
 ALIGN = 64  # each tensor starts at a multiple of this in the data, so that it is read back as a view
 
 
@@ -76,15 +80,7 @@ def _write_chunk(event, view: torch.Tensor, write) -> None:
     write(memoryview(view.numpy()))
 
 
-_pool: HostPool | None = None
-
-
-def host_pool() -> HostPool:
-    """The process's pool, made at its first device save."""
-    global _pool
-    if _pool is None:
-        _pool = HostPool()
-    return _pool
+_pools: queue.SimpleQueue = queue.SimpleQueue()  # the process's pools, one per writing thread, reused by every save
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -92,60 +88,58 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-class _DataFiles:
-    """Files ``<stem>.000.bin``, ``<stem>.001.bin``, ... of at most ``limit`` bytes, checksummed as written."""
-
-    def __init__(self, directory: Path, stem: str, limit: int):
-        self.directory, self.stem, self.limit = directory, stem, limit
-        self.table: dict[str, list[int]] = {}
-        self.stream = None
-
-    def _next(self) -> None:
-        self.close()
-        name = f"{self.stem}.{len(self.table):03d}.bin"
-        self.table[name] = [0, 0]
-        self.name, self.stream = name, (self.directory / name).open("wb")
-
-    def write(self, data: memoryview) -> None:
-        data = data.cast("B")
-        while len(data):
-            if self.stream is None or self.table[self.name][0] == self.limit:
-                self._next()
-            size, crc = self.table[self.name]
-            part = data[: self.limit - size]
-            self.stream.write(part)
-            self.table[self.name] = [size + len(part), zlib.crc32(part, crc)]
-            data = data[len(part):]
-
-    def close(self) -> None:
-        if self.stream is not None:
-            self.stream.flush()
-            os.fsync(self.stream.fileno())  # the checksum record, written after, must not outlive the data
-            self.stream.close()
-            self.stream = None
+def _pieces(sizes: list[int], offsets: list[int], low: int, high: int) -> list[tuple[int, int, int, int]]:
+    """(tensor, first byte in it, bytes, position in the data) of the tensor bytes in the data's [low, high)."""
+    return [(i, max(start, low) - start, min(start + size, high) - max(start, low), max(start, low))
+            for i, (size, start) in enumerate(zip(sizes, offsets)) if start < high and start + size > low]
 
 
 def write_tensors(directory: Path, stem: str, tensors: list[torch.Tensor], limit: int = FILE_BYTES,
-                  pool: HostPool | None = None) -> tuple[list[tuple[str, tuple[int, ...]]], dict[str, list[int]]]:
-    """Write the bytes of ``tensors`` into ``directory/<stem>.NNN.bin``; returns each tensor's dtype and shape,
-    and ``{file: [size, crc32]}``. Device tensors go through ``pool`` (the process's pool by default)."""
-    files = _DataFiles(Path(directory), stem, limit)
-    offsets, _ = _offsets([tensor.numel() * tensor.element_size() for tensor in tensors])
-    written = 0
-    try:
-        for tensor, offset in zip(tensors, offsets, strict=True):
-            files.write(memoryview(bytes(offset - written)))
-            written = offset + tensor.numel() * tensor.element_size()
-            flat = _bytes(tensor)
-            if flat.device.type == "cpu":
-                if flat.numel():
-                    files.write(memoryview(flat.numpy()))
-            else:
-                (pool or host_pool()).copy_out([flat], files.write)
-    finally:
-        files.close()
+                  threads: int = THREADS) -> tuple[list[tuple[str, tuple[int, ...]]], dict[str, list[int]]]:
+    """Write the bytes of ``tensors`` into ``directory/<stem>.NNN.bin``, a file per thread at a time (writes and
+    CRC-32 release the GIL); returns each tensor's dtype and shape, and ``{file: [size, crc32]}``. Device tensors
+    go through a :class:`HostPool` per thread."""
+    sizes = [tensor.numel() * tensor.element_size() for tensor in tensors]
+    offsets, end = _offsets(sizes)
+    flats = [_bytes(tensor) for tensor in tensors]
+    if any(flat.is_cuda for flat in flats):  # the writing threads' streams cannot wait on this thread's
+        torch.cuda.current_stream().synchronize()
+    names = [f"{stem}.{i:03d}.bin" for i in range(-(-end // limit))]
+
+    def write_file(index: int) -> list[int]:
+        low, high = index * limit, min(end, (index + 1) * limit)
+        crc, position = 0, low
+
+        def write(view: memoryview) -> None:
+            nonlocal crc
+            stream.write(view)
+            crc = zlib.crc32(view, crc)
+
+        with (Path(directory) / names[index]).open("wb") as stream:
+            for tensor, first, length, at in _pieces(sizes, offsets, low, high):
+                write(memoryview(bytes(at - position)))  # alignment
+                piece = flats[tensor][first:first + length]
+                if piece.device.type == "cpu":
+                    write(memoryview(piece.numpy()))
+                else:
+                    try:
+                        pool = _pools.get_nowait()
+                    except queue.Empty:
+                        pool = HostPool()
+                    try:
+                        pool.copy_out([piece], write)
+                    finally:
+                        _pools.put(pool)
+                position = at + length
+            write(memoryview(bytes(high - position)))
+            stream.flush()
+            os.fsync(stream.fileno())  # the checksum record, written after, must not outlive the data
+        return [high - low, crc]
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(names)))) as workers:
+        table = dict(zip(names, workers.map(write_file, range(len(names))), strict=True))
     specs = [(str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)) for tensor in tensors]
-    return specs, files.table
+    return specs, table
 
 
 def read_tensors(directory: Path, stem: str, specs: list[tuple[str, tuple[int, ...]]]) -> list[torch.Tensor]:
