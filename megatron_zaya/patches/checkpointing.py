@@ -82,6 +82,46 @@ def one_write_in_flight() -> None:
     replace_attr(training, "save_checkpoint", save_checkpoint)
 
 
+@register("checkpointing.one_writer_per_run", target="megatron.training.training.train")
+def one_writer_per_run() -> None:
+    """With ``--async-save --use-persistent-ckpt-worker``, the background writer that the run's first save started
+    also writes the save after the last step, and ends with the run.
+
+    Megatron's ``train`` finalizes the writes in flight at its end and closes the writer
+    (``maybe_finalize_async_save(blocking=True, terminate=True)``, training.py:4120); ``pretrain`` then saves
+    the last step when it is off the save interval (training.py:1441), which starts a new writer process:
+    14.5-17.7 s for the 8-layer model on one H200 (docs/benchmarks.md), before ``pretrain`` closes that one
+    (training.py:1514). Wraps the names ``train`` and ``maybe_finalize_async_save`` that
+    ``megatron.training.training`` holds: inside ``train`` a terminating call finalizes the writes but leaves
+    the writer open; a ``train`` that raises (``sys.exit`` at ``--exit-interval`` or on a signal, an error)
+    closes it on its way out, as before, and ``pretrain``'s own call closes it at the end.
+    Off: leave ``checkpointing.one_writer_per_run`` out of ``--zaya-patches`` (the last save starts a writer).
+    """
+    import megatron.training.training as training
+
+    original_train, original_finalize = training.train, training.maybe_finalize_async_save
+    inside = [False]
+
+    @functools.wraps(original_finalize)
+    def maybe_finalize_async_save(blocking: bool = False, terminate: bool = False):
+        return original_finalize(blocking=blocking, terminate=terminate and not inside[0])
+
+    @functools.wraps(original_train)
+    def train(*args, **kwargs):
+        inside[0] = True
+        try:
+            return original_train(*args, **kwargs)
+        except BaseException:
+            inside[0] = False
+            original_finalize(blocking=True, terminate=True)
+            raise
+        finally:
+            inside[0] = False
+
+    replace_attr(training, "maybe_finalize_async_save", maybe_finalize_async_save)
+    replace_attr(training, "train", train)
+
+
 @register("checkpointing.loss_curve_at_saves", target="megatron.training.training.save_checkpoint",
           wraps=("checkpointing.one_write_in_flight",))
 def loss_curve_at_saves() -> None:

@@ -195,3 +195,32 @@ def test_latest_moves_only_past_a_checked_save_whose_checksums_the_writers_recor
         with _AtomicTrackerStorage(maybe_msc).open(str(tmp_path / TRACKER), "w") as f:
             f.write("2")
     assert (tmp_path / TRACKER).read_text() == "1" and not list(tmp_path.glob(f"{TRACKER}.tmp-*"))
+
+
+def test_the_background_writer_lives_until_the_run_ends(monkeypatch):
+    """``checkpointing.one_writer_per_run``: the writer-closing call at the end of Megatron's ``train`` only
+    finalizes (``pretrain`` then saves the last step with the same writer and closes it); a ``train`` that
+    raises (``sys.exit`` at ``--exit-interval``) closes it on the way out."""
+    import megatron.training.training as training
+
+    from megatron_zaya.patches.checkpointing import one_writer_per_run
+
+    calls = []
+
+    def train(stop: bool):  # what Megatron's ends with (training.py:4120), then its sys.exit on early exits
+        training.maybe_finalize_async_save(blocking=True, terminate=True)
+        if stop:
+            sys.exit(0)
+        return "trained"
+
+    monkeypatch.setattr(training, "train", train)
+    monkeypatch.setattr(training, "maybe_finalize_async_save",
+                        lambda blocking=False, terminate=False: calls.append((blocking, terminate)))
+    one_writer_per_run()
+    assert training.train(False) == "trained" and calls == [(True, False)]
+    training.maybe_finalize_async_save(blocking=True, terminate=True)  # pretrain's, after its last save
+    assert calls[-1] == (True, True)
+    calls.clear()
+    with pytest.raises(SystemExit):
+        training.train(True)
+    assert calls == [(True, False), (True, True)]
