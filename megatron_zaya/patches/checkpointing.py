@@ -93,8 +93,9 @@ def one_writer_per_run() -> None:
     14.5-17.7 s for the 8-layer model on one H200 (docs/benchmarks.md), before ``pretrain`` closes that one
     (training.py:1514). Wraps the names ``train`` and ``maybe_finalize_async_save`` that
     ``megatron.training.training`` holds: inside ``train`` a terminating call finalizes the writes but leaves
-    the writer open; a ``train`` that raises (``sys.exit`` at ``--exit-interval`` or on a signal, an error)
-    closes it on its way out, as before, and ``pretrain``'s own call closes it at the end.
+    the writer open; a ``train`` that exits (``sys.exit`` at ``--exit-interval`` or on a signal) closes it on
+    its way out, as before, and ``pretrain``'s own call closes it at the end (an error leaves it, a daemon
+    process, to end with the trainer, as before).
     Off: leave ``checkpointing.one_writer_per_run`` out of ``--zaya-patches`` (the last save starts a writer).
     """
     import megatron.training.training as training
@@ -111,7 +112,7 @@ def one_writer_per_run() -> None:
         inside[0] = True
         try:
             return original_train(*args, **kwargs)
-        except BaseException:
+        except SystemExit:  # every rank leaves together (its writes already finalized): no lone collective
             inside[0] = False
             original_finalize(blocking=True, terminate=True)
             raise
