@@ -82,7 +82,8 @@ def one_write_in_flight() -> None:
     replace_attr(training, "save_checkpoint", save_checkpoint)
 
 
-@register("checkpointing.one_writer_per_run", target="megatron.training.training.train")
+@register("checkpointing.one_writer_per_run", target="megatron.training.training.train",
+          wraps=("training_loop.frozen_setup_objects",))
 def one_writer_per_run() -> None:
     """With ``--async-save --use-persistent-ckpt-worker``, the background writer that the run's first save started
     also writes the save after the last step, and ends with the run.

@@ -152,7 +152,8 @@ def zaya_pretrain_parser() -> argparse.ArgumentParser:
 
 
 # The flags zaya-pretrain reads before Megatron parses the command line: they choose the flags it gives Megatron
-# (preset, main job, implied --load, save on SIGTERM, garbage collection), the patches, and the memory plan.
+# (preset, main job, implied --load, save on SIGTERM, garbage collection, the in-memory tier), the patches, and the
+# memory plan.
 EARLY_FLAGS = frozenset({
     "--zaya-preset", "--zaya-patches", "--zaya-memory-plan", "--zaya-vocab-size", "--zaya-sigterm-deadline",
     "--zaya-overwrite-save", "--vocab-size", "--tokenizer-type", "--data-path", "--train-data-path",
