@@ -107,6 +107,7 @@ def end_data_workers_at_exit() -> None:
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
     def shut_down():
+        gc.unfreeze()  # set-up's objects, frozen by training_loop.frozen_setup_objects, are hidden from get_objects
         for live in gc.get_objects():
             if type(live) is _MultiProcessingDataLoaderIter:  # (isinstance would ask dead weak proxies too)
                 live._shutdown_workers()
