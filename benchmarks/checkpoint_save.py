@@ -10,7 +10,10 @@ Trains ZAYA1 (``zaya1-8b-shallow``: ZAYA1-8B's width, 8 layers; ``--num-layers``
   with ``--async-save``; ``local_sync``: without it;
 * ``memory``: the in-memory tier (``--zaya-memory-ckpt-interval``) in ``--local-dir``, written by the training
   process through its pinned host pool (no device copy); ``memory_async``: with ``--async-save`` (device copies
-  within the free memory, written by the background writer).
+  within the free memory, written by the background writer);
+* ``memory_restore``: the ``memory`` run SIGKILLed two steps after its second in-memory save, then launched
+  again: the load from the in-memory tier (Megatron's ``load-checkpoint`` timer, and from launch to the first
+  resumed step), and whether the first two resumed losses equal the killed run's.
 
 Per mode it prints, from Megatron's log: the save call (Megatron's ``save-checkpoint`` timer: what the loop
 waits for in the call), the loop's excess time per save (every iteration from the first save on, against the
@@ -42,6 +45,8 @@ The in-memory tier against today's ``--async-save``, in one call::
 
     python -m benchmarks.checkpoint_save --modes none,async,memory,memory_async --iters 60 --interval 25 \\
         --extra "--dist-ckpt-workers 8" --dir /dev/shm/ckpt-bench --local-dir /dev/shm/ckpt-mem
+    python -m benchmarks.checkpoint_save --modes memory_restore --iters 60 --interval 25 \\
+        --dir /dev/shm/ckpt-bench --local-dir /dev/shm/ckpt-mem
 
 ``--smoke`` runs the ``test`` preset on any device (CPU: fp32, gloo) to check the script.
 """
@@ -54,6 +59,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -74,12 +80,15 @@ MODES = {
                    "--zaya-local-ckpt-keep", "1"],
     "memory": ["--save-interval", "1000000", "--zaya-memory-ckpt-interval", "{interval}", "--zaya-memory-ckpt-keep",
                "1", "--zaya-memory-ckpt-dir", "{local}"],
+    "memory_restore": ["--save-interval", "1000000", "--zaya-memory-ckpt-interval", "{interval}",
+                       "--zaya-memory-ckpt-keep", "1", "--zaya-memory-ckpt-dir", "{local}"],
     "memory_async": ["--save-interval", "1000000", "--zaya-memory-ckpt-interval", "{interval}",
                      "--zaya-memory-ckpt-keep", "1", "--zaya-memory-ckpt-dir", "{local}", "--async-save"],
 }
 STAMP = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\]"
 STARTED = re.compile(STAMP + r" saving checkpoint at iteration\s+(\d+) to (\S+)")
 DONE = re.compile(STAMP + r" successfully saved (?:local )?checkpoint from iteration\s+(\d+)")
+LOAD = re.compile(r"^\s+load-checkpoint \.+: \(([0-9.]+), ([0-9.]+)\)", re.MULTILINE)
 CALL = re.compile(r"^\s+save-checkpoint(?:-non-persistent)? \.+: \(([0-9.]+), ([0-9.]+)\)", re.MULTILINE)
 
 
@@ -127,6 +136,40 @@ def _group(pid: int) -> int | None:
         return os.getpgid(pid)
     except ProcessLookupError:
         return None
+
+
+def restore(args) -> None:
+    """``memory_restore``: SIGKILL the ``memory`` run two steps after its second in-memory save, launch it
+    again, and print how long the load from the in-memory tier took and whether the losses repeat."""
+    shutil.rmtree(Path(args.dir) / "memory_restore", ignore_errors=True)
+    shutil.rmtree(args.local_dir, ignore_errors=True)
+    cmd, last = command("memory_restore", args), 2 * args.interval + 2
+    print("$ " + " ".join(cmd), flush=True)
+    logs = [Path(args.dir) / f"memory_restore-{name}.log" for name in ("killed", "resumed")]
+    logs[0].parent.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    for log in logs:  # SIGKILLed (the trainer and its helpers, as a crash) at step `last`, then after two steps
+        with log.open("w") as out:
+            started, first_step = time.time(), None
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+            while proc.poll() is None:
+                steps = iterations(log.read_text())
+                first_step = first_step or (time.time() - started if steps else None)
+                if (max(steps, default=0) >= last) if log is logs[0] else len(steps) >= 2:
+                    break
+                time.sleep(0.05)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    killed, resumed, text = iterations(logs[0].read_text()), iterations(logs[1].read_text()), logs[1].read_text()
+    load = [float(high) / 1000 for _, high in LOAD.findall(text)]
+    same = [resumed[i][1] == killed[i][1] for i in sorted(resumed) if i in killed]
+    tier = "the in-memory tier" if "resuming from the local checkpoint" in text else "NOT the in-memory tier"
+    print(f"\nmemory_restore: resumed at step {min(resumed, default=None)} from {tier}; load-checkpoint "
+          f"{load[-1] if load else float('nan'):.2f} s; launch to the first resumed step "
+          f"{first_step or float('nan'):.1f} s; losses equal to the killed run's at {sum(same)} of {len(same)} steps",
+          flush=True)
+    shutil.rmtree(Path(args.dir) / "memory_restore", ignore_errors=True)
+    shutil.rmtree(args.local_dir, ignore_errors=True)
 
 
 def run(mode: str, args) -> dict:
@@ -192,10 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="the test preset, anywhere (checks the script)")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.seq, args.iters, args.interval = 64, 6, 2
+        args.seq, args.iters, args.interval = 64, 8, 2
     count = parameters(args)
     results = {}
     for mode in args.modes.split(","):
+        if mode == "memory_restore":
+            restore(args)
+            continue
         results[mode] = run(mode, args)
         print(table(results, count), flush=True)  # the modes so far (a call's time limit may end the rest)
     return 0
