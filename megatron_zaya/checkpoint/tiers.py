@@ -1,8 +1,9 @@
 """Background (``--async-save``), local-tier and in-memory checkpoint saves: the flags they imply, the combinations
-refused before training starts (an in-memory tier larger than the node's free host memory among them), the copies a background save takes so that training goes on while it is written, the
-per-rank checksums the background writer records, and waiting for writes in flight.
+refused before training starts (an in-memory tier larger than the node's free host memory among them), the copies
+a background save takes so that training goes on while it is written, the per-rank checksums the background writer
+records, and waiting for writes in flight.
 
-How the tiers behave on faults: ``docs/reliability.md``. The local tier itself: :mod:`.local_tier`.
+How the tiers behave on faults: ``docs/reliability.md``. The local and in-memory tiers: :mod:`.local_tier`.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def _check_memory_tier(args) -> None:
         raise UsageError("--zaya-memory-ckpt-interval copies each rank's part to another node over the data-parallel "
                          "gloo group; drop --disable-gloo-process-groups")
     implied = ("local", memory_dir(args.zaya_memory_ckpt_dir, args.save), interval)
-    if (args.non_persistent_ckpt_type, args.non_persistent_local_ckpt_dir, args.non_persistent_save_interval) != implied:
+    given = (args.non_persistent_ckpt_type, args.non_persistent_local_ckpt_dir, args.non_persistent_save_interval)
+    if given != implied:
         raise UsageError("--zaya-memory-ckpt-interval is Megatron's local non-persistent checkpoint in host memory; "
                          "drop --non-persistent-ckpt-type, --non-persistent-local-ckpt-dir and "
                          "--non-persistent-save-interval, or drop --zaya-memory-ckpt-interval")

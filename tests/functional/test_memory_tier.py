@@ -1,8 +1,9 @@
 """The in-memory tier in real runs: two "nodes" of one rank each (started as torchrun starts ranks, with
-``LOCAL_WORLD_SIZE`` 1; each with its own memory directory, as two hosts' ``/dev/shm``) train with in-memory checkpoints every 3 steps and a persistent one every 5;
-node 1 is SIGKILLed, the job ends, node 1 is replaced (its memory directory gone) and the persistent checkpoint is
-damaged. The relaunch resumes from the in-memory checkpoint, rank 1's part from its copy on node 0, without
-reading the persistent checkpoint, and repeats the killed run's losses bit for bit."""
+``LOCAL_WORLD_SIZE`` 1; each with its own memory directory, as two hosts' ``/dev/shm``) train with in-memory
+checkpoints every 3 steps and a persistent one every 5; node 1 is SIGKILLed, the job ends, node 1 is replaced
+(its memory directory gone) and the persistent checkpoint is damaged. The relaunch resumes from the in-memory
+checkpoint, rank 1's part from its copy on node 0, without reading the persistent checkpoint, and repeats the
+killed run's losses bit for bit."""
 
 from __future__ import annotations
 
