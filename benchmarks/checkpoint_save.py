@@ -11,9 +11,10 @@ Trains ZAYA1 (``zaya1-8b-shallow``: ZAYA1-8B's width, 8 layers; ``--num-layers``
 * ``memory``: the in-memory tier (``--zaya-memory-ckpt-interval``) in ``--local-dir``, written by the training
   process through its pinned host pool (no device copy); ``memory_async``: with ``--async-save`` (device copies
   within the free memory, written by the background writer);
-* ``memory_restore``: the ``memory`` run SIGKILLed two steps after its second in-memory save, then launched
-  again: the load from the in-memory tier (Megatron's ``load-checkpoint`` timer, and from launch to the first
-  resumed step), and whether the first two resumed losses equal the killed run's.
+* ``memory_restore``: the ``memory`` run SIGKILLed a step after its second in-memory save (so it makes no
+  persistent save), then launched again: its save calls, the load from the in-memory tier (Megatron's
+  ``load-checkpoint`` timer, and from launch to the first resumed step), and whether the resumed losses equal
+  the killed run's.
 
 Per mode it prints, from Megatron's log: the save call (Megatron's ``save-checkpoint`` timer: what the loop
 waits for in the call), the loop's excess time per save (every iteration from the first save on, against the
@@ -139,11 +140,11 @@ def _group(pid: int) -> int | None:
 
 
 def restore(args) -> None:
-    """``memory_restore``: SIGKILL the ``memory`` run two steps after its second in-memory save, launch it
-    again, and print how long the load from the in-memory tier took and whether the losses repeat."""
+    """``memory_restore``: SIGKILL the ``memory`` run a step after its second in-memory save, launch it again,
+    and print how long the load from the in-memory tier took and whether the losses repeat."""
     shutil.rmtree(Path(args.dir) / "memory_restore", ignore_errors=True)
     shutil.rmtree(args.local_dir, ignore_errors=True)
-    cmd, last = command("memory_restore", args), 2 * args.interval + 2
+    cmd, last = command("memory_restore", args), 2 * args.interval + 1
     print("$ " + " ".join(cmd), flush=True)
     logs = [Path(args.dir) / f"memory_restore-{name}.log" for name in ("killed", "resumed")]
     logs[0].parent.mkdir(parents=True, exist_ok=True)
@@ -161,10 +162,12 @@ def restore(args) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     killed, resumed, text = iterations(logs[0].read_text()), iterations(logs[1].read_text()), logs[1].read_text()
+    calls = [float(high) / 1000 for _, high in CALL.findall(logs[0].read_text())]
     load = [float(high) / 1000 for _, high in LOAD.findall(text)]
     same = [resumed[i][1] == killed[i][1] for i in sorted(resumed) if i in killed]
     tier = "the in-memory tier" if "resuming from the local checkpoint" in text else "NOT the in-memory tier"
-    print(f"\nmemory_restore: resumed at step {min(resumed, default=None)} from {tier}; load-checkpoint "
+    print(f"\nmemory_restore: the killed run's in-memory saves blocked {', '.join(f'{c:.2f}' for c in calls)} s; "
+          f"resumed at step {min(resumed, default=None)} from {tier}; load-checkpoint "
           f"{load[-1] if load else float('nan'):.2f} s; launch to the first resumed step "
           f"{first_step or float('nan'):.1f} s; losses equal to the killed run's at {sum(same)} of {len(same)} steps",
           flush=True)
