@@ -130,6 +130,13 @@ def _warn(message: str) -> None:
         print(f"zaya-pretrain: warning: {message}", file=sys.stderr, flush=True)
 
 
+def remove_parts(root: str | os.PathLike) -> None:
+    """Delete this node's local checkpoints in ``root``: a run started afresh (``--zaya-overwrite-save``) must not
+    resume from the old run's."""
+    for step in Path(root).glob("iter_*"):
+        shutil.rmtree(step, ignore_errors=True)
+
+
 def tier_for(args) -> "LocalTier":
     """The tier of ``--non-persistent-ckpt-type local``: the in-memory tier (copies on another node, its own
     number kept) when ``--zaya-memory-ckpt-interval`` set it."""
@@ -188,13 +195,16 @@ class LocalTier:
 
     def _prune(self, iteration: int) -> None:
         """After ``iteration`` is complete on every rank: keep this rank's newest ``keep`` complete parts (and
-        copies), and remove those older than ``iteration`` that never completed (a crash during their write)."""
+        copies) up to it, remove those older than ``iteration`` that never completed (a crash during their write)
+        and the complete ones newer than it (left by a run that went further: a resume would take them)."""
         root, rank = Path(self.local_ckpt_dir), torch.distributed.get_rank()
         source = peer_copy.keeper_and_source()[1] if self.peer else None
         for owner in [rank] + ([source] if source is not None else []):
-            kept = set(sorted(_complete_parts(root, owner), reverse=True)[: self.keep])
+            complete = _complete_parts(root, owner)
+            kept = set(sorted((it for it in complete if it <= iteration), reverse=True)[: self.keep])
             for step in root.glob("iter_*"):
-                if step.name[5:].isdigit() and int(step.name[5:]) < iteration and int(step.name[5:]) not in kept:
+                it = int(step.name[5:]) if step.name[5:].isdigit() else None
+                if it is not None and (it < iteration and it not in kept or it > iteration and it in complete):
                     shutil.rmtree(step / f"rank_{owner:05d}", ignore_errors=True)
         for step in root.glob("iter_*"):
             try:

@@ -17,7 +17,7 @@ from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_and_validate_args, parse_args
 from megatron.training.global_vars import get_tokenizer
 
-from ..checkpoint import resume, save_lock
+from ..checkpoint import local_tier, resume, save_lock
 from ..checkpoint.format import describe_latest_checkpoint, read_tracker
 from ..checkpoint.save_failures import check_save_dir
 from ..checkpoint.tiers import ASYNC_FLAGS, check_host_memory, memory_tier_flags
@@ -238,6 +238,9 @@ def run(argv: list[str]) -> None:
                 print(line, flush=True)
             if args.zaya_overwrite_save:  # a fresh run: the failures of the old one are not its own
                 (Path(args.save) / LEDGER_FILE).unlink(missing_ok=True)
+        if args.zaya_overwrite_save and args.non_persistent_ckpt_type == "local" and \
+                os.environ.get("LOCAL_RANK", "0") == "0":  # one rank per node: the local tier is per node
+            local_tier.remove_parts(args.non_persistent_local_ckpt_dir)
     LEDGER.open(args.save)
     if not args.zaya_no_self_test:
         health.check_this_node()

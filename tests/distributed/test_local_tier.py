@@ -17,6 +17,7 @@ import pytest
 import torch
 from gloo import run_ranks
 
+from megatron_zaya.checkpoint import CHECKSUMS
 from megatron_zaya.errors import UsageError
 
 
@@ -171,7 +172,7 @@ def test_the_memory_tier_survives_a_lost_node_and_a_damaged_part(tmp_path):
     """Two "nodes" of one rank: each keeps its newest two parts and the other's copies; after node 1 is replaced
     (its memory empty) the resume takes rank 1's part from node 0's copy, exactly; a damaged part is taken from
     its copy (sent by a background save), and without an intact copy the iteration is skipped for the newest
-    intact one."""
+    intact one; a save removes the complete parts newer than it (a run started afresh)."""
     root = tmp_path / "mem"
 
     def resumed(name, saves=(), flips=(), background=False):
@@ -200,6 +201,9 @@ def test_the_memory_tier_survives_a_lost_node_and_a_damaged_part(tmp_path):
 
     latest, printed = resumed("repaired", [4], ["node0/iter_0000004/rank_00000/state.pt"], background=True)
     assert latest == 4 and "the part of rank 0 taken from its copy" in printed, printed
+
+    assert resumed("restarted", [1])[0] == 1  # a run that saves 1 removes the newer parts a resume would take
+    assert sorted(p.parent.parent.name for p in root.glob(f"node*/iter_*/rank_*/{CHECKSUMS}")) == ["iter_0000001"] * 4
 
 
 def _resume_then_save_until_killed(root, store, log, start):
