@@ -2,10 +2,10 @@
 the event ledger that names them.
 
 A first launch finds rank 1's node unhealthy (its self-test's GEMM returns a wrong element): exit 6, no restart.
-The relaunch (as Slurm's requeue without the node) then meets, under ``--max-restarts 2``: an exception on rank 1
+The relaunch (as Slurm's requeue without the node) then meets, under ``--max-restarts 3``: an exception on rank 1
 at step 5; rank 1 stopped with SIGSTOP after step 7, which rank 0's progress watchdog (``--zaya-watchdog-seconds``)
-declares a hang (exit 4). The last restart reaches step 9 with an uninterrupted run's losses. (A SIGKILL without a
-launcher, and a crash loop: test_reliability.py.)"""
+declares a hang (exit 4); rank 1 killed with SIGKILL after the next launch's step 7. The last restart reaches step 9
+with an uninterrupted run's losses. (A SIGKILL without a launcher, and a crash loop: test_reliability.py.)"""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def test_faults_under_torchrun_restart_from_the_newest_checkpoint_and_the_ledger
         node_excluded
 
     log = tmp_path / "run.log"
-    launcher = _zaya_torchrun(2, tmp_path, log, "first_crash@5@1")
+    launcher = _zaya_torchrun(3, tmp_path, log, "first_crash@5@1")
     try:
         stopped = _signal_rank_1_after(launcher, log, restart=1, step=7, signum=signal.SIGSTOP)
         deadline = time.time() + 120
@@ -84,6 +84,7 @@ def test_faults_under_torchrun_restart_from_the_newest_checkpoint_and_the_ledger
             assert launcher.poll() is None and time.time() < deadline, log.read_text()[-3000:]
             time.sleep(0.05)
         stopped.kill()  # what torchrun does to a worker that ignores its SIGTERM, 30 s later
+        _signal_rank_1_after(launcher, log, restart=2, step=7, signum=signal.SIGKILL)
         assert launcher.wait(timeout=300) == 0, log.read_text()[-3000:]
     finally:
         if launcher.poll() is None:  # the launch's session, a stopped rank included
@@ -103,7 +104,8 @@ def test_faults_under_torchrun_restart_from_the_newest_checkpoint_and_the_ledger
 
     events = [json.loads(line) for line in ledger.read_text().splitlines()]
     launches = [e for e in events if e["event"] in ("start", "restart")]
-    assert [(e["event"], e["step"]) for e in launches] == [("restart", 1), ("restart", 4), ("restart", 7)], events
+    assert [(e["event"], e["step"]) for e in launches] == [("restart", 1), ("restart", 4), ("restart", 7),
+                                                          ("restart", 7)], events
     assert launches[0]["cause"].startswith("node_excluded on rank 1 ("), launches[0]
     assert launches[1]["cause"].endswith("at step 5: RuntimeError: injected fault (ZAYA_FAULT_INJECT)"), launches[1]
     assert launches[1]["steps_lost"] == 1  # step 4 trained, its checkpoint was 3
@@ -117,7 +119,10 @@ def test_faults_under_torchrun_restart_from_the_newest_checkpoint_and_the_ledger
     assert hang["seconds_lost"] <= allowance + 1.5 and start_up < 60, (hang, start_up)
     assert launches[2]["seconds_lost"] == pytest.approx(hang["seconds_lost"] + start_up, abs=0.2), launches[2]
     assert launches[2]["steps_lost"] == step - 7
+    # Rank 1 killed leaves no line of its own: rank 0's collective fails at the next step and names the lost peer.
+    assert launches[3]["cause"].startswith("crash on rank 0 (") and "remote worker" in launches[3]["cause"], launches[3]
+    assert launches[3]["steps_lost"] == 1, launches[3]
     assert events[-1]["event"] == "end" and events[-1]["step"] == 9, events[-1]
     summary = [line for line in output.splitlines() if line.startswith("[zaya] event ledger ck/events.jsonl: ")]
-    assert summary[-1].startswith("[zaya] event ledger ck/events.jsonl: launches 3, restarts 3, hangs 1, crashes 2, "
+    assert summary[-1].startswith("[zaya] event ledger ck/events.jsonl: launches 4, restarts 4, hangs 1, crashes 3, "
                                   "skipped steps 0, damaged checkpoints skipped 0, nodes excluded 1; "), summary
