@@ -30,7 +30,7 @@ def _relaunch_on_all_gpus(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .runtime import one_line_for_missing_packages
+    from .runtime import is_rank_0, one_line_for_missing_packages
 
     argv = list(sys.argv[1:] if argv is None else argv)
     with one_line_for_missing_packages():  # what the command imports: Megatron's training stack
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         from .training.reliability import FAULT_EXIT_CODE
     if early_flags(argv).zaya_memory_plan is None:  # a memory plan is for the world size it names
         _relaunch_on_all_gpus(argv)
-    first_rank = os.environ.get("RANK", "0") == "0"
+    first_rank = is_rank_0()
     try:
         run(argv)
     except UsageError as error:

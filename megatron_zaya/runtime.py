@@ -121,7 +121,8 @@ START_LOG_NAME = "zaya-start.log"
 _OPTIONAL = {"Transformer Engine": "transformer engine", "Apex": "apex", "absl-py": "absl"}
 
 
-def _is_rank_0() -> bool:
+def is_rank_0() -> bool:
+    """Global rank 0 of a launch (the launcher's ``RANK``), or a process started without one."""
     return os.environ.get("RANK", "0") == "0"
 
 
@@ -174,7 +175,7 @@ def one_line_for_missing_packages():
             missing += [name for name in names if name not in missing]
         else:
             warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
-    if missing and _is_rank_0():
+    if missing and is_rank_0():
         print(f"[zaya] not installed: {', '.join(missing)}; Megatron uses its torch fallbacks (the same results; "
               "on GPU its fused norms and optimizer steps are slower)", flush=True)
 
@@ -183,10 +184,10 @@ def write_start_log(run_dir: str | None, applied: int, patches: int) -> None:
     """On rank 0, append :data:`START_LOG` to ``run_dir``'s :data:`START_LOG_NAME` (one section per launch)
     and print the one console line that names it. From then on, on every rank, Megatron's set-up detail
     (:data:`SET_UP_DETAIL_LOGGERS`) goes to that file too, not to the console."""
-    path = Path(run_dir) / START_LOG_NAME if run_dir and _is_rank_0() else None
+    path = Path(run_dir) / START_LOG_NAME if run_dir and is_rank_0() else None
     root = logging.getLogger()  # its handler: Megatron's console handler, installed when Megatron is imported
     root.handlers = [_SetUpDetailToFile(handler, path) for handler in root.handlers]
-    if not _is_rank_0():
+    if not is_rank_0():
         return
     summary = f"{applied} of {patches} patches applied"
     if path is None:

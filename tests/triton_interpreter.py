@@ -207,3 +207,25 @@ def install(monkeypatch, module: ModuleType) -> None:
     name = module.__name__
     monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(importlib.import_module(_PACKAGE), name.rsplit(".", 1)[1], module, raising=False)
+
+
+# The kernel modules the model's ops call (off a GPU, without the interpreter, the ops compute their references).
+MODEL_KERNELS = ("cca", "cross_entropy", "grouped_gemm", "residual_rmsnorm", "router", "sort_by_expert", "swiglu")
+
+
+def load_model_kernels() -> dict[str, ModuleType]:
+    """:data:`MODEL_KERNELS` loaded interpreted, by short name."""
+    return {name: load_kernel_module(f"{_PACKAGE}.{name}") for name in MODEL_KERNELS}
+
+
+def install_model_kernels(monkeypatch, modules: dict[str, ModuleType], around_launch) -> None:
+    """For the test: the model's ops import the interpreted ``modules`` (:func:`load_model_kernels`), and each
+    launch of their kernels runs inside ``around_launch(module name, kernel name)``, a context manager."""
+    for name, module in modules.items():
+        install(monkeypatch, module)
+        for kernel in (v for v in vars(module).values() if type(v).__name__ == "InterpretedFunction"):
+            def run(*args, _launch=kernel.run, _names=(name, kernel.fn.__name__), **kwargs):
+                with around_launch(*_names):
+                    return _launch(*args, **kwargs)
+
+            monkeypatch.setattr(kernel, "run", run)

@@ -30,7 +30,7 @@ from ..memory_plan import report as memory_plan_report
 from ..patches import apply_patches
 from ..patches.registry import check_selection as check_patch_selection
 from ..runtime import (START_LOG, end_data_workers_at_exit, end_helpers_with_this_process, free_master_port,
-                       write_start_log)
+                       is_rank_0, write_start_log)
 from . import health, reliability
 from .arguments import (ZAYA_FLAGS, add_zaya_args, check_args, check_data, early_flags, memory_plan_inputs,
                         preset_flags, zaya_pretrain_parser)
@@ -104,7 +104,7 @@ def build_argv(argv: list[str], cuda: bool) -> list[str]:
     if tp > 1 and not early.sequence_parallel:
         # Megatron's MoE layer trains under tensor parallelism only with sequence parallelism (moe_layer.py:629)
         flags += ["--sequence-parallel"]
-        if os.environ.get("RANK", "0") == "0":
+        if is_rank_0():
             print(f"[zaya] --tensor-model-parallel-size {tp} with ZAYA1's experts needs sequence parallelism: added "
                   "--sequence-parallel", flush=True)
     save = EMBEDDED_RUN_DIR if main_job and early.save is None else early.save  # `--save ""`: no checkpoints
@@ -232,7 +232,7 @@ def run(argv: list[str]) -> None:
     if args.save:
         check_save_dir(args.save)
         save_lock.lock_save_dir(args.save, args.zaya_save_lock_stale_after)
-        if int(os.environ.get("RANK", "0")) == 0:  # one rank deletes, and says what happens
+        if is_rank_0():  # one rank deletes, and says what happens
             line = resume.remove_checkpoints(args.save) if args.zaya_overwrite_save else resuming
             if line:
                 print(line, flush=True)
@@ -281,7 +281,7 @@ def _record_crash(args, cause: str) -> None:
 
 
 def _record_end(args, cause: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_rank_0():
         LEDGER.record("end", _step(args), cause)
 
 
@@ -297,7 +297,7 @@ def _guard_against_crash_loops(args) -> None:
                         f"({failing['node']}): {failing['cause']}; stopping instead of restarting (exit "
                         f"{CRASH_LOOP_EXIT_CODE}). Fix the cause and relaunch with a higher --zaya-max-step-failures, "
                         f"or skip the step's batch with --zaya-skip-failing-steps ({LEDGER.path})")
-    if failing and int(os.environ.get("RANK", "0")) == 0:
+    if failing and is_rank_0():
         LEDGER.record("skipped_step", failing["step"], f"failed in {args.zaya_max_step_failures} launches in a "
                       f"row, last: {failing['cause']}; its batch is skipped (--zaya-skip-failing-steps)", steps_lost=1)
     skipped = {e["step"] for e in events if e["event"] == "skipped_step"} | ({failing["step"]} if failing else set())

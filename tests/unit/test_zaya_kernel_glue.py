@@ -3,37 +3,35 @@ Triton kernels run by Triton's interpreter on CPU, equals the one built with non
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import pytest
 import torch
-from triton_interpreter import install, load_kernel_module
+from triton_interpreter import MODEL_KERNELS, install_model_kernels, load_model_kernels
 
 from megatron_zaya.config import KERNEL_OPS, zaya_config
 from megatron_zaya.pretrained import build_single_process_model
 
 ALL_OPS = ",".join(KERNEL_OPS)  # named ops take their kernel functions on any device
-# The kernel modules the model's ops call (off a GPU, without the interpreter, the ops compute their references).
-MODEL_KERNELS = ("cca", "cross_entropy", "grouped_gemm", "residual_rmsnorm", "router", "sort_by_expert", "swiglu")
 
 
 @pytest.fixture(scope="module")
 def interpreted():
-    return {name: load_kernel_module(f"megatron_zaya.kernels.{name}") for name in MODEL_KERNELS}
+    return load_model_kernels()
 
 
 @pytest.fixture
 def launches(interpreted, monkeypatch) -> Counter:
     """While the test runs, the model's ops import the interpreted kernel modules; counts the launches of each."""
     counts = Counter()
-    for name, module in interpreted.items():
-        install(monkeypatch, module)
-        for kernel in (v for v in vars(module).values() if type(v).__name__ == "InterpretedFunction"):
-            def run(*args, _launch=kernel.run, _name=name, **kwargs):
-                counts[_name] += 1
-                return _launch(*args, **kwargs)
 
-            monkeypatch.setattr(kernel, "run", run)
+    @contextlib.contextmanager
+    def count(module_name, kernel_name):
+        counts[module_name] += 1
+        yield
+
+    install_model_kernels(monkeypatch, interpreted, count)
     return counts
 
 
