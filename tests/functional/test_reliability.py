@@ -94,7 +94,8 @@ def test_a_step_failing_in_every_launch_stops_the_run_or_is_skipped(tmp_path):
     """Step 1 raises in every launch (``crash@1``) under zaya-torchrun --max-restarts 3 with --zaya-max-step-failures
     2: two launches fail at step 1, the third stops before training with one line naming the step, the rank and the
     error, exit 5, and the launcher leaves its last restart unused. --zaya-skip-failing-steps then skips step 1's
-    batch (Megatron consumes it: 8 skipped samples) and trains on; the ledger records it."""
+    batch (Megatron consumes it: 8 skipped samples) and trains on; the ledger records it. That launch's node fails
+    its self-test, which --zaya-no-self-test leaves out."""
     flags = QUICK + ["--train-iters", "3", "--save-interval", "3", "--save", "ck", "--zaya-max-step-failures", "2"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **with_faults("crash@1")}
     env.pop("WORLD_SIZE", None)
@@ -114,7 +115,9 @@ def test_a_step_failing_in_every_launch_stops_the_run_or_is_skipped(tmp_path):
     assert run.stderr.count("zaya-pretrain: error: step 1 failed") == 1
     assert "zaya-torchrun: a worker stopped on a crash loop; not restarted: exit 5" in run.stderr
 
-    skipping = pretrain(flags + ["--zaya-skip-failing-steps"], cwd=tmp_path, extra_env=with_faults("crash@1"))
+    # The node's self-test is broken too (bad_gemm): --zaya-no-self-test trains without it.
+    skipping = pretrain(flags + ["--zaya-skip-failing-steps", "--zaya-no-self-test"], cwd=tmp_path,
+                        extra_env=with_faults("crash@1,bad_gemm@0"))
     assert skipping.returncode == 0, skipping.stderr[-3000:]
     consumed = re.findall(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \| skipped samples:\s+(\d+)",
                           skipping.stdout)
