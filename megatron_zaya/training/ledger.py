@@ -142,7 +142,10 @@ def summary(events: list[dict], path: str | os.PathLike) -> str:
     named = [("restart", "restarts"), ("hang", "hangs"), ("crash", "crashes"), ("skipped_step", "skipped steps"),
              ("checkpoint_skipped", "damaged checkpoints skipped"), ("node_excluded", "nodes excluded")]
     parts = [f"launches {launches}"] + [f"{label} {counts.get(kind, 0)}" for kind, label in named]
-    costs = [e for e in events if e["event"] in ("restart", "skipped_step", "checkpoint_skipped")]
+    # A restart's steps_lost already counts the steps back to the checkpoint it loaded, past any damaged ones.
+    restarted = {e.get("launch") for e in events if e["event"] == "restart"}
+    costs = [e for e in events if e["event"] in ("restart", "skipped_step")
+             or (e["event"] == "checkpoint_skipped" and e.get("launch") not in restarted)]
     steps = sum(e.get("steps_lost") or 0 for e in costs)
     seconds = sum(e.get("seconds_lost") or 0.0 for e in costs)
     unknown = sum(e.get("seconds_lost") is None for e in costs)

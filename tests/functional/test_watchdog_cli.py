@@ -4,8 +4,9 @@ the event ledger that names them.
 A first launch finds rank 1's node unhealthy (its self-test's GEMM returns a wrong element): exit 6, no restart.
 The relaunch (as Slurm's requeue without the node) then meets, under ``--max-restarts 3``: an exception on rank 1
 at step 5; rank 1 stopped with SIGSTOP after step 7, which rank 0's progress watchdog (``--zaya-watchdog-seconds``)
-declares a hang (exit 4); rank 1 killed with SIGKILL after the next launch's step 7. The last restart reaches step 9
-with an uninterrupted run's losses. (A SIGKILL without a launcher, and a crash loop: test_reliability.py.)"""
+declares a hang (exit 4); rank 1 killed with SIGKILL after the next launch's step 7, and the newest checkpoint (6)
+damaged while the run is down (torchrun's agent stopped until both ranks are gone). The last restart resumes past it
+from 3 and reaches step 9 with an uninterrupted run's losses. (A SIGKILL without a launcher, and a crash loop: test_reliability.py.)"""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 from datetime import datetime
+from pathlib import Path
 
 import psutil
 import pytest
@@ -52,8 +54,8 @@ def _rank_1(launcher: psutil.Process, restart: int) -> psutil.Process | None:
     return None
 
 
-def _signal_rank_1_after(launcher, log, restart: int, step: int, signum) -> psutil.Process:
-    """Once ``restart``'s rank 1 has logged ``step``, send it ``signum``."""
+def _signal_rank_1_after(launcher, log, restart: int, step: int, signum, before=lambda: None) -> psutil.Process:
+    """Once ``restart``'s rank 1 has logged ``step``, call ``before()`` and send it ``signum``."""
     deadline = time.time() + 300
     while (rank := _rank_1(psutil.Process(launcher.pid), restart)) is None:
         assert launcher.poll() is None and time.time() < deadline, log.read_text()[-3000:]
@@ -62,8 +64,28 @@ def _signal_rank_1_after(launcher, log, restart: int, step: int, signum) -> psut
     while step not in losses(log.read_text()[start:]):
         assert launcher.poll() is None and time.time() < deadline, log.read_text()[-3000:]
         time.sleep(0.05)
+    before()
     rank.send_signal(signum)
     return rank
+
+
+def _damage_the_newest_checkpoint_while_down(launcher, killed: psutil.Process, save) -> Path:
+    """With the agent stopped (so it restarts nothing yet), wait until both ranks of the killed launch are gone,
+    flip bytes in a shard of the newest checkpoint, and let the agent go on. Returns the damaged shard."""
+    agent = psutil.Process(launcher.pid)
+    try:
+        deadline = time.time() + 120
+        while any(p.status() != psutil.STATUS_ZOMBIE for p in agent.children(recursive=True) if p.pid != killed.pid):
+            assert time.time() < deadline, [p.cmdline() for p in agent.children(recursive=True)]
+            time.sleep(0.05)
+        shard = sorted((save / f"iter_{int((save / 'latest_checkpointed_iteration.txt').read_text()):07d}")
+                       .glob("*.distcp"))[0]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2:len(data) // 2 + 8] = bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + 8])
+        shard.write_bytes(bytes(data))
+        return shard.relative_to(save.parent)
+    finally:
+        os.kill(launcher.pid, signal.SIGCONT)
 
 
 def test_faults_under_torchrun_restart_from_the_newest_checkpoint_and_the_ledger_names_them(tmp_path, uninterrupted):
@@ -84,7 +106,9 @@ def test_faults_under_torchrun_restart_from_the_newest_checkpoint_and_the_ledger
             assert launcher.poll() is None and time.time() < deadline, log.read_text()[-3000:]
             time.sleep(0.05)
         stopped.kill()  # what torchrun does to a worker that ignores its SIGTERM, 30 s later
-        _signal_rank_1_after(launcher, log, restart=2, step=7, signum=signal.SIGKILL)
+        killed = _signal_rank_1_after(launcher, log, restart=2, step=7, signum=signal.SIGKILL,
+                                      before=lambda: os.kill(launcher.pid, signal.SIGSTOP))
+        damaged = _damage_the_newest_checkpoint_while_down(launcher, killed, tmp_path / "ck")
         assert launcher.wait(timeout=300) == 0, log.read_text()[-3000:]
     finally:
         if launcher.poll() is None:  # the launch's session, a stopped rank included
@@ -105,7 +129,7 @@ def test_faults_under_torchrun_restart_from_the_newest_checkpoint_and_the_ledger
     events = [json.loads(line) for line in ledger.read_text().splitlines()]
     launches = [e for e in events if e["event"] in ("start", "restart")]
     assert [(e["event"], e["step"]) for e in launches] == [("restart", 1), ("restart", 4), ("restart", 7),
-                                                          ("restart", 7)], events
+                                                          ("restart", 4)], events
     assert launches[0]["cause"].startswith("node_excluded on rank 1 ("), launches[0]
     assert launches[1]["cause"].endswith("at step 5: RuntimeError: injected fault (ZAYA_FAULT_INJECT)"), launches[1]
     assert launches[1]["steps_lost"] == 1  # step 4 trained, its checkpoint was 3
@@ -121,8 +145,15 @@ def test_faults_under_torchrun_restart_from_the_newest_checkpoint_and_the_ledger
     assert launches[2]["steps_lost"] == step - 7
     # Rank 1 killed leaves no line of its own: rank 0's collective fails at the next step and names the lost peer.
     assert launches[3]["cause"].startswith("crash on rank 0 (") and "remote worker" in launches[3]["cause"], launches[3]
-    assert launches[3]["steps_lost"] == 1, launches[3]
+    # The damage found at the restart: it resumes from 3, and its loss reaches back there (steps 4-7).
+    (skipped,) = [e for e in events if e["event"] == "checkpoint_skipped"]
+    assert skipped["cause"] == f"{damaged.parent} ({damaged.name} differs from its checksum at save)", skipped
+    assert damaged.parent.name == "iter_0000006" and skipped["launch"] == launches[3]["launch"], skipped
+    assert skipped["step"] == 3 and skipped["steps_lost"] == 3 and launches[3]["steps_lost"] == 4, (skipped, launches)
+    assert f"zaya-pretrain: warning: {skipped['cause']}: damaged; loading the newest intact checkpoint, " \
+        "ck/iter_0000003 (iteration 3)" in output
     assert events[-1]["event"] == "end" and events[-1]["step"] == 9, events[-1]
     summary = [line for line in output.splitlines() if line.startswith("[zaya] event ledger ck/events.jsonl: ")]
     assert summary[-1].startswith("[zaya] event ledger ck/events.jsonl: launches 4, restarts 4, hangs 1, crashes 3, "
-                                  "skipped steps 0, damaged checkpoints skipped 0, nodes excluded 1; "), summary
+                                  "skipped steps 0, damaged checkpoints skipped 1, nodes excluded 1; lost to faults: "
+                                  "steps 6, "), summary

@@ -69,11 +69,14 @@ def test_a_crash_loop_counts_launches_not_ranks_and_restarts_the_count():
 
 
 def test_the_summary_counts_events_and_what_they_cost():
+    # Launch b resumes from 2 past a damaged 4 after a hang at 5: its restart counts steps 2-4 (the skip's 2
+    # among them). Launch d, after a clean end, finds a damaged checkpoint: that skip counts on its own.
     events = [_event("start", 0, "a", step=1), _event("hang", 40, "a", step=5, seconds_lost=12.0),
-              _event("restart", 70, "b", step=4, steps_lost=1, seconds_lost=42.0),
-              _event("checkpoint_skipped", 71, "b", step=2, steps_lost=2),
-              _event("restart", 90, "c", step=3, steps_lost=None, seconds_lost=None)]
+              _event("checkpoint_skipped", 69, "b", step=2, steps_lost=2),
+              _event("restart", 70, "b", step=3, steps_lost=3, seconds_lost=42.0),
+              _event("restart", 90, "c", step=3, steps_lost=None, seconds_lost=None), _event("end", 95, "c", step=8),
+              _event("checkpoint_skipped", 99, "d", step=6, steps_lost=2), _event("start", 100, "d", step=7)]
     assert summary(events, "ck/events.jsonl") == (
-        "[zaya] event ledger ck/events.jsonl: launches 3, restarts 2, hangs 1, crashes 0, skipped steps 0, "
-        "damaged checkpoints skipped 1, nodes excluded 0; lost to faults: steps 3, seconds 42, and restarts of "
+        "[zaya] event ledger ck/events.jsonl: launches 4, restarts 2, hangs 1, crashes 0, skipped steps 0, "
+        "damaged checkpoints skipped 2, nodes excluded 0; lost to faults: steps 5, seconds 42, and restarts of "
         "unknown cost 1")
