@@ -35,6 +35,7 @@ from . import health, reliability
 from .arguments import (ZAYA_FLAGS, add_zaya_args, check_args, check_data, early_flags, memory_plan_inputs,
                         preset_flags, zaya_pretrain_parser)
 from .ledger import CRASH_LOOP_EXIT_CODE, LEDGER, LEDGER_FILE, failing_step, last_error_line
+from .watchdog import record_collectives
 from .loss_curve import LOSS_CURVE, curve_group, writes_curve
 from .steps import forward_step, model_provider, train_valid_test_datasets_provider
 
@@ -218,6 +219,8 @@ def run(argv: list[str]) -> None:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
     args = _parse(argv, main_job, planning=plan_size is not None)
+    if args.zaya_watchdog_seconds:  # what a hang's dump reads; before Megatron creates the process groups
+        record_collectives()
     if args.pipeline_model_parallel_size > 1 and patches.get("pipeline.stage_tensor_width") not in APPLIED:
         raise UsageError("pipeline parallelism needs the pipeline.stage_tensor_width patch (stages exchange hidden + "
                          "router-state channels); add it to --zaya-patches")

@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import torch
 
@@ -87,7 +88,9 @@ class StepGuard:
             saved = read_tracker(args.save) if args.save else None
             LEDGER.failure("hang", _iteration(), cause, saved, seconds=silent)
 
-        WATCHDOG.arm(args.zaya_watchdog_seconds, describe=lambda: f" in iteration {_iteration()}", on_hang=record_hang)
+        recorder_dir = Path(args.save) / "flight-recorder" / LEDGER.launch.replace("/", "+") if args.save else None
+        WATCHDOG.arm(args.zaya_watchdog_seconds, describe=lambda: f" in iteration {_iteration()}", on_hang=record_hang,
+                     recorder_dir=recorder_dir)
 
         @functools.wraps(prepare_grads)
         def guarded_prepare_grads() -> bool:
