@@ -79,6 +79,20 @@ def _uncorrectable(value, path: str = "") -> dict[str, int]:
     return found
 
 
+def _amd_smi_uncorrectable(document) -> list[tuple[str, int]]:
+    """``(GPU, count)`` of ``amd-smi metric --ecc --json``: a list of GPUs (ROCm 6) or ``{"gpu_data": [...]}``
+    (ROCm 7), each with ``ecc.total_uncorrectable_count``, "N/A" where unsupported. The per-block counters
+    (``ecc_blocks``) are parts of that total, so they are not added to it."""
+    gpus = document.get("gpu_data", []) if isinstance(document, dict) else document
+    found = []
+    for index, gpu in enumerate(gpus if isinstance(gpus, list) else []):
+        ecc = gpu.get("ecc") if isinstance(gpu, dict) else None
+        count = str(ecc.get("total_uncorrectable_count", "")).strip() if isinstance(ecc, dict) else ""
+        if count.isdigit():
+            found.append((str(gpu.get("gpu", index)), int(count)))
+    return found
+
+
 def ecc_problems() -> list[str]:
     """The GPUs of this node with uncorrectable ECC errors since the driver loaded, from whichever tool exists."""
     problems = []
@@ -88,16 +102,17 @@ def ecc_problems() -> list[str]:
         index, _, count = (part.strip() for part in line.partition(","))
         if count.isdigit() and int(count):
             problems.append(f"GPU {index} has {count} uncorrectable ECC errors (nvidia-smi)")
-    for command in (["amd-smi", "metric", "--ecc", "--json"], ["rocm-smi", "--showrasinfo", "all", "--json"]):
-        output = _run(command)
-        if output is None:
-            continue
-        try:
-            counters = _uncorrectable(json.loads(output))
-        except ValueError:
-            continue
-        problems += [f"{where.lstrip('/')} = {count} ({command[0]})" for where, count in counters.items() if count]
-        break
+    amd = _run(["amd-smi", "metric", "--ecc", "--json"])
+    rocm = None if amd is not None else _run(["rocm-smi", "--showrasinfo", "all", "--json"])
+    try:
+        if amd is not None:
+            problems += [f"GPU {gpu} has {count} uncorrectable ECC errors (amd-smi)"
+                         for gpu, count in _amd_smi_uncorrectable(json.loads(amd)) if count]
+        elif rocm is not None:
+            problems += [f"{where.lstrip('/')} = {count} (rocm-smi)"
+                         for where, count in _uncorrectable(json.loads(rocm)).items() if count]
+    except ValueError:  # not JSON (an older tool without --json): no reading rather than a wrong one
+        pass
     return problems
 
 

@@ -36,7 +36,19 @@ def test_ecc_counters_are_read_from_whichever_tool_is_installed(tmp_path, monkey
     _tool(tmp_path, "nvidia-smi", "0, 0\n1, 3\n2, [N/A]")
     assert health.ecc_problems() == ["GPU 1 has 3 uncorrectable ECC errors (nvidia-smi)"]
     (tmp_path / "nvidia-smi").unlink()
-    amd = [{"gpu": 0, "ecc": {"total_correctable_count": 5, "total_uncorrectable_count": 0}},
-           {"gpu": 1, "ecc": {"total_correctable_count": 0, "total_uncorrectable_count": 2}}]
-    _tool(tmp_path, "amd-smi", json.dumps(amd))
-    assert health.ecc_problems() == ["1/ecc/total_uncorrectable_count = 2 (amd-smi)"]
+    # amd-smi metric --ecc --json: ROCm 6 prints a list of GPUs, ROCm 7 {"gpu_data": [...]} with per-block counters
+    # (parts of the total) and "N/A" where a counter is unsupported.
+    rocm6 = [{"gpu": 0, "ecc": {"total_correctable_count": 5, "total_uncorrectable_count": 0}},
+             {"gpu": 1, "ecc": {"total_correctable_count": 0, "total_uncorrectable_count": 2}}]
+    _tool(tmp_path, "amd-smi", json.dumps(rocm6))
+    assert health.ecc_problems() == ["GPU 1 has 2 uncorrectable ECC errors (amd-smi)"]
+    blocks = {"UMC": {"correctable_count": 0, "uncorrectable_count": 3, "deferred_count": 0},
+              "GFX": {"correctable_count": 0, "uncorrectable_count": 1, "deferred_count": 0}}
+    rocm7 = {"gpu_data": [
+        {"gpu": 0, "ecc": {"total_correctable_count": "N/A", "total_uncorrectable_count": "N/A"}},
+        {"gpu": 3, "ecc": {"total_correctable_count": 0, "total_uncorrectable_count": 4, "total_deferred_count": 0,
+                           "cache_correctable_count": 0, "cache_uncorrectable_count": 0}, "ecc_blocks": blocks}]}
+    _tool(tmp_path, "amd-smi", json.dumps(rocm7))
+    assert health.ecc_problems() == ["GPU 3 has 4 uncorrectable ECC errors (amd-smi)"]
+    _tool(tmp_path, "amd-smi", "usage: amd-smi metric [-h] (no --json here)")
+    assert health.ecc_problems() == []
