@@ -126,6 +126,11 @@ def is_rank_0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def relaunch_count() -> int:
+    """How many times the launcher has started this job again: torchrun's restarts plus Slurm's requeues."""
+    return sum(int(os.environ.get(name) or 0) for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+
+
 def print_rank_0(message: str, file=None) -> None:
     """``print`` on global rank 0 only (every process when torch.distributed is not initialised), flushed."""
     if not dist.is_initialized() or dist.get_rank() == 0:

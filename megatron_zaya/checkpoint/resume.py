@@ -61,6 +61,16 @@ def check_save_and_load(args, argv: list[str]) -> str | None:
     return None
 
 
+def overwrite_on_first_launch_only(argv: list[str], relaunches: int) -> tuple[list[str], str | None]:
+    """``argv`` for a job's launch: a restart or requeue of a job started with ``--zaya-overwrite-save`` resumes
+    what the job itself saved, instead of deleting it again. Also the line saying so, or None."""
+    if not relaunches or OVERWRITE_FLAG not in argv:
+        return argv, None
+    return [a for a in argv if a != OVERWRITE_FLAG], (
+        f"[zaya] relaunch {relaunches} of this job: {OVERWRITE_FLAG} deleted the old checkpoints at its first "
+        "launch only; resuming from --save")
+
+
 def remove_checkpoints(save_dir: str) -> str | None:
     """``--zaya-overwrite-save``: delete the checkpoints in ``save_dir`` (tracker first, so that a kill midway
     leaves no checkpoint named); returns the line saying what went, or None if there was none."""

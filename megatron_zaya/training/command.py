@@ -30,7 +30,7 @@ from ..memory_plan import report as memory_plan_report
 from ..patches import apply_patches
 from ..patches.registry import check_selection as check_patch_selection
 from ..runtime import (START_LOG, end_data_workers_at_exit, end_helpers_with_this_process, free_master_port,
-                       is_rank_0, write_start_log)
+                       is_rank_0, relaunch_count, write_start_log)
 from . import health, reliability
 from .arguments import (ZAYA_FLAGS, add_zaya_args, check_args, check_data, early_flags, memory_plan_inputs,
                         preset_flags, zaya_pretrain_parser)
@@ -204,6 +204,9 @@ def run(argv: list[str]) -> None:
         cuda = True
         os.environ["WORLD_SIZE"] = str(plan_size)
         argv = _planned_argv(argv)
+    argv, relaunched = resume.overwrite_on_first_launch_only(argv, relaunch_count())
+    if relaunched and is_rank_0():
+        print(relaunched, flush=True)
     main_job = runs_main_job(early_flags(argv))
     user_argv, argv = argv, build_argv(argv, cuda)  # as given: the command that resumes is printed from it
     try:  # unknown names, the cpu group left out on a CPU, a kernel patch asked for that cannot apply here

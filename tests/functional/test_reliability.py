@@ -95,15 +95,23 @@ def test_a_step_failing_in_every_launch_stops_the_run_or_is_skipped(tmp_path):
     2: two launches fail at step 1, the third stops before training with one line naming the step, the rank and the
     error, exit 5, and the launcher leaves its last restart unused. --zaya-skip-failing-steps then skips step 1's
     batch (Megatron consumes it: 8 skipped samples) and trains on; the ledger records it. That launch's node fails
-    its self-test, which --zaya-no-self-test leaves out."""
+    its self-test, which --zaya-no-self-test leaves out.
+
+    The looping job was started with --zaya-overwrite-save over an old run's ledger: its first launch deletes that,
+    and its restarts keep what the job itself recorded (they used to delete it too, and the guard never fired)."""
     flags = QUICK + ["--train-iters", "3", "--save-interval", "3", "--save", "ck", "--zaya-max-step-failures", "2"]
+    ledger = tmp_path / "ck" / "events.jsonl"
+    ledger.parent.mkdir()
+    ledger.write_text(json.dumps({"time": "2026-01-01T00:00:00+00:00", "event": "crash", "step": 1, "rank": 0,
+                                  "node": "old", "launch": "old", "cause": "RuntimeError: an old run's"}) + "\n")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **with_faults("crash@1")}
     env.pop("WORLD_SIZE", None)
     run = subprocess.run([sys.executable, "-m", "megatron_zaya.launch", "--standalone", "--nproc-per-node", "1",
-                          "--max-restarts", "3", "-m", "megatron_zaya.pretrain", *flags],
+                          "--max-restarts", "3", "-m", "megatron_zaya.pretrain", *flags, "--zaya-overwrite-save"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 5, run.stderr[-3000:]
-    ledger = tmp_path / "ck" / "events.jsonl"
+    assert run.stdout.count("[zaya] relaunch 1 of this job: --zaya-overwrite-save deleted the old checkpoints at its "
+                            "first launch only; resuming from --save") == 1, run.stdout[-3000:]
     events = [json.loads(line) for line in ledger.read_text().splitlines()]
     assert [(e["event"], e["step"]) for e in events] == [("start", 1), ("crash", 1), ("restart", 1), ("crash", 1)]
     error = _last_error(run.stderr)
