@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 
 from ..errors import UsageError
+from ..runtime import is_rank_0
 from ..training.arguments import field_flag, zaya_config_from_args
 from .model_io import architecture_differences
 
@@ -51,7 +51,7 @@ def check_checkpoint_fits(saved, load: str, release: bool, args) -> None:
     rotary = [difference for difference in differences if difference[0] in ROTARY_FIELDS]
     if rotary and args.zaya_allow_rotary_base_change:
         differences = [difference for difference in differences if difference not in rotary]
-        if int(os.environ.get("RANK", "0")) == 0:
+        if is_rank_0():
             print(f"[zaya] --load {load}: " + "; ".join(f"{field_flag(field)} changes from {saved:g} to {ours:g}"
                                                         for field, saved, ours in rotary), flush=True)
     elif rotary and differences == rotary:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from ..errors import UsageError
+from ..runtime import is_rank_0
 
 LOCK = "zaya.lock"
 
@@ -126,7 +127,7 @@ class SaveDirLock:
 
 def lock_save_dir(save_dir: str, stale_after: float) -> None:
     """On global rank 0: take the lock of ``save_dir`` for this process's life (see :class:`SaveDirLock`)."""
-    if int(os.environ.get("RANK", "0")) != 0:
+    if not is_rank_0():
         return
     line = SaveDirLock(save_dir, stale_after).acquire()
     if line:
