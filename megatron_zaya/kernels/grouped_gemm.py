@@ -247,44 +247,57 @@ def _grouped_matmul(a, operand: _Operand, transposed: bool, n_out, tiles, tuning
     return c
 
 
+def matmul(a, tokens_per_expert, padded_rows: bool, table, weights, transposed: bool) -> torch.Tensor:
+    """The row-tile kernel on arguments of :func:`prepare`: for each expert e, a[rows of e] @ weight[e].T
+    (``transposed``: the forward) or @ weight[e] (the input gradient); rows of no expert are zero."""
+    operand, tuning = _Operand(weights, table), GEMM_TUNING[platform(a.device)]
+    tiles = _shared_row_tiles(tokens_per_expert, a.shape[0], padded_rows, tuning["block_m"])
+    return _grouped_matmul(a, operand, transposed, operand.m_dim if transposed else operand.k_dim, tiles, tuning)
+
+
+def weight_grad(grad_out, x, tokens_per_expert, padded_rows: bool, weights, main_grads) -> torch.Tensor:
+    """d weight[e] = grad_out[rows of e].T @ x[rows of e] as an [E, M, K] tensor in x's dtype; with ``main_grads``
+    (from :func:`main_grad_target`) added to each weight's ``main_grad`` in fp32 instead, the weights marked as
+    Megatron's hooks expect, and the [E, M, K] tensor an unwritten placeholder."""
+    tuning = GEMM_TUNING[platform(x.device)]
+    row_start = _shared_row_tiles(tokens_per_expert, x.shape[0], padded_rows, tuning["block_m"])[3]
+    n_experts, (m_dim, k_dim) = tokens_per_expert.numel(), weights[0].shape[-2:]
+    grad_w = torch.empty((n_experts, m_dim, k_dim), dtype=x.dtype, device=x.device)
+    target, table, aligned = grad_w, None, False
+    if main_grads is not None:
+        target, table, aligned = main_grads
+    block_m, block_n = tuning["wgrad_block_m"], tuning["wgrad_block_n"]
+    grid = (n_experts, triton.cdiv(m_dim, block_m), triton.cdiv(k_dim, block_n))
+    _grouped_weight_grad_kernel[grid](grad_out, x, target, target if table is None else table, row_start,
+                                      tokens_per_expert, m_dim, k_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+                                      BLOCK_R=tuning["wgrad_block_r"], W_TABLE=table is not None, W_ALIGNED=aligned,
+                                      ACCUMULATE=table is not None, num_warps=tuning["wgrad_warps"],
+                                      num_stages=tuning["wgrad_stages"])  # fmt: skip
+    if main_grads is not None:  # grad_w is a placeholder: Megatron's gradient hooks skip it, as for its own
+        for weight in weights:  # layers with gradient-accumulation fusion, but need a gradient to fire
+            weight.grad_added_to_main_grad = True
+    return grad_w
+
+
 class _GroupedGemm(torch.autograd.Function):
-    """``(x, counts, padded_rows, table, *weights)``: weights one stacked [E, M, K] tensor (table None) or E
-    [M, K] tensors at the offsets of ``table``."""
+    """``(x, counts, padded_rows, table, *weights)`` from :func:`prepare`: weights one stacked [E, M, K] tensor
+    (table None) or E [M, K] tensors at the offsets of ``table``."""
 
     @staticmethod
     def forward(ctx, x, tokens_per_expert, padded_rows, table, *weights):
-        operand, tuning = _Operand(weights, table), GEMM_TUNING[platform(x.device)]
-        tiles = _shared_row_tiles(tokens_per_expert, x.shape[0], padded_rows, tuning["block_m"])
-        out = _grouped_matmul(x, operand, True, operand.m_dim, tiles, tuning)
-        ctx.save_for_backward(x, tokens_per_expert, *tiles)
-        ctx.operand, ctx.tuning = operand, tuning
-        main_grads = _main_grads(weights)  # (its offset table is built here even when off: not during a capture)
-        ctx.main_grads = main_grads if ACCUMULATE_INTO_MAIN_GRAD["enabled"] else None
-        if ctx.main_grads is not None:
-            ctx.weights = weights
+        out = matmul(x, tokens_per_expert, padded_rows, table, weights, transposed=True)
+        ctx.save_for_backward(x, tokens_per_expert)
+        ctx.padded_rows, ctx.table, ctx.weights = padded_rows, table, weights
+        ctx.main_grads = main_grad_target(weights)  # decided here: its offset table is not built during a capture
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, tokens_per_expert, *tiles = ctx.saved_tensors
-        operand, tuning, grad_out = ctx.operand, ctx.tuning, grad_out.contiguous()
-        grad_x = _grouped_matmul(grad_out, operand, False, operand.k_dim, tiles, tuning)
-        n_experts = tokens_per_expert.numel()
-        grad_w = torch.empty((n_experts, operand.m_dim, operand.k_dim), dtype=x.dtype, device=x.device)
-        target, table, aligned = grad_w, None, False
-        if ctx.main_grads is not None:
-            target, table, aligned = ctx.main_grads
-        block_m, block_n = tuning["wgrad_block_m"], tuning["wgrad_block_n"]
-        grid = (n_experts, triton.cdiv(operand.m_dim, block_m), triton.cdiv(operand.k_dim, block_n))
-        _grouped_weight_grad_kernel[grid](grad_out, x, target, target if table is None else table, tiles[3],
-                                          tokens_per_expert, operand.m_dim, operand.k_dim, BLOCK_M=block_m,
-                                          BLOCK_N=block_n, BLOCK_R=tuning["wgrad_block_r"], W_TABLE=table is not None,
-                                          W_ALIGNED=aligned, ACCUMULATE=table is not None,
-                                          num_warps=tuning["wgrad_warps"], num_stages=tuning["wgrad_stages"])  # fmt: skip
-        if ctx.main_grads is not None:  # grad_w is a placeholder: Megatron's gradient hooks skip it, as for its
-            for weight in ctx.weights:  # own layers with gradient-accumulation fusion, but need a gradient to fire
-                weight.grad_added_to_main_grad = True
-        return grad_x, None, None, None, *((grad_w,) if operand.stacked else grad_w.unbind(0))
+        x, tokens_per_expert = ctx.saved_tensors
+        grad_out, weights = grad_out.contiguous(), ctx.weights
+        grad_x = matmul(grad_out, tokens_per_expert, ctx.padded_rows, ctx.table, weights, transposed=False)
+        grad_w = weight_grad(grad_out, x, tokens_per_expert, ctx.padded_rows, weights, ctx.main_grads)
+        return grad_x, None, None, None, *((grad_w,) if len(weights) == 1 else grad_w.unbind(0))
 
 
 #: ``enabled``: the weight gradients of experts held by Megatron's DDP (each weight has a ``main_grad`` in its
@@ -292,6 +305,13 @@ class _GroupedGemm(torch.autograd.Function):
 #: as a bf16 [E, M, K] tensor that the DDP hooks then add expert by expert (2·E launches per layer and a
 #: rounding to bf16). Off while something must compute gradients without adding them (CUDA-graph warm-up).
 ACCUMULATE_INTO_MAIN_GRAD = {"enabled": True}
+
+
+def main_grad_target(weights) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+    """Where the weight gradients go, decided in the forward: :func:`_main_grads` while accumulating into
+    ``main_grad`` is enabled, else None (returned as tensors)."""
+    main_grads = _main_grads(weights)  # (its offset table is built here even when off: not during a capture)
+    return main_grads if ACCUMULATE_INTO_MAIN_GRAD["enabled"] else None
 
 
 def _main_grads(weights) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
@@ -316,6 +336,12 @@ def grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padde
     ``weight``: one [E, M, K] tensor, or a sequence of E [M, K] tensors (the experts' own parameters, read where
     they are: no stacked copy per call).
     """
+    return _GroupedGemm.apply(*prepare(x, weight, tokens_per_expert, padded_rows))
+
+
+def prepare(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padded_rows: bool):
+    """The arguments of :func:`grouped_gemm`, checked -> ``(x, int64 counts, padded_rows, offset table or None,
+    *weights)``: the weights as one [E, M, K] tensor (table None) or E [M, K] tensors read in place."""
     weights = [weight] if isinstance(weight, torch.Tensor) else list(weight)
     shapes = [list(w.shape) for w in weights]
     stacked = len(weights) == 1 and weights[0].dim() == 3
@@ -339,7 +365,7 @@ def grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padde
             weights = [torch.stack(weights)]  # one copy
     weights = [w.contiguous() for w in weights]
     counts = tokens_per_expert.to(device=x.device, dtype=torch.int64)
-    return _GroupedGemm.apply(x.contiguous(), counts, padded_rows, table, *weights)
+    return x.contiguous(), counts, padded_rows, table, *weights
 
 
 def runs_on(*tensors: torch.Tensor) -> bool:
