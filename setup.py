@@ -13,7 +13,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.12,<3.13",
     packages=find_packages(include=["megatron_zaya", "megatron_zaya.*"]),  # every subpackage, none forgotten
-    package_data={"megatron_zaya.data": ["embedded/*"]},
+    package_data={"megatron_zaya.data": ["embedded/*"], "megatron_zaya.ops": ["grouped_mm_table.json"]},
     install_requires=[
         MEGATRON_CORE,
         "torch>=2.6",

@@ -18,7 +18,9 @@ learning the routed count on the host.
 
 The weights may also be E separate [M, K] tensors, such as the experts' own parameters: the kernel then finds
 each expert's weight at its offset from the first one (a small device table), and no [E, M, K] copy is stacked
-per call. The torch reference, the fallback and the choice live in ``ops/experts.py``.
+per call. The torch reference, the fallback and the choice live in ``ops/experts.py``; ``ops/grouped_mm.py`` may run
+some GEMMs of a call by ``torch._grouped_mm`` and the others here (through :func:`prepare`, :func:`matmul` and
+:func:`weight_grad`).
 """
 
 from __future__ import annotations

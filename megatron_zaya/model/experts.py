@@ -28,7 +28,7 @@ class ZayaExperts(SequentialMLP):
         # the data-parallel group, so the gradients are reduced over the same ranks either way.)
         for param in self.parameters():
             param.allreduce = False
-        self.grouped = experts.choose(self.config, self.tp_group.size())  # None: the loop
+        self.grouped = experts.choose(self.config, self.tp_group.size(), self.num_local_experts)  # None: the loop
 
     def forward(self, permuted_hidden: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor):
         if self.grouped is not None:

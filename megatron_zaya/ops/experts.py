@@ -7,7 +7,9 @@ Each expert has ``fc1 [2F, D]`` (gate rows, then up rows) and ``fc2 [D, F]``; a 
 ``fc2 (silu(gate) ⊙ up ⊙ p)`` with p its router probability. Without the kernel the model runs Megatron's
 ``SequentialMLP`` loop over the experts (the same math); with it, two Triton grouped GEMMs
 (``kernels/grouped_gemm.py``) around the probability-weighted SwiGLU kernel (``kernels/swiglu.py``): 2 launches
-instead of 32 per layer for 16 experts, and no host sync on the token counts.
+instead of 32 per layer for 16 experts, and no host sync on the token counts. Each GEMM of a grouped GEMM (forward,
+input gradient, weight gradient) may run on ``torch._grouped_mm`` instead, where it was measured faster for the GPU
+and shape (``ops/grouped_mm.py``).
 
 The tokens may come in a static-size buffer whose tail belongs to no expert (``padded_rows``): its output rows
 are zero.
@@ -15,10 +17,13 @@ are zero.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+
+from . import grouped_mm
 
 
 def swiglu(x: torch.Tensor, weights: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -55,12 +60,14 @@ def grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padde
 
 
 def experts(hidden: torch.Tensor, fc1, fc2, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
-            grouped_gemm=grouped_gemm, swiglu=swiglu) -> torch.Tensor:
+            grouped_gemms=(grouped_gemm, grouped_gemm), swiglu=swiglu) -> torch.Tensor:
     """The experts on ``hidden [N, D]`` sorted by expert (a zero tail past the routed tokens), ``fc1``/``fc2`` the
-    experts' weights (lists of ``[2F, D]`` and ``[D, F]``), ``probs [N]`` -> ``[N, D]`` in hidden's dtype."""
+    experts' weights (lists of ``[2F, D]`` and ``[D, F]``), ``probs [N]`` -> ``[N, D]`` in hidden's dtype.
+    ``grouped_gemms``: the grouped GEMM functions of fc1 and of fc2."""
     counts = tokens_per_expert.to(device=hidden.device, dtype=torch.int64)
-    intermediate = swiglu(grouped_gemm(hidden, fc1, counts, padded_rows=True), weights=probs.unsqueeze(-1))
-    return grouped_gemm(intermediate.to(hidden.dtype), fc2, counts, padded_rows=True)
+    fc1_gemm, fc2_gemm = grouped_gemms
+    intermediate = swiglu(fc1_gemm(hidden, fc1, counts, padded_rows=True), weights=probs.unsqueeze(-1))
+    return fc2_gemm(intermediate.to(hidden.dtype), fc2, counts, padded_rows=True)
 
 
 # ----------------------------------------------------------------------------------------- the Triton kernels
@@ -84,19 +91,26 @@ def fused_swiglu(x: torch.Tensor, weights: torch.Tensor | None = None, bias: tor
     return swiglu(x, weights, bias)
 
 
-def fused_grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padded_rows: bool = False):
-    """:func:`grouped_gemm` by the Triton kernel where it runs (separate expert weights read in place)."""
+def fused_grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padded_rows: bool = False,
+                       backends: grouped_mm.Backends = grouped_mm.TRITON):
+    """:func:`grouped_gemm` by the Triton kernel where it runs (separate expert weights read in place), or with
+    some of its GEMMs by ``torch._grouped_mm`` as ``backends`` names them, where that runs (``ops/grouped_mm.py``)."""
     from ..kernels import grouped_gemm as kernel
 
     weights = [weight] if isinstance(weight, torch.Tensor) else list(weight)
+    if backends != grouped_mm.TRITON and grouped_mm.runs_on(x, weights, backends):
+        return grouped_mm.grouped_gemm(x, weight, tokens_per_expert, padded_rows, backends)
     if kernel.runs_on(x, *weights):
         return kernel.grouped_gemm(x, weight, tokens_per_expert, padded_rows)
     return grouped_gemm(x, weight, tokens_per_expert, padded_rows)
 
 
-def fused_experts(hidden, fc1, fc2, tokens_per_expert, probs) -> torch.Tensor:
-    """:func:`experts` as two grouped GEMMs around the weighted SwiGLU, by the Triton kernels."""
-    return experts(hidden, fc1, fc2, tokens_per_expert, probs, grouped_gemm=fused_grouped_gemm, swiglu=fused_swiglu)
+def fused_experts(hidden, fc1, fc2, tokens_per_expert, probs,
+                  backends=(grouped_mm.TRITON, grouped_mm.TRITON)) -> torch.Tensor:
+    """:func:`experts` as two grouped GEMMs around the weighted SwiGLU, by the Triton kernels; ``backends``: the
+    backend of each GEMM of fc1 and of fc2 (``ops/grouped_mm.py``)."""
+    gemms = [functools.partial(fused_grouped_gemm, backends=chosen) for chosen in backends]
+    return experts(hidden, fc1, fc2, tokens_per_expert, probs, grouped_gemms=gemms, swiglu=fused_swiglu)
 
 
 @contextmanager
@@ -120,9 +134,18 @@ def choose_sort(config):
     return fused_sort_by_expert if config.uses_kernel("experts") else sort_by_expert
 
 
-def choose(config, tensor_parallel_size: int):
+def choose(config, tensor_parallel_size: int, num_local_experts: int):
     """:func:`fused_experts` with the ``experts`` op, else None (Megatron's ``SequentialMLP`` loop). Expert tensor
-    parallelism, fp8/fp4, biases and probabilities applied on the input keep the loop."""
+    parallelism, fp8/fp4, biases and probabilities applied on the input keep the loop. Each GEMM of fc1 and fc2
+    runs on the backend measured fastest for this GPU and shape (``ops/grouped_mm.py``; the Triton kernel where
+    nothing was measured)."""
     loop_only = (config.fp8 or config.fp4 or config.moe_apply_probs_on_input or tensor_parallel_size > 1
                  or config.add_bias_linear)
-    return fused_experts if config.uses_kernel("experts") and not loop_only else None
+    if not config.uses_kernel("experts") or loop_only:
+        return None
+    hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
+    backends = grouped_mm.choose_backends(config.params_dtype, [(num_local_experts, 2 * ffn, hidden),
+                                                                (num_local_experts, hidden, ffn)])
+    if all(chosen == grouped_mm.TRITON for chosen in backends):
+        return fused_experts
+    return functools.partial(fused_experts, backends=tuple(backends))

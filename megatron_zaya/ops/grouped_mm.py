@@ -1,0 +1,216 @@
+"""The experts' grouped GEMM by ``torch._grouped_mm`` (the vendor's grouped GEMM, through torch), GEMM by GEMM
+beside the Triton kernel (``kernels/grouped_gemm.py``), and which of the two runs each GEMM on a platform.
+
+A grouped GEMM call (the contract of ``ops.experts.grouped_gemm``) is three GEMMs: the ``forward``
+``out[rows of e] = x[rows of e] @ weight[e].T``, the ``input_grad`` ``d x[rows of e] = d out[rows of e] @ weight[e]``
+and the ``weight_grad`` ``d weight[e] = d out[rows of e].T @ x[rows of e]``. :class:`Backends` names the backend
+of each, ``"triton"`` or ``"torch"``; :func:`grouped_gemm` runs a call with any mix, under the kernel's contract:
+
+- the experts' weights are read where they are: E [M, K] tensors at one stride in memory (Megatron's buffers)
+  are viewed as [E, M, K] (others are stacked, one copy per call), so parameters and checkpoints stay
+  ``SequentialMLP``'s;
+- rows past the routed ones (``padded_rows``) are zero in the output and the input gradient (``torch._grouped_mm``
+  leaves them unwritten: they are filled after it);
+- the weight gradients of experts under Megatron's DDP go into their ``main_grad`` from inside the backward
+  (``kernels.grouped_gemm.main_grad_target`` decides when): the Triton kernel adds them there in fp32, while
+  ``torch._grouped_mm`` returns them in the inputs' dtype (its output dtype is theirs), and one foreach addition
+  adds that bf16 gradient, as Megatron's own hooks add an unfused layer's.
+
+``torch._grouped_mm`` takes int32 cumulative row offsets; on CUDA it wants bf16 operands whose strides are
+multiples of 16 bytes, and its weight-gradient form (two 2-D operands) groups along the contraction.
+
+The choice. ``benchmarks/grouped_gemm_backends.py`` times both backends for each GEMM at a model's weight shapes
+on a GPU and writes the faster one into :data:`TABLE_PATH`, each entry with its GPU, torch and Triton versions,
+command and date. :func:`choose_backends` reads it when the model is built (``ops.experts.choose``). A GPU
+without an entry, or a torch without ``_grouped_mm`` for the device and dtype (:func:`available`), keeps the
+Triton kernel for every GEMM.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+GEMMS = ("forward", "input_grad", "weight_grad")
+BACKENDS = ("triton", "torch")
+#: The measured choices: ``{"about": ..., "entries": [{"device", "dtype", "weight": [E, M, K], "backends":
+#: {gemm: backend}, "ms": {gemm: {backend: ms}}, "tokens", "torch", "triton", "command", "date"}, ...]}``.
+TABLE_PATH = Path(__file__).with_name("grouped_mm_table.json")
+
+
+class Backends(NamedTuple):
+    """The backend of each GEMM of one grouped GEMM call."""
+
+    forward: str = "triton"
+    input_grad: str = "triton"
+    weight_grad: str = "triton"
+
+
+TRITON = Backends()
+
+
+@functools.cache
+def available(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether this torch runs ``torch._grouped_mm`` on ``device_type`` (``cuda``: the current GPU, CUDA or ROCm)
+    in ``dtype``: a two-group call on small aligned operands, checked against a matmul. Exact small integers as
+    values: the check draws nothing from the random generators."""
+    if not hasattr(torch, "_grouped_mm") or (device_type == "cuda" and not torch.cuda.is_available()):
+        return False
+    x = (torch.arange(32 * 16, device=device_type) % 7 - 3).view(32, 16).to(dtype)
+    w = (torch.arange(2 * 16 * 16, device=device_type) % 5 - 2).view(2, 16, 16).to(dtype)
+    try:
+        out = torch._grouped_mm(x, w, offs=torch.tensor([16, 32], dtype=torch.int32, device=device_type))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return torch.equal(out.float(), torch.cat([x[:16].float() @ w[0].float(), x[16:].float() @ w[1].float()]))
+
+
+def device_name() -> str:
+    """The name table entries are keyed by: the current GPU's (``NVIDIA H200``), or ``cpu``."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def read_table(path: Path = TABLE_PATH) -> list[dict]:
+    """The table's entries."""
+    return json.loads(path.read_text())["entries"]
+
+
+def lookup(entries: list[dict], device: str, dtype: torch.dtype, weight_shape) -> Backends:
+    """The backends measured for ``device``, ``dtype`` and experts' weights of ``weight_shape`` [E, M, K]; the
+    Triton kernel for every GEMM where nothing was measured."""
+    for entry in entries:
+        if (entry["device"], entry["dtype"], list(entry["weight"])) == (device, dtype_name(dtype), list(weight_shape)):
+            return Backends(**entry["backends"])
+    return TRITON
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def choose_backends(dtype: torch.dtype, weight_shapes, entries: list[dict] | None = None) -> list[Backends]:
+    """The backends of each of ``weight_shapes`` ([E, M, K] each) on this machine's GPU, from the table (or
+    ``entries``); torch's only where :func:`available`."""
+    device = device_name()
+    if device == "cpu":
+        return [TRITON for _ in weight_shapes]
+    entries = read_table() if entries is None else entries
+    chosen = [lookup(entries, device, dtype, shape) for shape in weight_shapes]
+    if any(backends != TRITON for backends in chosen) and not available("cuda", dtype):
+        return [TRITON for _ in weight_shapes]
+    return chosen
+
+
+def runs_on(x: torch.Tensor, weights, backends: Backends) -> bool:
+    """Whether ``backends`` can run on these operands: ``torch._grouped_mm`` available for their device and dtype,
+    rows of both operands multiples of 16 bytes, and the Triton kernel running where it has a GEMM."""
+    m_dim, k_dim = weights[0].shape[-2:]
+    if not available(x.device.type, x.dtype) or (m_dim * x.element_size()) % 16 or (k_dim * x.element_size()) % 16:
+        return False
+    return "triton" not in backends or _kernel().runs_on(x, *weights)
+
+
+def grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padded_rows: bool = False,
+                 backends: Backends = TRITON) -> torch.Tensor:
+    """``ops.experts.grouped_gemm`` with each GEMM by its backend in ``backends`` (check :func:`runs_on` first)."""
+    x, counts, padded_rows, table, *weights = _kernel().prepare(x, weight, tokens_per_expert, padded_rows)
+    return _GroupedMM.apply(x, counts, padded_rows, table, backends, *weights)
+
+
+def _kernel():
+    from ..kernels import grouped_gemm as kernel  # imported when first called: triton only where it runs
+
+    return kernel
+
+
+class _GroupedMM(torch.autograd.Function):
+    """``(x, counts, padded_rows, table, backends, *weights)``: the kernel's arguments (its ``prepare``) and the
+    backends."""
+
+    @staticmethod
+    def forward(ctx, x, counts, padded_rows, table, backends, *weights):
+        kernel = _kernel()
+        offsets, tail = row_offsets(counts, x.shape[0], padded_rows)
+        if backends.forward == "torch":
+            out = torch_forward(x, weights, offsets, tail)
+        else:
+            out = kernel.matmul(x, counts, padded_rows, table, weights, transposed=True)
+        ctx.save_for_backward(x, counts, offsets, tail)
+        ctx.padded_rows, ctx.table, ctx.backends, ctx.weights = padded_rows, table, backends, weights
+        ctx.main_grads = kernel.main_grad_target(weights)  # decided in the forward, for both backends
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, counts, offsets, tail = ctx.saved_tensors
+        kernel, backends, weights, grad_out = _kernel(), ctx.backends, ctx.weights, grad_out.contiguous()
+        if backends.input_grad == "torch":
+            grad_x = torch_input_grad(grad_out, weights, offsets, tail)
+        else:
+            grad_x = kernel.matmul(grad_out, counts, ctx.padded_rows, ctx.table, weights, transposed=False)
+        if backends.weight_grad == "torch":
+            grad_w = torch_weight_grad(grad_out, x, offsets, weights, ctx.main_grads is not None)
+        else:
+            grad_w = kernel.weight_grad(grad_out, x, counts, ctx.padded_rows, weights, ctx.main_grads)
+        return grad_x, None, None, None, None, *((grad_w,) if len(weights) == 1 else grad_w.unbind(0))
+
+
+def torch_forward(x, weights, offsets, tail) -> torch.Tensor:
+    """``out[rows of e] = x[rows of e] @ weight[e].T`` by ``torch._grouped_mm``; offsets and tail: :func:`row_offsets`."""
+    return _zero_tail(torch._grouped_mm(x, stacked(weights).transpose(1, 2), offs=offsets), tail)
+
+
+def torch_input_grad(grad_out, weights, offsets, tail) -> torch.Tensor:
+    """``d x[rows of e] = d out[rows of e] @ weight[e]`` by ``torch._grouped_mm``."""
+    return _zero_tail(torch._grouped_mm(grad_out, stacked(weights), offs=offsets), tail)
+
+
+def torch_weight_grad(grad_out, x, offsets, weights, into_main_grad: bool) -> torch.Tensor:
+    """``d weight[e] = d out[rows of e].T @ x[rows of e]`` by ``torch._grouped_mm`` (rows past the offsets left
+    out) as [E, M, K]; ``into_main_grad``: added to each weight's ``main_grad`` (one foreach addition), the weights
+    marked as Megatron's hooks expect, and the returned tensor then ignored, as the kernel's placeholder is."""
+    grad_w = torch._grouped_mm(grad_out.t(), x, offs=offsets)
+    if into_main_grad:
+        torch._foreach_add_([w.main_grad for w in weights], list(grad_w.unbind(0)))
+        for weight in weights:
+            weight.grad_added_to_main_grad = True
+    return grad_w
+
+
+def _zero_tail(out: torch.Tensor, tail: torch.Tensor | None) -> torch.Tensor:
+    """The rows past the last offset, which ``torch._grouped_mm`` leaves unwritten, zero."""
+    return out if tail is None else out.masked_fill_(tail, 0)
+
+
+_OFFSETS = WeakIdKeyDictionary()  # counts tensor -> {(rows, padded_rows): (offsets, tail)}
+
+
+def row_offsets(counts: torch.Tensor, n_rows: int, padded_rows: bool):
+    """int32 cumulative row offsets of the experts, and with ``padded_rows`` a [N, 1] mask of the rows past them;
+    built once per counts tensor (a layer's GEMMs share it; counts are never changed in place)."""
+    built = _OFFSETS.setdefault(counts, {})
+    if (n_rows, padded_rows) not in built:
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        tail = (torch.arange(n_rows, device=counts.device) >= offsets[-1]).unsqueeze(1) if padded_rows else None
+        built[n_rows, padded_rows] = offsets, tail
+    return built[n_rows, padded_rows]
+
+
+def stacked(weights) -> torch.Tensor:
+    """The experts' weights as one [E, M, K] tensor: the stacked one given; a view of E contiguous [M, K] tensors
+    of one storage at one positive stride, a multiple of 16 bytes (as a buffer may hold them); else a stacked copy."""
+    first = weights[0]
+    if len(weights) == 1:
+        return first
+    size, step = first.element_size(), weights[1].data_ptr() - first.data_ptr()
+    in_place = (step >= first.numel() * size and step % 16 == 0 and first.data_ptr() % 16 == 0
+                and all(w.is_contiguous() and w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                        and w.data_ptr() - first.data_ptr() == e * step for e, w in enumerate(weights)))
+    if in_place:
+        return first.as_strided((len(weights), *first.shape), (step // size, first.shape[1], 1))
+    return torch.stack(weights)

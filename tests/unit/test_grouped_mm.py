@@ -1,0 +1,141 @@
+"""The experts' grouped GEMM with GEMMs by ``torch._grouped_mm`` (ops/grouped_mm.py) against float64 torch, on CPU
+in fp32; the Triton GEMMs of a mix by the interpreter. The measured choice table: its lookup and the model's
+choice. bf16 against the Triton kernel: tests/gpu/test_kernels_gpu.py."""
+
+import pytest
+import torch
+from triton_interpreter import assert_matches_oracle, install, load_kernel_module
+
+from megatron_zaya.config import zaya_config
+from megatron_zaya.ops import experts, grouped_mm
+from megatron_zaya.ops.grouped_mm import Backends
+
+pytestmark = pytest.mark.skipif(not grouped_mm.available("cpu", torch.float32),
+                                reason="this torch has no torch._grouped_mm on CPU")
+
+COUNTS = torch.tensor([5, 0, 23, 9])  # an expert without tokens, 37 routed rows
+M_DIM, K_DIM, TAIL = 24, 40, 11  # rows of 96 and 160 bytes in fp32; 11 rows of no expert after the routed ones
+MIXES = [Backends("torch", "torch", "torch"), Backends("torch", "torch", "triton"), Backends("triton", "triton", "torch")]
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return load_kernel_module("megatron_zaya.kernels.grouped_gemm")
+
+
+@pytest.fixture
+def kernel(interpreted, monkeypatch):
+    install(monkeypatch, interpreted)  # ops import the interpreted kernel module
+    return interpreted
+
+
+def _in_one_buffer(gen, order=1, gap=16):
+    """E expert weights [M, K] as views into one buffer, ``gap`` elements apart, in expert order or reversed."""
+    size = M_DIM * K_DIM + gap
+    buffer = 0.2 * torch.randn(len(COUNTS) * size, generator=gen)
+    slots = range(len(COUNTS)) if order > 0 else reversed(range(len(COUNTS)))
+    return [buffer[s * size: s * size + M_DIM * K_DIM].view(M_DIM, K_DIM).requires_grad_() for s in slots]
+
+
+def _oracle(x, weights, grad, padded_rows=True):
+    x64, w64 = x.detach().double().requires_grad_(), torch.stack([w.detach() for w in weights]).double().requires_grad_()
+    out = experts.grouped_gemm(x64, w64, COUNTS, padded_rows=padded_rows)
+    return [out, *torch.autograd.grad(out, [x64, w64], grad.double())]
+
+
+@pytest.mark.parametrize("backends", MIXES, ids=["all-torch", "wgrad-triton", "wgrad-torch"])
+def test_outputs_and_gradients_match_float64(backends, kernel):
+    """Weights viewed in place (one buffer, forward order), a padded tail: out, d x, d weight[e]."""
+    gen = torch.Generator().manual_seed(0)
+    weights = _in_one_buffer(gen)
+    x = torch.randn(int(COUNTS.sum()) + TAIL, K_DIM, generator=gen, requires_grad=True)
+    grad = torch.randn(x.shape[0], M_DIM, generator=gen)
+    assert grouped_mm.runs_on(x, weights, backends)
+    assert grouped_mm.stacked(weights).data_ptr() == weights[0].data_ptr()  # a view, not a copy
+
+    out = experts.fused_grouped_gemm(x, weights, COUNTS, padded_rows=True, backends=backends)
+    got = [out, *torch.autograd.grad(out, [x, *weights], grad)]
+    oracle = _oracle(x, weights, grad)
+    assert (got[0][37:] == 0).all() and (got[1][37:] == 0).all()  # rows of no expert: zero, not left unwritten
+    assert (got[3] == 0).all()  # the expert without tokens
+    assert_matches_oracle("out", got[0], oracle[0])
+    assert_matches_oracle("d_x", got[1], oracle[1])
+    for e, grad_e in enumerate(got[2:]):
+        assert_matches_oracle(f"d_weight[{e}]", grad_e, oracle[2][e])
+
+
+@pytest.mark.parametrize("layout", ["reversed", "stacked"])
+def test_weights_not_at_one_forward_stride_are_copied_and_stacked_ones_read_in_place(layout):
+    """Megatron's buffers hold the experts in reverse order: a stacked copy, same numbers. One [E, M, K] weight:
+    read as it is."""
+    gen = torch.Generator().manual_seed(1)
+    if layout == "reversed":
+        weights = _in_one_buffer(gen, order=-1)
+        leaves = weights
+    else:
+        weights = (0.2 * torch.randn(len(COUNTS), M_DIM, K_DIM, generator=gen)).requires_grad_()
+        leaves = [weights]
+    x = torch.randn(int(COUNTS.sum()), K_DIM, generator=gen, requires_grad=True)
+    grad = torch.randn(x.shape[0], M_DIM, generator=gen)
+    assert (grouped_mm.stacked(leaves).data_ptr() == leaves[0].data_ptr()) == (layout == "stacked")
+    out = grouped_mm.grouped_gemm(x, weights, COUNTS, backends=MIXES[0])
+    got = [out, *torch.autograd.grad(out, [x, *leaves], grad)]
+    oracle = _oracle(x, list(weights), grad, padded_rows=False)
+    assert_matches_oracle("out", got[0], oracle[0])
+    assert_matches_oracle("d_x", got[1], oracle[1])
+    assert_matches_oracle("d_weight", torch.stack(got[2:]).view(oracle[2].shape), oracle[2])
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["into-main-grad", "off"])
+@pytest.mark.parametrize("weight_grad", ["torch", "triton"])
+def test_weight_gradients_accumulate_into_main_grad(weight_grad, enabled, kernel, monkeypatch):
+    """Experts under Megatron's DDP (a fp32 ``main_grad`` per weight, views into one buffer in reverse order): the
+    gradient is added to what ``main_grad`` holds and Megatron's hooks are told; switched off (CUDA-graph
+    warm-ups), ``main_grad`` stays and the gradients come back."""
+    monkeypatch.setitem(kernel.ACCUMULATE_INTO_MAIN_GRAD, "enabled", enabled)
+    gen = torch.Generator().manual_seed(2)
+    weights = [(0.2 * torch.randn(M_DIM, K_DIM, generator=gen)).requires_grad_() for _ in COUNTS]
+    mains = _in_one_buffer(gen, order=-1, gap=3)
+    for weight, main in zip(weights, mains):
+        weight.main_grad, weight.grad_added_to_main_grad = main.detach(), False
+    before = [w.main_grad.clone() for w in weights]
+    x = torch.randn(int(COUNTS.sum()) + TAIL, K_DIM, generator=gen, requires_grad=True)
+    grad = torch.randn(x.shape[0], M_DIM, generator=gen)
+
+    out = grouped_mm.grouped_gemm(x, weights, COUNTS, True, Backends("torch", "torch", weight_grad))
+    got = torch.autograd.grad(out, weights, grad)
+    oracle = _oracle(x, weights, grad)[2]
+    for e, weight in enumerate(weights):
+        assert weight.grad_added_to_main_grad == enabled
+        if enabled:
+            assert_matches_oracle(f"main_grad[{e}]", weight.main_grad - before[e], oracle[e])
+        else:
+            assert torch.equal(weight.main_grad, before[e])
+            assert_matches_oracle(f"d_weight[{e}]", got[e], oracle[e])
+
+
+ENTRY = {"device": "NVIDIA H200", "dtype": "bfloat16", "weight": [16, 4096, 2048],
+         "backends": {"forward": "torch", "input_grad": "torch", "weight_grad": "triton"}}
+
+
+def test_lookup_takes_the_measured_entry_and_triton_without_one():
+    assert grouped_mm.lookup([ENTRY], "NVIDIA H200", torch.bfloat16, (16, 4096, 2048)) == Backends("torch", "torch")
+    for other in [("NVIDIA H100", torch.bfloat16, (16, 4096, 2048)), ("NVIDIA H200", torch.float16, (16, 4096, 2048)),
+                  ("NVIDIA H200", torch.bfloat16, (8, 4096, 2048))]:
+        assert grouped_mm.lookup([ENTRY], *other) == grouped_mm.TRITON
+    assert grouped_mm.read_table() == []  # nothing measured yet: every GPU keeps the Triton kernel
+
+
+@pytest.mark.parametrize("torch_has_it", [True, False])
+def test_the_model_takes_the_tables_choice_when_built(torch_has_it, monkeypatch):
+    """The ZAYA1-8B experts' fc1 on a GPU with an entry; fc2 unmeasured; a torch without the GEMM: Triton."""
+    monkeypatch.setattr(grouped_mm, "device_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(grouped_mm, "available", lambda device_type, dtype: torch_has_it)
+    monkeypatch.setattr(grouped_mm, "read_table", lambda: [ENTRY])
+    config = zaya_config("zaya1-8b", kernels="experts", params_dtype=torch.bfloat16, bf16=True)
+    chosen = experts.choose(config, 1, 16)
+    if torch_has_it:
+        assert chosen.func is experts.fused_experts
+        assert chosen.keywords["backends"] == (Backends("torch", "torch", "triton"), grouped_mm.TRITON)
+    else:
+        assert chosen is experts.fused_experts
