@@ -1,11 +1,14 @@
 """The experts' grouped GEMM with GEMMs by ``torch._grouped_mm`` (ops/grouped_mm.py) against float64 torch, on CPU
-in fp32; the Triton GEMMs of a mix by the interpreter. The measured choice table: its lookup and the model's
-choice. bf16 against the Triton kernel: tests/gpu/test_kernels_gpu.py."""
+in fp32; the Triton GEMMs of a mix by the interpreter. The measured choice table: its lookup, the model's choice,
+and the benchmark that writes it (with fake timings). bf16 against the Triton kernel: tests/gpu/test_kernels_gpu.py."""
+
+import json
 
 import pytest
 import torch
 from triton_interpreter import assert_matches_oracle, install, load_kernel_module
 
+from benchmarks import grouped_gemm_backends as bench
 from megatron_zaya.config import zaya_config
 from megatron_zaya.ops import experts, grouped_mm
 from megatron_zaya.ops.grouped_mm import Backends
@@ -139,3 +142,29 @@ def test_the_model_takes_the_tables_choice_when_built(torch_has_it, monkeypatch)
         assert chosen.keywords["backends"] == (Backends("torch", "torch", "triton"), grouped_mm.TRITON)
     else:
         assert chosen is experts.fused_experts
+
+
+def test_benchmark_writes_the_faster_backend_per_gemm_with_its_provenance(tmp_path):
+    """Fake timings: torch faster for fc1's forward and fc2's input gradient. A re-measured GPU's entries replace its
+    old ones; other GPUs' stay."""
+    fast = {("fc1", "forward"), ("fc2", "input_grad")}
+    shapes = bench.weight_shapes(zaya_config("zaya1-8b"))
+    assert shapes == {"fc1": (16, 4096, 2048), "fc2": (16, 2048, 2048)}
+
+    def fake_ms(name, shape, gemm, backend):
+        return 1.0 if ((name, gemm) in fast) == (backend == "torch") else 2.0
+
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"about": "kept", "entries": [dict(ENTRY, device="AMD Instinct MI300X"),
+                                                              dict(ENTRY, backends={"forward": "triton"})]}))
+    new = bench.entries(shapes, fake_ms, device="NVIDIA H200", dtype=torch.bfloat16, tokens=8192,
+                        command="python -m benchmarks.grouped_gemm_backends --write")
+    bench.write_table(path, new)
+    table = json.loads(path.read_text())
+    assert table["about"] == "kept" and len(table["entries"]) == 3
+    assert grouped_mm.lookup(table["entries"], "AMD Instinct MI300X", torch.bfloat16, shapes["fc1"]).forward == "torch"
+    fc1, fc2 = (grouped_mm.lookup(table["entries"], "NVIDIA H200", torch.bfloat16, shapes[n]) for n in ("fc1", "fc2"))
+    assert fc1 == Backends("torch", "triton", "triton") and fc2 == Backends("triton", "torch", "triton")
+    entry = next(e for e in table["entries"] if e["device"] == "NVIDIA H200" and e["weight"] == [16, 4096, 2048])
+    assert entry["ms"]["forward"] == {"triton": 2.0, "torch": 1.0} and entry["tokens"] == 8192
+    assert {"torch", "triton", "command", "date"} <= set(entry)
