@@ -15,6 +15,7 @@ from triton_interpreter import assert_matches_oracle
 
 from megatron_zaya import ops
 from megatron_zaya.kernels import cca, cross_entropy, grouped_gemm, residual_rmsnorm, router, sort_by_expert, swiglu
+from megatron_zaya.ops import grouped_mm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 
@@ -272,6 +273,41 @@ def test_grouped_gemm_separate_expert_weights():
     _compare(names, kernel, reference, [x, *weights], [_randn(TOKENS, 2 * FFN, gen=gen)], counts.cpu())
     out = kernel(x, *weights, counts)
     assert (out[routed:] == 0).all()  # written by the spare tiles: the output is not zero-filled first
+
+
+@pytest.mark.skipif(not grouped_mm.available("cuda", BF16), reason="this torch has no torch._grouped_mm here")
+@pytest.mark.parametrize("order", [1, -1], ids=["at-one-stride", "reversed-as-in-megatron-buffers"])
+@pytest.mark.parametrize("backends", [grouped_mm.Backends("torch", "torch", "torch"),
+                                      grouped_mm.Backends("torch", "torch", "triton")], ids=["torch", "wgrad-triton"])
+def test_grouped_gemm_on_torch_grouped_mm(backends, order):
+    """The grouped GEMM with its GEMMs on ``torch._grouped_mm`` (ops/grouped_mm.py) against the Triton kernel, at
+    fc1's shape: the experts' weights in one buffer (read in place, or a stacked copy when in reverse order), an
+    idle expert and a tail of rows of no expert. As close to float64 as the Triton kernel, and the tail zero."""
+    gen = torch.Generator("cuda").manual_seed(9)
+    routed = TOKENS - 700
+    counts = torch.bincount(torch.multinomial(torch.ones(EXPERTS, device="cuda"), routed, replacement=True,
+                                              generator=gen), minlength=EXPERTS)  # fmt: skip
+    counts[1] += counts[0]
+    counts[0] = 0
+    weights = _randn(EXPERTS, 2 * FFN, HIDDEN, scale=0.02, gen=gen).unbind(0)[::order]
+    assert (grouped_mm.stacked(weights).data_ptr() == weights[0].data_ptr()) == (order == 1)
+    tensors, grads = [_randn(TOKENS, HIDDEN, gen=gen), *weights], [_randn(TOKENS, 2 * FFN, gen=gen)]
+
+    def on(chosen):
+        def run(x, *weights_and_counts):
+            *weights, counts = weights_and_counts
+            if chosen is None:
+                return ops.experts.grouped_gemm(x, torch.stack(weights), counts, padded_rows=True)
+            return ops.experts.fused_grouped_gemm(x, weights, counts, padded_rows=True, backends=chosen)
+        return run
+
+    on_torch = _run(on(backends), tensors, grads, counts)
+    on_triton = _run(on(grouped_mm.TRITON), tensors, grads, counts)
+    oracle = _run(on(None), tensors, grads, counts, dtype=torch.float64)
+    for name, got, triton, want in zip(["out", "d_x", *(f"d_weight[{e}]" for e in range(EXPERTS))], on_torch,
+                                       on_triton, oracle):  # fmt: skip
+        assert_matches_oracle(name, got, want, triton)
+    assert (on_torch[0][routed:] == 0).all() and (on_torch[1][routed:] == 0).all()
 
 
 @pytest.mark.parametrize("first,num_experts", [(0, EXPERTS), (4, 4)], ids=["all-experts", "four-of-an-ep-rank"])
