@@ -161,7 +161,7 @@ class _GroupedMM(torch.autograd.Function):
 
 
 def torch_forward(x, weights, offsets, tail) -> torch.Tensor:
-    """``out[rows of e] = x[rows of e] @ weight[e].T`` by ``torch._grouped_mm``; offsets and tail: :func:`row_offsets`."""
+    """``out[rows of e] = x[rows of e] @ weight[e].T`` by ``torch._grouped_mm``; offsets, tail: :func:`row_offsets`."""
     return _zero_tail(torch._grouped_mm(x, stacked(weights).transpose(1, 2), offs=offsets), tail)
 
 

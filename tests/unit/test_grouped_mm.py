@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(not grouped_mm.available("cpu", torch.float32),
 
 COUNTS = torch.tensor([5, 0, 23, 9])  # an expert without tokens, 37 routed rows
 M_DIM, K_DIM, TAIL = 24, 40, 11  # rows of 96 and 160 bytes in fp32; 11 rows of no expert after the routed ones
-MIXES = [Backends("torch", "torch", "torch"), Backends("torch", "torch", "triton"), Backends("triton", "triton", "torch")]
+MIXES = [Backends("torch", "torch", "torch"), Backends("torch", "torch", "triton"),
+         Backends("triton", "triton", "torch")]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,8 @@ def _in_one_buffer(gen, order=1, gap=16):
 
 
 def _oracle(x, weights, grad, padded_rows=True):
-    x64, w64 = x.detach().double().requires_grad_(), torch.stack([w.detach() for w in weights]).double().requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    w64 = torch.stack([w.detach() for w in weights]).double().requires_grad_()
     out = experts.grouped_gemm(x64, w64, COUNTS, padded_rows=padded_rows)
     return [out, *torch.autograd.grad(out, [x64, w64], grad.double())]
 
