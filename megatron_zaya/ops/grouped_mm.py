@@ -17,7 +17,9 @@ of each, ``"triton"`` or ``"torch"``; :func:`grouped_gemm` runs a call with any 
   adds that bf16 gradient, as Megatron's own hooks add an unfused layer's.
 
 ``torch._grouped_mm`` takes int32 cumulative row offsets; on CUDA it wants bf16 operands whose strides are
-multiples of 16 bytes, and its weight-gradient form (two 2-D operands) groups along the contraction.
+multiples of 16 bytes, and its weight-gradient form (two 2-D operands) groups along the contraction. It runs
+without a host sync (CUDA graphs capture it) only where torch has a grouped kernel for the GPU (sm_90 and sm_100
+in bf16; ROCm builds with CK on gfx942/gfx950): :func:`available` checks that.
 
 The choice. ``benchmarks/grouped_gemm_backends.py`` times both backends for each GEMM at a model's weight shapes
 on a GPU and writes the faster one into :data:`TABLE_PATH`, each entry with its GPU, torch and Triton versions,
@@ -57,16 +59,26 @@ TRITON = Backends()
 @functools.cache
 def available(device_type: str, dtype: torch.dtype) -> bool:
     """Whether this torch runs ``torch._grouped_mm`` on ``device_type`` (``cuda``: the current GPU, CUDA or ROCm)
-    in ``dtype``: a two-group call on small aligned operands, checked against a matmul. Exact small integers as
-    values: the check draws nothing from the random generators."""
+    in ``dtype``, on a GPU without a host sync: a two-group call on small aligned operands, under
+    ``torch.cuda.set_sync_debug_mode("error")``, checked against a matmul. (On GPUs where torch has no grouped
+    kernel, e.g. CUDA before sm_90, it falls back to a loop that reads the offsets on the host, which would stall
+    every MoE layer and break CUDA graphs.) Exact small integers as values: the check draws no random numbers."""
     if not hasattr(torch, "_grouped_mm") or (device_type == "cuda" and not torch.cuda.is_available()):
         return False
     x = (torch.arange(32 * 16, device=device_type) % 7 - 3).view(32, 16).to(dtype)
     w = (torch.arange(2 * 16 * 16, device=device_type) % 5 - 2).view(2, 16, 16).to(dtype)
+    offsets = torch.tensor([16, 32], dtype=torch.int32, device=device_type)
+    on_gpu = device_type == "cuda"
+    sync_mode = torch.cuda.get_sync_debug_mode() if on_gpu else None
     try:
-        out = torch._grouped_mm(x, w, offs=torch.tensor([16, 32], dtype=torch.int32, device=device_type))
+        if on_gpu:
+            torch.cuda.set_sync_debug_mode("error")
+        out = torch._grouped_mm(x, w, offs=offsets)
     except (RuntimeError, NotImplementedError, TypeError):
         return False
+    finally:
+        if on_gpu:
+            torch.cuda.set_sync_debug_mode(sync_mode)
     return torch.equal(out.float(), torch.cat([x[:16].float() @ w[0].float(), x[16:].float() @ w[1].float()]))
 
 
