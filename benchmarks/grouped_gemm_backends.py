@@ -5,11 +5,11 @@
     TRITON_INTERPRET=1 python -m benchmarks.grouped_gemm_backends --smoke   # tiny shapes on CPU: the script runs
 
 The experts of ``--preset`` (zaya1-8b: 16 experts, hidden 2048, FFN 2048, so fc1 [16, 4096, 2048] and fc2
-[16, 2048, 2048]) in bf16, at ``--tokens`` rows (8192: sequence 4096, micro-batch 2), of which one in 17 belongs
-to no expert (the skip class's share under uniform routing: the padded tail of the model's dispatch) and the rest
-are routed uniformly at random with expert 0 idle. Each GEMM of a grouped GEMM call is timed alone, on the Triton
-kernel (``kernels/grouped_gemm.py``) and on ``torch._grouped_mm`` (``ops/grouped_mm.py``), median of
-``triton.testing.do_bench``:
+[16, 2048, 2048]) in bf16, at ``--tokens`` rows (16,384: sequence 4096 at micro-batch 4, as ZAYA1-8B trains on
+one H200), of which one in 17 belongs to no expert (the skip class's share under uniform routing: the padded tail
+of the model's dispatch) and the rest are routed uniformly at random with expert 0 idle. Each GEMM of a grouped
+GEMM call is timed alone, on the Triton kernel (``kernels/grouped_gemm.py``) and on ``torch._grouped_mm``
+(``ops/grouped_mm.py``), median of ``triton.testing.do_bench``:
 
 - ``forward``: out = x @ weight[e].T; ``input_grad``: d x = d out @ weight[e];
 - ``weight_grad`` as trained: d weight[e] = d out[rows of e].T @ x[rows of e] added into each expert's fp32
@@ -108,7 +108,7 @@ def gemm_function(operands: Operands, gemm: str, backend: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="zaya1-8b", help="the model whose expert shapes are timed")
-    parser.add_argument("--tokens", type=int, default=8192, help="rows of x, the padded tail included")
+    parser.add_argument("--tokens", type=int, default=16384, help="rows of x, the padded tail included")
     parser.add_argument("--write", action="store_true", help=f"write the choices into {grouped_mm.TABLE_PATH}")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (the test preset), any device")
     args = parser.parse_args()
