@@ -40,8 +40,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 GEMMS = ("forward", "input_grad", "weight_grad")
 BACKENDS = ("triton", "torch")
-#: The measured choices: ``{"about": ..., "entries": [{"device", "dtype", "weight": [E, M, K], "backends":
-#: {gemm: backend}, "ms": {gemm: {backend: ms}}, "tokens", "torch", "triton", "command", "date"}, ...]}``.
+#: The measured choices: ``{"about": ..., "entries": [{"device", "dtype", "weight": [E, M, K], "matrix",
+#: "backends": {gemm: backend}, "ms": {gemm: {backend: ms}}, "tokens", "torch", "triton", "command", "date"}]}``.
 TABLE_PATH = Path(__file__).with_name("grouped_mm_table.json")
 
 
@@ -102,16 +102,17 @@ def lookup(entries: list[dict], device: str, dtype: torch.dtype, weight_shape) -
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """How the table names a dtype: ``bfloat16``."""
     return str(dtype).removeprefix("torch.")
 
 
-def choose_backends(dtype: torch.dtype, weight_shapes, entries: list[dict] | None = None) -> list[Backends]:
-    """The backends of each of ``weight_shapes`` ([E, M, K] each) on this machine's GPU, from the table (or
-    ``entries``); torch's only where :func:`available`."""
+def choose_backends(dtype: torch.dtype, weight_shapes) -> list[Backends]:
+    """The backends of each of ``weight_shapes`` ([E, M, K] each) on this machine's GPU, from the table; torch's
+    only where :func:`available`."""
     device = device_name()
     if device == "cpu":
         return [TRITON for _ in weight_shapes]
-    entries = read_table() if entries is None else entries
+    entries = read_table()
     chosen = [lookup(entries, device, dtype, shape) for shape in weight_shapes]
     if any(backends != TRITON for backends in chosen) and not available("cuda", dtype):
         return [TRITON for _ in weight_shapes]
