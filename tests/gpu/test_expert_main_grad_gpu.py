@@ -1,7 +1,7 @@
-"""On a GPU, under Megatron's DDP: the grouped experts' weight gradients, accumulated by the kernel straight into
-``main_grad``, equal the unfused path's (a bf16 gradient that the DDP hooks add), over two micro-batches and two
-steps. (With the layers replayed as CUDA graphs, the same accumulation is checked through the CLI, bit for bit
-against eager layers: ``test_cuda_graphs_gpu.py``.)"""
+"""On a GPU, under Megatron's DDP: the grouped experts' weight gradients, accumulated by the kernel (or after
+``torch._grouped_mm``) straight into ``main_grad``, equal the unfused path's (a bf16 gradient that the DDP hooks
+add), over two micro-batches and two steps. (With the layers replayed as CUDA graphs, the same accumulation is
+checked through the CLI, bit for bit against eager layers: ``test_cuda_graphs_gpu.py``.)"""
 
 from __future__ import annotations
 
@@ -35,13 +35,24 @@ def _expert_main_grads(ddp, model, batches):
     return {name: p.main_grad.float().clone() for name, p in model.named_parameters() if "local_experts" in name}
 
 
-def test_fused_expert_gradients_equal_unfused(monkeypatch):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_fused_expert_gradients_equal_unfused(backend, monkeypatch):
+    """The Triton kernel's weight gradients (added in fp32), and ``torch._grouped_mm``'s (bf16, then added), where
+    the model is built to run every GEMM of its experts there (ops/grouped_mm.py)."""
     from megatron_zaya.kernels import grouped_gemm
+    from megatron_zaya.ops import grouped_mm
 
+    if backend == "torch":
+        if not grouped_mm.available("cuda", torch.bfloat16):
+            pytest.skip("this torch has no torch._grouped_mm here")
+        chosen = grouped_mm.Backends("torch", "torch", "torch")
+        monkeypatch.setattr(grouped_mm, "choose_backends", lambda dtype, shapes: [chosen for _ in shapes])
     generator = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randint(0, 4096, (2, 256), device="cuda", generator=generator) for _ in range(2)]
     fused_ddp, fused_model = _ddp_model()
     plain_ddp, plain_model = _ddp_model()
+    chosen_backends = getattr(fused_model.decoder.layers[0].mlp.experts.grouped, "keywords", {}).get("backends")
+    assert (chosen_backends is not None) == (backend == "torch")  # built with torch's GEMMs, or the kernel alone
     plain_model.load_state_dict(fused_model.state_dict())
     for step in range(2):
         fused = _expert_main_grads(fused_ddp, fused_model, batches)
