@@ -146,6 +146,34 @@ def test_the_model_takes_the_tables_choice_when_built(torch_has_it, monkeypatch)
         assert chosen is experts.fused_experts
 
 
+def test_model_built_with_torchs_gemms_equals_the_torch_reference(monkeypatch):
+    """The experts op with every GEMM of fc1 and fc2 chosen on ``torch._grouped_mm``: the model's loss and gradients
+    are the reference model's (fp32, the other kernels' references on CPU)."""
+    from megatron_zaya.pretrained import build_single_process_model
+
+    chosen, calls = Backends("torch", "torch", "torch"), []
+    monkeypatch.setattr(grouped_mm, "choose_backends", lambda dtype, shapes: [chosen for _ in shapes])
+    run = grouped_mm.grouped_gemm
+    monkeypatch.setattr(grouped_mm, "grouped_gemm", lambda *args: calls.append(args[-1]) or run(*args))
+    models = [build_single_process_model(zaya_config("test", kernels=kernels, use_cpu_initialization=True,
+                                                     params_dtype=torch.float32, moe_token_dispatcher_type="allgather"))
+              for kernels in ("none", "experts")]  # fmt: skip
+    models[1].load_state_dict(models[0].state_dict())
+    assert models[1].decoder.layers[0].mlp.experts.grouped.keywords["backends"] == (chosen, chosen)
+    ids = torch.randint(0, models[0].vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
+    losses, grads = [], []
+    for model in models:
+        loss = model(ids, labels=ids)
+        loss.sum().backward()
+        losses.append(loss.detach())
+        grads.append({name: p.grad for name, p in model.named_parameters() if p.grad is not None})
+    assert calls == [chosen] * 4  # fc1 and fc2 of both layers
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    assert grads[1].keys() == grads[0].keys()
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_benchmark_writes_the_faster_backend_per_gemm_with_its_provenance(tmp_path):
     """Fake timings: torch faster for fc1's forward and fc2's input gradient. A re-measured GPU's entries replace its
     old ones; other GPUs' stay."""
