@@ -13,8 +13,8 @@ from megatron_zaya.config import zaya_config
 from megatron_zaya.ops import experts, grouped_mm
 from megatron_zaya.ops.grouped_mm import Backends
 
-pytestmark = pytest.mark.skipif(not grouped_mm.available("cpu", torch.float32),
-                                reason="this torch has no torch._grouped_mm on CPU")
+needs_grouped_mm = pytest.mark.skipif(not grouped_mm.available("cpu", torch.float32),
+                                      reason="this torch has no torch._grouped_mm on CPU")
 
 COUNTS = torch.tensor([5, 0, 23, 9])  # an expert without tokens, 37 routed rows
 M_DIM, K_DIM, TAIL = 24, 40, 11  # rows of 96 and 160 bytes in fp32; 11 rows of no expert after the routed ones
@@ -48,6 +48,7 @@ def _oracle(x, weights, grad, padded_rows=True):
     return [out, *torch.autograd.grad(out, [x64, w64], grad.double())]
 
 
+@needs_grouped_mm
 @pytest.mark.parametrize("backends", MIXES, ids=["all-torch", "wgrad-triton", "wgrad-torch"])
 def test_outputs_and_gradients_match_float64(backends, kernel):
     """Weights viewed in place (one buffer, forward order), a padded tail: out, d x, d weight[e]."""
@@ -69,6 +70,7 @@ def test_outputs_and_gradients_match_float64(backends, kernel):
         assert_matches_oracle(f"d_weight[{e}]", grad_e, oracle[2][e])
 
 
+@needs_grouped_mm
 @pytest.mark.parametrize("layout", ["reversed", "stacked"])
 def test_weights_not_at_one_forward_stride_are_copied_and_stacked_ones_read_in_place(layout):
     """Megatron's buffers hold the experts in reverse order: a stacked copy, same numbers. One [E, M, K] weight:
@@ -91,6 +93,7 @@ def test_weights_not_at_one_forward_stride_are_copied_and_stacked_ones_read_in_p
     assert_matches_oracle("d_weight", torch.stack(got[2:]).view(oracle[2].shape), oracle[2])
 
 
+@needs_grouped_mm
 @pytest.mark.parametrize("enabled", [True, False], ids=["into-main-grad", "off"])
 @pytest.mark.parametrize("weight_grad", ["torch", "triton"])
 def test_weight_gradients_accumulate_into_main_grad(weight_grad, enabled, kernel, monkeypatch):
@@ -146,6 +149,7 @@ def test_the_model_takes_the_tables_choice_when_built(torch_has_it, monkeypatch)
         assert chosen is experts.fused_experts
 
 
+@needs_grouped_mm
 def test_model_built_with_torchs_gemms_equals_the_torch_reference(monkeypatch):
     """The experts op with every GEMM of fc1 and fc2 chosen on ``torch._grouped_mm``: the model's loss and gradients
     are the reference model's (fp32, the other kernels' references on CPU)."""
