@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -39,8 +40,7 @@ from ..errors import UsageError
 from . import peer_copy
 from .format import CHECKSUMS, TRACKER, read_tracker, recorded_files, step_name, write_checksums
 from .integrity import damage
-from .staging import read_tensors, write_tensors
-from .tiers import stage, take_copies
+from .staging import Snapshot, read_tensors
 
 STATE = "state.pt"
 LAYOUT = "layout.json"
@@ -66,25 +66,16 @@ def current_layout() -> dict[str, int]:
     }
 
 
-def stage_state(state, which: frozenset[int] | None = None):
-    """:func:`~.tiers.stage` for the tensors of a rank's ``MCoreTensorAwareStateDict``, in place."""
-    state.insert_tensors(stage(state.pop_tensors(), which))
-    return state
-
-
-def write_part(path: str, state, layout: dict[str, int]) -> None:
-    """Write a rank's part (in the background writer for ``--async-save``): its tensors' bytes, checksummed as
-    written, the rest of the state, the layout, then the checksums, last and atomically. A part of the same
-    iteration left by an earlier run is removed first."""
+def write_part(path: str, snapshot: Snapshot, state, layout: dict[str, int]) -> None:
+    """Write a rank's part (in the tier's thread): its tensors' bytes, copied to host memory from ``snapshot``
+    first and checksummed as written, the rest of the state (``state``, its tensors popped), the layout, then
+    the checksums, last and atomically. A part of the same iteration left by an earlier run is removed first."""
+    snapshot.copy()
     part = Path(path)
     shutil.rmtree(part, ignore_errors=True)
     part.mkdir(parents=True)
-    tensors = state.pop_tensors()
-    try:
-        specs, written = write_tensors(part, TENSORS, tensors)
-        _synced(part / STATE, lambda stream: torch.save({"state": state, "tensors": specs}, stream))
-    finally:
-        state.insert_tensors(tensors)
+    written = snapshot.write(part, TENSORS)
+    _synced(part / STATE, lambda stream: torch.save({"state": state, "tensors": snapshot.specs}, stream))
     _synced(part / LAYOUT, lambda stream: stream.write(json.dumps(layout).encode()))
     write_checksums(part, written)
 
@@ -151,6 +142,10 @@ def loading() -> int:
     return _loading
 
 
+def _written_by_the_tier() -> None:
+    """What Megatron's writer process does for a local save: nothing, as the tier's thread writes it."""
+
+
 class LocalTier:
     """Megatron's ``local_checkpoint_manager`` (``save``, ``find_latest``, ``load``, ``local_ckpt_dir``) for
     ZAYA1's local tier; ``peer``: each part also copied to a rank on another node (the in-memory tier).
@@ -163,35 +158,62 @@ class LocalTier:
         self.peer = peer
         self._latest: int | None = None
         self._loaded = None
+        self._group = None  # the gloo group of the tier's thread
+        self._thread: threading.Thread | None = None  # the save in flight
+        self._error: BaseException | None = None
 
     def _part(self, iteration: int, rank: int | None = None) -> Path:
         return rank_dir(self.local_ckpt_dir, iteration, torch.distributed.get_rank() if rank is None else rank)
 
     # ------------------------------------------------------------------------------------------- save
     def save(self, state, iteration: int, is_async: bool):
-        """Write this rank's part of ``iteration``; with ``is_async`` return the request that does it in the
-        background writer (Megatron schedules it and runs its finalize functions on every rank at once, when
-        every rank is done: the copy to the peer goes there)."""
+        """Start writing this rank's part of ``iteration`` in a thread of its own, and return. There its tensors
+        are copied to host memory beside the next step's forward and backward (:mod:`.staging`: the training
+        loop waits for the copies before it changes the tensors), then written; the part is copied to its keeper
+        on another node (the in-memory tier); and, once every rank's part is complete, the older ones are
+        pruned. A save first waits for the one before it. With ``is_async`` (``--async-save``) Megatron's writer
+        process gets a request that does nothing (one without a function would never be reported done by
+        Megatron's persistent writer)."""
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
-        path = str(self._part(iteration))
-        after = [functools.partial(self._copy_to_peer, iteration)] if self.peer else []
-        after.append(functools.partial(self._prune, iteration))
-        if not is_async:
-            write_part(path, state, current_layout())
-            for step in after:
-                step()
-            return None
-        tensors, originals = take_copies(state.pop_tensors())
-        # The rest (the optimizer's step counts, ...) as of this step: Megatron's writer queue pickles the request
-        # later, from a thread, while training goes on and changes those tensors in place.
-        state = copy.deepcopy(state)
+        self.finish()
+        if self._group is None:  # collective: every rank saves the same iterations
+            self._group = torch.distributed.new_group(backend="gloo")
+        tensors = state.pop_tensors()
+        snapshot = Snapshot(tensors)
+        rest = copy.deepcopy(state)  # the rest (the optimizer's step counts, ...) as of this step
         state.insert_tensors(tensors)
-        return AsyncRequest(write_part, (path, state, current_layout()), after,
-                            preload_fn=functools.partial(stage_state, state, originals))
+        self._thread = threading.Thread(target=self._write, args=(snapshot, rest, iteration, current_layout()),
+                                        name=f"zaya-local-save-{iteration}", daemon=True)
+        self._thread.start()
+        return AsyncRequest(_written_by_the_tier, (), []) if is_async else None
 
-    def _copy_to_peer(self, iteration: int) -> None:
-        peer_copy.send_copy(self._part(iteration), functools.partial(self._part, iteration))
+    def finish(self) -> None:
+        """Wait for the save in flight, and raise its error here, in the training loop."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _write(self, snapshot: Snapshot, state, iteration: int, layout: dict[str, int]) -> None:
+        """The tier's thread: write the part, copy it to its keeper, then, when every rank's part is complete,
+        prune. The collectives (on the tier's own gloo group, which nothing else uses) run on every rank even
+        after a failed write, so that no rank waits for another that gave up."""
+        try:
+            write_part(str(self._part(iteration)), snapshot, state, layout)
+        except BaseException as error:  # raised in the training loop by finish()
+            self._error = error
+        try:
+            if self.peer:
+                peer_copy.send_copy(self._part(iteration), functools.partial(self._part, iteration), self._group)
+            failed = torch.tensor([self._error is not None], dtype=torch.int32)
+            torch.distributed.all_reduce(failed, group=self._group)
+            if not failed.item():
+                self._prune(iteration)
+        except BaseException as error:
+            self._error = self._error or error
 
     def _prune(self, iteration: int) -> None:
         """After ``iteration`` is complete on every rank: keep this rank's newest ``keep`` complete parts (and

@@ -5,10 +5,12 @@ rank's node. In a data-parallel group of n ranks (in rank order), m of them on e
 i sends its part to position (i + m) mod n, on the next node, and keeps the part of position (i - m) mod n; a
 group on one node (m = n) makes no copies.
 
-The bytes go over the data-parallel gloo group (host memory, whatever the training backend), by paired
-``isend``/``irecv``: a header (the files and their checksum record, or nothing) then each file in chunks. The
-pairs are agreed before an exchange (a save: every rank with its keeper; a resume: gathered needs), and a rank
-with nothing to send sends an empty header, so ranks that disagree about what exists never wait on each other.
+The bytes go over a gloo group (host memory, whatever the training backend) by paired ``isend``/``irecv``: a
+header (the files and their checksum record, or nothing) then each file in chunks. At a save, every rank sends
+to its keeper from the local tier's thread, after its part is written, over that thread's own group, so that
+training goes on and no message mixes with the training loop's; at a resume, the ranks that need a part
+(gathered) receive it over the data-parallel gloo group. A rank with nothing to send sends an empty header, so
+ranks that disagree about what exists never wait on each other.
 The receiver checksums the bytes as they arrive and writes the checksum record last, only when every file
 matches it: a copy received halfway, or damaged on the way, is never complete.
 """
@@ -133,12 +135,12 @@ def keeper_and_source() -> tuple[int | None, int | None]:
     return partners(sorted(ranks), node_size(), torch.distributed.get_rank())
 
 
-def send_copy(part: Path, copy: Path) -> None:
-    """At a save (every rank): send this rank's part ``part`` to its keeper and keep its source's part at
-    ``copy(source)``."""
+def send_copy(part: Path, copy, group) -> None:
+    """At a save (every rank, over ``group``, which holds every rank): send this rank's part ``part`` to its
+    keeper (nothing when it is not complete) and keep its source's part at ``copy(source)``."""
     keeper, source = keeper_and_source()
     if keeper is not None:
-        exchange(gloo_group()[0], keeper, part, source, copy(source))
+        exchange(group, keeper, part, source, copy(source))
 
 
 def fetch(needs: list[bool], keepers: list[int | None], part: Path, copy) -> bool:

@@ -1,20 +1,35 @@
-"""A rank's checkpoint tensors written to files in one pass: device tensors staged through reusable host pools in
-chunks, each byte checksummed as it is written, never read back.
+"""A rank's checkpoint tensors staged to host memory while training goes on, then written to files in one pass,
+each byte checksummed as it is written, never read back.
 
-:func:`write_tensors` lays the raw bytes of a list of tensors out one after the other (each aligned to
-:data:`ALIGN`) and writes them as data files of at most :data:`FILE_BYTES`, :data:`THREADS` files at a time,
-and returns their sizes and CRC-32 for the checksum record (:func:`~.format.write_checksums`); the files also
-let a resume check them in parallel. A host tensor is written from its own memory. A device tensor is copied
-chunk by chunk into a :class:`HostPool`'s buffers (pinned, on a stream of its own) while the previous chunk is
-written: the device holds no copy of the state, and the host two chunks per writing thread beyond the files.
-:func:`read_tensors` reads them back into one host buffer.
+A :class:`Snapshot` of a save's tensors is taken in the training loop (an event on the training stream) and
+copied, in a thread of its own, chunk by chunk into the process's :class:`HostPool` (pinned on a GPU, reused
+by every save) on a CUDA stream of its own, beside the next step's forward and backward; the pool is laid
+out as the data files, which :meth:`Snapshot.write` then writes from it (the raw bytes of each tensor one
+after the other, each aligned to :data:`ALIGN`, in files of at most :data:`FILE_BYTES`, :data:`THREADS` at a
+time) and returns their sizes and CRC-32 for the checksum record (:func:`~.format.write_checksums`). Without
+CUDA the same code copies with plain host copies. :func:`read_tensors` reads the files back.
+
+When the copies must have landed: training writes the saved tensors (weights, master weights, optimizer
+state, the routers' balancing biases) only from the end of the next step's backward on, in
+``finalize_model_grads`` (the balancing step) and the optimizer step after it. The forward and backward
+before read them and write activations and gradients, which a checkpoint does not hold. So the training
+loop calls :func:`wait_for_copies` at the start of ``finalize_model_grads`` (the ``checkpointing.local_tier``
+patch): it waits until every copy is queued, and makes the training stream wait for the last one, a wait of
+the device, not of the host (on the CPU, until the copies are done). A pool the size of the part, rather
+than a few buffers recycled as their chunks reach the files, is what lets the copies end without waiting
+for the files: that wait is bounded by the device-to-host bandwidth, never by the disk. The device holds no
+copy of the state: contiguous tensors are copied as they are, and a non-contiguous one is made contiguous
+a slice of rows at a time (at most :data:`CHUNK_BYTES`, or one row), on the copy stream, each slice reusing
+the memory of the one before.
 """
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
+import contextlib
 import os
-import queue
+import threading
 import zlib
 from pathlib import Path
 
@@ -37,113 +52,147 @@ def _offsets(sizes: list[int]) -> tuple[list[int], int]:
 
 
 class HostPool:
-    """``slots`` host buffers of ``chunk`` bytes, reused by every save of the process; pinned when CUDA is
-    available, so that a chunk's device-to-host copy runs on the pool's stream while the previous chunk is
-    written."""
+    """Host memory for a part's data, one buffer of ``segment`` bytes per data file, allocated at the first save
+    that needs it and reused by every later one (pinned when CUDA is available: allocating it takes seconds,
+    once); and the CUDA stream the copies into it run on."""
 
-    def __init__(self, chunk: int = CHUNK_BYTES, slots: int = 2):
-        cuda = torch.cuda.is_available()
+    def __init__(self, segment: int = FILE_BYTES):
+        self.segment = segment
+        self.segments: list[torch.Tensor] = []
+        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+
+    def take(self, index: int) -> torch.Tensor:
+        while len(self.segments) <= index:
+            self.segments.append(torch.empty(self.segment, dtype=torch.uint8, pin_memory=self.stream is not None))
+        return self.segments[index]
+
+
+_pools: dict[int, HostPool] = {}  # the process's pools by segment size; one save at a time uses a pool
+_unfenced: list["Snapshot"] = []  # snapshots whose copies the training loop has not waited for yet
+
+
+def wait_for_copies() -> None:
+    """Called by the training loop before it next writes the tensors of a save (see the module docstring):
+    returns once every copy of the snapshots taken is queued, the training stream waiting for the last."""
+    while _unfenced:
+        _unfenced.pop().wait_copied()
+
+
+def _flat_pieces(tensor: torch.Tensor, chunk: int):
+    """(first byte in the tensor, those bytes as a 1-D ``uint8`` tensor) in order, at most ``chunk`` bytes each
+    (or one row of a non-contiguous tensor, which is made contiguous a slice of rows at a time)."""
+    tensor = tensor.detach()
+    if tensor.numel() == 0:
+        return
+    if tensor.is_contiguous():
+        flat = tensor.reshape(-1).view(torch.uint8)
+        for start in range(0, flat.numel(), chunk):
+            yield start, flat[start:start + chunk]
+        return
+    row = tensor[0].numel() * tensor.element_size()
+    rows = max(1, chunk // row)
+    for first in range(0, tensor.shape[0], rows):
+        yield first * row, tensor[first:first + rows].contiguous().reshape(-1).view(torch.uint8)
+
+
+class Snapshot:
+    """The bytes of a save's ``tensors`` as they are when it is made (in the training loop), copied into a
+    :class:`HostPool` by :meth:`copy` and written by :meth:`write` (in another thread); the training loop
+    calls :func:`wait_for_copies` before it changes them."""
+
+    def __init__(self, tensors: list[torch.Tensor], limit: int = FILE_BYTES, chunk: int = CHUNK_BYTES):
+        self.tensors = tensors
+        self.specs = [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in tensors]
+        self.sizes = [t.numel() * t.element_size() for t in tensors]
+        self.offsets, self.end = _offsets(self.sizes)
         self.chunk = chunk
-        self.buffers = [torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda) for _ in range(slots)]
-        self.stream = torch.cuda.Stream() if cuda else None
+        self.pool = _pools[limit] if limit in _pools else _pools.setdefault(limit, HostPool(limit))
+        self.ready = None
+        if any(t.is_cuda for t in tensors):  # what the copies wait for: the work that produced the tensors
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        self._copied = threading.Event()
+        self._last = None  # the copy stream's event after the latest device copy
+        self._landed: list[tuple[int, object]] = []  # (data bytes copied, the copy stream's event after them)
+        self._complete = False  # every copy queued
+        _unfenced.append(self)
 
-    def copy_out(self, flats: list[torch.Tensor], write) -> None:
-        """``write(memoryview)`` the bytes of the 1-D ``uint8`` tensors ``flats`` in order, in chunks through the
-        pool: the copy of chunk k+1 is queued before chunk k is written."""
-        pending = None  # (event, buffer view) of the chunk copied, not yet written
-        index = 0
-        for flat in flats:
-            if self.stream is not None and flat.is_cuda:
-                self.stream.wait_stream(torch.cuda.current_stream(flat.device))  # the step that produced it
-            for start in range(0, flat.numel(), self.chunk):
-                piece = flat[start:start + self.chunk]
-                view = self.buffers[index % len(self.buffers)][: piece.numel()]
-                index += 1
-                event = None
-                if self.stream is not None and piece.is_cuda:
-                    with torch.cuda.stream(self.stream):
-                        view.copy_(piece, non_blocking=True)
-                        event = torch.cuda.Event()
-                        event.record(self.stream)
-                else:
-                    view.copy_(piece)
-                if pending is not None:
-                    _write_chunk(*pending, write)
-                pending = (event, view)
-        if pending is not None:
-            _write_chunk(*pending, write)
+    def copy(self) -> None:
+        """Queue every chunk's copy into the pool (on the CPU: copy it), in data order; zero the gaps."""
+        stream, position = self.pool.stream, 0
+        try:
+            if self.ready is not None:
+                stream.wait_event(self.ready)
+            for tensor, offset, size in zip(self.tensors, self.offsets, self.sizes):
+                self._fill(torch.zeros(offset - position, dtype=torch.uint8), position)
+                with torch.cuda.stream(stream) if tensor.is_cuda else contextlib.nullcontext():
+                    for first, piece in _flat_pieces(tensor, self.chunk):
+                        self._fill(piece, offset + first)
+                        if piece.is_cuda:
+                            self._last = torch.cuda.Event()
+                            self._last.record(stream)
+                        self._landed.append((offset + first + piece.numel(), self._last))
+                position = offset + size
+            self._landed.append((self.end, self._last))
+            self._complete = True
+        finally:
+            self._copied.set()
 
+    def _fill(self, piece: torch.Tensor, at: int) -> None:
+        """Copy the bytes ``piece`` into the pool at data position ``at``, split where a data file ends."""
+        done, segment = 0, self.pool.segment
+        while done < piece.numel():
+            index, start = divmod(at + done, segment)
+            length = min(piece.numel() - done, segment - start)
+            self.pool.take(index)[start:start + length].copy_(piece[done:done + length], non_blocking=piece.is_cuda)
+            done += length
 
-def _write_chunk(event, view: torch.Tensor, write) -> None:
-    if event is not None:
-        event.synchronize()
-    write(memoryview(view.numpy()))
+    def wait_copied(self) -> None:
+        """In the training loop: return once every copy is queued, the training stream waiting for the last."""
+        self._copied.wait()
+        if self._last is not None:
+            torch.cuda.current_stream().wait_event(self._last)
 
+    def _wait_landed(self, position: int) -> None:
+        """Until the data bytes before ``position`` are in the pool (after :meth:`copy`)."""
+        if not self._complete:
+            raise RuntimeError("the checkpoint's copy to host memory failed")
+        event = self._landed[bisect.bisect_left(self._landed, position, key=lambda mark: mark[0])][1]
+        if event is not None:
+            event.synchronize()
 
-_pools: queue.SimpleQueue = queue.SimpleQueue()  # the process's pools, one per writing thread, reused by every save
+    def write(self, directory: Path, stem: str, threads: int = THREADS) -> dict[str, list[int]]:
+        """After :meth:`copy`: write the pool's data into ``directory/<stem>.NNN.bin``, a file per thread at a
+        time (writes and CRC-32 release the GIL), each fsynced; returns ``{file: [size, crc32]}``. The
+        tensors are released once written."""
+        segment = self.pool.segment
+        names = [f"{stem}.{i:03d}.bin" for i in range(-(-self.end // segment))]
 
+        def write_file(index: int) -> list[int]:
+            low, high = index * segment, min(self.end, (index + 1) * segment)
+            crc, data = 0, memoryview(self.pool.take(index).numpy())
+            with (Path(directory) / names[index]).open("wb") as stream:
+                for start in range(low, high, self.chunk):
+                    stop = min(high, start + self.chunk)
+                    self._wait_landed(stop)
+                    view = data[start - low:stop - low]
+                    stream.write(view)
+                    crc = zlib.crc32(view, crc)
+                stream.flush()
+                os.fsync(stream.fileno())  # the checksum record, written after, must not outlive the data
+            return [high - low, crc]
 
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as a 1-D ``uint8`` view (a contiguous copy first if it is not contiguous)."""
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _pieces(sizes: list[int], offsets: list[int], low: int, high: int) -> list[tuple[int, int, int, int]]:
-    """(tensor, first byte in it, bytes, position in the data) of the tensor bytes in the data's [low, high)."""
-    return [(i, max(start, low) - start, min(start + size, high) - max(start, low), max(start, low))
-            for i, (size, start) in enumerate(zip(sizes, offsets)) if start < high and start + size > low]
-
-
-def write_tensors(directory: Path, stem: str, tensors: list[torch.Tensor], limit: int = FILE_BYTES,
-                  threads: int = THREADS) -> tuple[list[tuple[str, tuple[int, ...]]], dict[str, list[int]]]:
-    """Write the bytes of ``tensors`` into ``directory/<stem>.NNN.bin``, a file per thread at a time (writes and
-    CRC-32 release the GIL); returns each tensor's dtype and shape, and ``{file: [size, crc32]}``. Device tensors
-    go through a :class:`HostPool` per thread."""
-    sizes = [tensor.numel() * tensor.element_size() for tensor in tensors]
-    offsets, end = _offsets(sizes)
-    flats = [_bytes(tensor) for tensor in tensors]
-    if any(flat.is_cuda for flat in flats):  # the writing threads' streams cannot wait on this thread's
-        torch.cuda.current_stream().synchronize()
-    names = [f"{stem}.{i:03d}.bin" for i in range(-(-end // limit))]
-
-    def write_file(index: int) -> list[int]:
-        low, high = index * limit, min(end, (index + 1) * limit)
-        crc, position = 0, low
-
-        def write(view: memoryview) -> None:
-            nonlocal crc
-            stream.write(view)
-            crc = zlib.crc32(view, crc)
-
-        with (Path(directory) / names[index]).open("wb") as stream:
-            for tensor, first, length, at in _pieces(sizes, offsets, low, high):
-                write(memoryview(bytes(at - position)))  # alignment
-                piece = flats[tensor][first:first + length]
-                if piece.device.type == "cpu":
-                    write(memoryview(piece.numpy()))
-                else:
-                    try:
-                        pool = _pools.get_nowait()
-                    except queue.Empty:
-                        pool = HostPool()
-                    try:
-                        pool.copy_out([piece], write)
-                    finally:
-                        _pools.put(pool)
-                position = at + length
-            write(memoryview(bytes(high - position)))
-            stream.flush()
-            os.fsync(stream.fileno())  # the checksum record, written after, must not outlive the data
-        return [high - low, crc]
-
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(names)))) as workers:
-        table = dict(zip(names, workers.map(write_file, range(len(names))), strict=True))
-    specs = [(str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)) for tensor in tensors]
-    return specs, table
+        try:
+            with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(names)))) as workers:
+                return dict(zip(names, workers.map(write_file, range(len(names))), strict=True))
+        finally:
+            if self._last is not None:  # every copy done: the tensors may be freed or reused
+                self._last.synchronize()
+            self.tensors = []
 
 
 def read_tensors(directory: Path, stem: str, specs: list[tuple[str, tuple[int, ...]]]) -> list[torch.Tensor]:
-    """The tensors :func:`write_tensors` wrote, as views of one host buffer filled from the files in order."""
+    """The tensors :class:`Snapshot` wrote, as views of one host buffer filled from the files in order."""
     sizes = [torch.Size(shape).numel() * getattr(torch, dtype).itemsize for dtype, shape in specs]
     offsets, end = _offsets(sizes)
     buffer = torch.empty(end, dtype=torch.uint8)

@@ -185,7 +185,8 @@ def in_process_write_results() -> None:
 def local_tier() -> None:
     """``--non-persistent-ckpt-type local`` (and the in-memory tier, ``--zaya-memory-ckpt-interval``, which sets
     it) saves through ZAYA1's :class:`~megatron_zaya.checkpoint.local_tier.LocalTier`, without NVIDIA's
-    resiliency package (which ROCm images lack).
+    resiliency package (which ROCm images lack), in a thread of the training process that copies the tensors
+    to host memory beside the next step.
 
     Megatron's local type takes its manager from the checkpointing context (``local_checkpoint_manager``:
     ``save``, ``find_latest``, ``load``; checkpointing.py:629, 940, 1491, 1529) and fills that slot with the
@@ -195,13 +196,22 @@ def local_tier() -> None:
     ``setup_model_and_optimizer``, which receives that context before the first load, puts a ``LocalTier`` into
     it; and ``MCoreTensorAwareStateDict.from_state_dict``, Megatron's own conversion of a rank's state that the
     package only gives a base class, runs without its ``HAVE_NVRX`` guard (tensor_aware_state_dict.py:127).
+    A save returns while its thread copies and writes, so two more hooks: the model config's
+    ``finalize_model_grads_func`` (called once per step after the last backward, before anything writes the
+    saved tensors; Megatron's own when the model set none, as ``train`` would, training.py:3549) first waits
+    for the copies of the save before it (:func:`~megatron_zaya.checkpoint.staging.wait_for_copies`); and
+    ``maybe_finalize_async_save`` called blocking (at the end of ``train``, whatever ends it, and of
+    ``pretrain``) first waits for the save in flight, so that a run ends with its last part written.
     Off: leave ``checkpointing.local_tier`` out of ``--zaya-patches`` (the local type then needs the package).
     """
     import megatron.training
     from megatron.core.dist_checkpointing import tensor_aware_state_dict
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_model_config
     from megatron.training import arguments, get_args, training
 
     from megatron_zaya.checkpoint.local_tier import tier_for
+    from megatron_zaya.checkpoint.staging import wait_for_copies
 
     original_validate = arguments.validate_args
 
@@ -224,16 +234,39 @@ def local_tier() -> None:
         return original_pretrain(cfg_container, *rest, **kwargs)
 
     original_setup = training.setup_model_and_optimizer
+    tiers = []  # the tier this process saves through
 
     @functools.wraps(original_setup)
     def setup_model_and_optimizer(*rest, checkpointing_context=None, **kwargs):
         args = get_args()
-        if args.non_persistent_ckpt_type == "local" and checkpointing_context is not None:
-            checkpointing_context.setdefault("local_checkpoint_manager", tier_for(args))
-        return original_setup(*rest, checkpointing_context=checkpointing_context, **kwargs)
+        local = args.non_persistent_ckpt_type == "local" and checkpointing_context is not None
+        if local:
+            tiers.append(checkpointing_context.setdefault("local_checkpoint_manager", tier_for(args)))
+        model, *others = original_setup(*rest, checkpointing_context=checkpointing_context, **kwargs)
+        if local:
+            config = get_model_config(model[0])
+            config.finalize_model_grads_func = fenced(config.finalize_model_grads_func or finalize_model_grads)
+        return (model, *others)
+
+    def fenced(finalize):
+        @functools.wraps(finalize)
+        def finalize_model_grads(*args, **kwargs):
+            wait_for_copies()
+            return finalize(*args, **kwargs)
+
+        return finalize_model_grads
+
+    original_finalize = training.maybe_finalize_async_save
+
+    @functools.wraps(original_finalize)
+    def maybe_finalize_async_save(blocking: bool = False, terminate: bool = False):
+        for tier in tiers if blocking else ():
+            tier.finish()
+        return original_finalize(blocking=blocking, terminate=terminate)
 
     replace_attr(arguments, "validate_args", validate_args)
     for module in (megatron.training, training):
         replace_attr(module, "pretrain", pretrain)
     replace_attr(training, "setup_model_and_optimizer", setup_model_and_optimizer)
+    replace_attr(training, "maybe_finalize_async_save", maybe_finalize_async_save)
     replace_attr(tensor_aware_state_dict, "HAVE_NVRX", True)

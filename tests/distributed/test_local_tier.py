@@ -43,7 +43,7 @@ def _tier_on_ranks(rank, world, root, saves):
     return result if isinstance(result, str) else (result, printed.getvalue())
 
 
-def _save_and_resume(rank, world, root, saves, peer=False, flips=(), background=False):
+def _save_and_resume(rank, world, root, saves, peer=False, flips=(), is_async=False):
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
@@ -54,14 +54,14 @@ def _save_and_resume(rank, world, root, saves, peer=False, flips=(), background=
     ps.initialize_model_parallel()
     try:
         group = ps.get_data_parallel_group(with_context_parallel=True)
+        tier = LocalTier(root, 2, None, peer)
         for iteration in saves:
             state, _ = MCoreTensorAwareStateDict.from_state_dict(
                 _sharded_state(iteration, rank, world), algo="fully_parallel", parallelization_group=group)
-            request = LocalTier(root, 2, None, peer).save(state, iteration, is_async=background)
-            if background:  # as Megatron's writer runs it, then its finalization on every rank
-                request.async_fn(*request.async_fn_args[:1], request.preload_fn(), *request.async_fn_args[2:])
-                for finalize in request.finalize_fns:
-                    finalize()
+            request = tier.save(state, iteration, is_async=is_async)
+            assert request is None if not is_async else request.async_fn.__name__ == "_written_by_the_tier"
+            _next_step(state)
+        tier.finish()
         torch.distributed.barrier()
         for path in flips if rank == 0 else ():
             _flip(Path(path))
@@ -79,6 +79,17 @@ def _save_and_resume(rank, world, root, saves, peer=False, flips=(), background=
         return latest, {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in loaded.items()}
     finally:
         ps.destroy_model_parallel()
+
+
+def _next_step(state) -> None:
+    """What training does after a save: wait for its copies, then change every saved tensor in place."""
+    from megatron_zaya.checkpoint.staging import wait_for_copies
+
+    wait_for_copies()
+    tensors = state.pop_tensors()
+    for tensor in tensors:
+        tensor.mul_(-1).sub_(1)
+    state.insert_tensors(tensors)
 
 
 def _flip(path):
@@ -118,9 +129,8 @@ def test_local_tier_keeps_the_newest_intact_and_refuses_another_layout(tmp_path)
 
 
 def _background_save_then_step(rank, world, root):
-    """A background save of a state whose common part holds a live tensor (as the optimizer's step counts are),
-    that tensor changed in place before the writer runs (training goes on; Megatron's queue pickles the request
-    later, from a thread); then the part loaded back."""
+    """A save of a state whose common part holds a live tensor (as the optimizer's step counts are), that
+    tensor and the saved tensors changed in place while the tier's thread writes; then the part loaded back."""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
@@ -134,11 +144,11 @@ def _background_save_then_step(rank, world, root):
         step = torch.tensor(7.0)
         state, _ = MCoreTensorAwareStateDict.from_state_dict(
             {**_sharded_state(7, rank, world), "step": step}, algo="fully_parallel", parallelization_group=group)
-        request = LocalTier(root, 2, None).save(state, 7, is_async=True)
-        step += 1  # the next optimizer step
-        request.async_fn(*request.async_fn_args[:1], request.preload_fn(), *request.async_fn_args[2:])
-        for finalize in request.finalize_fns:
-            finalize()
+        tier = LocalTier(root, 2, None)
+        tier.save(state, 7, is_async=True)
+        step += 1  # the next optimizer step, before the part is written
+        _next_step(state)
+        tier.finish()
         loaded, _ = LocalTier(root, 2, None).load()
         template = {**_sharded_state(7, rank, world, fill=False), "step": None}
         return {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in
@@ -147,37 +157,37 @@ def _background_save_then_step(rank, world, root):
         ps.destroy_model_parallel()
 
 
-def test_a_background_save_keeps_the_state_of_its_step(tmp_path):
+def test_a_save_keeps_the_state_of_its_step(tmp_path):
     (loaded,) = run_ranks(_background_save_then_step, 1, tmp_path, str(tmp_path / "local"))
     assert loaded["step"] == 7.0 and loaded["iteration"] == 7, loaded
     assert loaded["sharded"] == [700.0, 701.0, 702.0, 703.0], loaded
 
 
-def _memory_tier_on_nodes(rank, world, root, saves, flips, background):
+def _memory_tier_on_nodes(rank, world, root, saves, flips, is_async):
     """Each rank a node of its own (``LOCAL_WORLD_SIZE`` 1) with its own directory ``root/node<rank>``: save
-    ``saves`` (in the background: the copies are sent at the finalization) with copies on the other node, damage
-    the files ``flips`` (relative to ``root``), then resume: ``((find_latest, the loaded state's values), what
-    it printed)``."""
+    ``saves`` (``is_async``: as with ``--async-save``) with copies on the other node (sent from the tier's
+    thread), damage the files ``flips`` (relative to ``root``), then resume: ``((find_latest, the loaded state's
+    values), what it printed)``."""
     import os
 
     os.environ["LOCAL_WORLD_SIZE"] = "1"
     printed = io.StringIO()
     with contextlib.redirect_stderr(printed), contextlib.redirect_stdout(printed):
         result = _save_and_resume(rank, world, f"{root}/node{rank}", saves, peer=True,
-                                  flips=[f"{root}/{f}" for f in flips], background=background)
+                                  flips=[f"{root}/{f}" for f in flips], is_async=is_async)
     return result, printed.getvalue()
 
 
 def test_the_memory_tier_survives_a_lost_node_and_a_damaged_part(tmp_path):
     """Two "nodes" of one rank: each keeps its newest two parts and the other's copies; after node 1 is replaced
     (its memory empty) the resume takes rank 1's part from node 0's copy, exactly; a damaged part is taken from
-    its copy (sent by a background save), and without an intact copy the iteration is skipped for the newest
+    its copy (sent by a save under ``--async-save``), and without an intact copy the iteration is skipped for the newest
     intact one; a save removes the complete parts newer than it (a run started afresh)."""
     root = tmp_path / "mem"
 
-    def resumed(name, saves=(), flips=(), background=False):
+    def resumed(name, saves=(), flips=(), is_async=False):
         results = run_ranks(_memory_tier_on_nodes, 2, tmp_path / name, str(root), list(saves), list(flips),
-                            background)
+                            is_async)
         for rank, ((latest, loaded), _) in enumerate(results):
             assert loaded == {"sharded": [100.0 * latest + 10 * rank + i for i in range(4)],
                               "replicated": [100.0 * latest + i for i in range(4)], "iteration": latest}, loaded
@@ -199,7 +209,7 @@ def test_the_memory_tier_survives_a_lost_node_and_a_damaged_part(tmp_path):
     assert (f"local checkpoint {root}/node0/iter_0000003 is damaged (rank 0: state.pt differs from its checksum at "
             "save); skipped") in printed, printed
 
-    latest, printed = resumed("repaired", [4], ["node0/iter_0000004/rank_00000/state.pt"], background=True)
+    latest, printed = resumed("repaired", [4], ["node0/iter_0000004/rank_00000/state.pt"], is_async=True)
     assert latest == 4 and "the part of rank 0 taken from its copy" in printed, printed
 
     assert resumed("restarted", [1])[0] == 1  # a run that saves 1 removes the newer parts a resume would take
@@ -209,7 +219,8 @@ def test_the_memory_tier_survives_a_lost_node_and_a_damaged_part(tmp_path):
 def _resume_then_save_until_killed(root, store, log, start):
     """In a forked process, one rank: resume from the tier (the loaded state must be exactly the one saved at
     that iteration; written to ``log``), then save iterations ``start``, ``start + 1``, ... of a 16 MiB state
-    until killed, logging each one saved."""
+    until killed, changing the state as soon as the copies allow, while the tier's thread writes; logging each
+    save written."""
     import itertools
     import os
 
@@ -241,17 +252,21 @@ def _resume_then_save_until_killed(root, store, log, start):
             out.write(f"resumed {latest} {'exact' if exact and loaded['iteration'] == latest else 'differs'}\n")
             out.flush()
         os.fsync(out.fileno())
+        tier = LocalTier(root, 2, None)
         for iteration in itertools.count(start):
             saved, _ = MCoreTensorAwareStateDict.from_state_dict(state(iteration), algo="fully_parallel",
                                                                  parallelization_group=group)
-            LocalTier(root, 2, None).save(saved, iteration, is_async=False)
-            out.write(f"saved {iteration}\n")
-            out.flush()
+            tier.save(saved, iteration, is_async=False)  # returns once the save before it is written
+            if iteration > start:
+                out.write(f"saved {iteration - 1}\n")
+                out.flush()
+            _next_step(saved)
 
 
 def test_sigkills_at_random_moments_of_a_write_leave_the_tier_resumable(tmp_path):
-    """Four processes killed (SIGKILL) at random moments of their in-memory saves; each next one resumes from
-    the newest part written, exactly, never older than the last save its predecessor reported."""
+    """Four processes killed (SIGKILL) at random moments of their in-memory saves (copies, writes, pruning, in
+    the tier's thread, while the process changes the state); each next one resumes from the newest part
+    written, exactly, never older than the last save its predecessor reported."""
     import random
     import time
 

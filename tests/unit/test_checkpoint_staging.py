@@ -1,15 +1,19 @@
-"""A rank's checkpoint tensors written in one pass (checkpoint/staging.py): the bytes of every dtype and shape come
-back exactly, the checksums recorded while writing equal the files' CRC-32 read back, files split at their size
-limit, and the host pool's chunks (here on CPU tensors, as on a GPU it copies device tensors) carry every byte in
-order, a tensor spanning several chunks and chunks spanning tensors alike."""
+"""A rank's checkpoint tensors staged to host memory in a thread and written in one pass (checkpoint/staging.py):
+the bytes of every dtype and shape come back exactly, the checksums recorded while writing equal the files'
+CRC-32 read back, files split at their size limit, chunks span tensors and files, and the host pool is reused
+by the next save; a snapshot holds the values of its moment when training changes the tensors as soon as
+:func:`wait_for_copies` returns, while the copies run in another thread (here plain host copies, the path a
+GPU takes with device copies on the pool's stream)."""
 
 from __future__ import annotations
 
+import threading
 import zlib
 
 import torch
 
-from megatron_zaya.checkpoint.staging import HostPool, read_tensors, write_tensors
+from megatron_zaya.checkpoint import staging
+from megatron_zaya.checkpoint.staging import Snapshot, read_tensors, wait_for_copies
 
 
 def _tensors() -> list[torch.Tensor]:
@@ -21,19 +25,43 @@ def _tensors() -> list[torch.Tensor]:
 
 def test_tensors_come_back_exactly_with_the_checksums_of_their_files(tmp_path):
     tensors = _tensors()
-    specs, table = write_tensors(tmp_path, "tensors", tensors, limit=40)
-    assert sorted(table) == [f"tensors.{i:03d}.bin" for i in range(len(table))] and len(table) > 4
-    for name, (size, crc) in table.items():
-        data = (tmp_path / name).read_bytes()
-        assert size == len(data) <= 40 and crc == zlib.crc32(data), name
-    back = read_tensors(tmp_path, "tensors", specs)
-    assert all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(tensors, back))
+    for attempt in ("first", "again"):  # the second save reuses the pool's buffers
+        (tmp_path / attempt).mkdir()
+        snapshot = Snapshot(tensors, limit=40, chunk=7)
+        snapshot.copy()
+        table = snapshot.write(tmp_path / attempt, "tensors")
+        segments = [s.data_ptr() for s in snapshot.pool.segments]
+        assert sorted(table) == [f"tensors.{i:03d}.bin" for i in range(len(table))] and len(table) > 4
+        for name, (size, crc) in table.items():
+            data = (tmp_path / attempt / name).read_bytes()
+            assert size == len(data) <= 40 and crc == zlib.crc32(data), name
+        back = read_tensors(tmp_path / attempt, "tensors", snapshot.specs)
+        assert all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(tensors, back))
+    assert [s.data_ptr() for s in staging._pools[40].segments] == segments and len(segments) == len(table)
 
 
-def test_the_pool_carries_every_byte_in_order_through_reused_chunks():
-    pool = HostPool(chunk=7, slots=2)
-    flats = [t.contiguous().reshape(-1).view(torch.uint8) for t in _tensors()]
-    pieces = []
-    pool.copy_out(flats, lambda view: pieces.append(bytes(view)))
-    assert b"".join(pieces) == b"".join(bytes(f.numpy()) for f in flats)
-    assert max(map(len, pieces)) == 7 and len(pool.buffers) == 2
+def test_a_snapshot_holds_its_moment_while_training_changes_the_tensors(tmp_path, monkeypatch):
+    """The copies (4 MiB in 4 KiB chunks, slowed) run in the tier's thread; the training thread waits for them
+    only at :func:`wait_for_copies`, then overwrites every tensor; the files hold the values of the snapshot."""
+    tensors = [torch.randn(1 << 18), torch.randn(512, 1024).t(), torch.arange(1 << 16)]
+    expected = [t.clone() for t in tensors]
+    fill = Snapshot._fill
+
+    def slow_fill(self, piece, at):
+        threading.Event().wait(0.0002)
+        fill(self, piece, at)
+
+    monkeypatch.setattr(Snapshot, "_fill", slow_fill)
+    snapshot = Snapshot(tensors, chunk=4096)
+    written = {}
+    thread = threading.Thread(target=lambda: (snapshot.copy(), written.update(snapshot.write(tmp_path, "t"))))
+    thread.start()
+    assert not snapshot._copied.is_set()  # the save returned with the copies still to run
+    wait_for_copies()
+    assert snapshot._copied.is_set()
+    for tensor in tensors:
+        tensor.mul_(-1).add_(3)  # the next optimizer step
+    thread.join()
+    assert list(written) == ["t.000.bin"]
+    assert all(torch.equal(a, b) for a, b in zip(read_tensors(tmp_path, "t", snapshot.specs), expected))
+    assert snapshot.tensors == [] and staging._unfenced == []  # released once written; nothing left to wait for
