@@ -8,9 +8,10 @@ Trains ZAYA1 (``zaya1-8b-shallow``: ZAYA1-8B's width, 8 layers; ``--num-layers``
 * ``async``: the same with ``--async-save`` (Megatron's background writer);
 * ``local``: the local tier (``--non-persistent-ckpt-type local``) in ``--local-dir`` (e.g. ``/dev/shm``),
   with ``--async-save``; ``local_sync``: without it;
-* ``memory``: the in-memory tier (``--zaya-memory-ckpt-interval``) in ``--local-dir``, written by the training
-  process through its pinned host pool (no device copy); ``memory_async``: with ``--async-save`` (device copies
-  within the free memory, written by the background writer);
+* ``memory``: the in-memory tier (``--zaya-memory-ckpt-interval``) in ``--local-dir``; ``memory_async``: with
+  ``--async-save``. The local and in-memory tiers are copied to a pinned host pool and written by a thread of
+  the training process (no device copy), with or without ``--async-save``: the loop waits for the copies at the
+  next step's ``finalize_model_grads``, which the loop's excess time per save shows, not the save call;
 * ``memory_restore``: the ``memory`` run SIGKILLed a step after its second in-memory save (so it makes no
   persistent save), then launched again: its save calls, the load from the in-memory tier (Megatron's
   ``load-checkpoint`` timer, and from launch to the first resumed step), and whether the resumed losses equal

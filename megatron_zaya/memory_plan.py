@@ -270,10 +270,10 @@ def memory_tier_host_bytes(result: dict[str, float], run: Run, world_size: int) 
     """Host memory per node that the in-memory tier takes (``--zaya-memory-ckpt-interval``): each GPU's
     checkpoint state (weights, master weights, optimizer state; an upper bound, as for the background-save
     copies) for the K parts kept and the one being written, twice when the node also keeps the copies of
-    another node's parts."""
+    another node's parts, and once more for the pool that a save is staged in (checkpoint/staging.py)."""
     state = result["weights"] + result["master weights"] + result["optimizer state"]
     copies = 2 if world_size > run.gpus_per_node else 1
-    return state * min(run.gpus_per_node, world_size) * (run.memory_ckpt_keep + 1) * copies
+    return state * min(run.gpus_per_node, world_size) * ((run.memory_ckpt_keep + 1) * copies + 1)
 
 
 def largest_micro_batch(cfg, par: Parallel, run: Run, capacity_gib: float) -> int:
@@ -310,6 +310,7 @@ def report(cfg, par: Parallel, run: Run) -> str:
         lines.append(f"  in-memory checkpoints, host memory per node: "
                      f"{memory_tier_host_bytes(result, run, world) / GIB:.2f} GiB ({min(run.gpus_per_node, world)} "
                      f"GPUs, {run.memory_ckpt_keep} kept + 1 being written"
-                     f"{', and the copies of another node' if world > run.gpus_per_node else ''})")
+                     f"{', the copies of another node' if world > run.gpus_per_node else ''} and the staging "
+                     "pool)")
     return "\n".join(lines)
 
