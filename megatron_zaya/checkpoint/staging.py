@@ -122,6 +122,7 @@ class Snapshot:
         stream, position = self.pool.stream, 0
         try:
             if self.ready is not None:
+                torch.cuda.set_device(stream.device)  # a new thread starts on device 0
                 stream.wait_event(self.ready)
             for tensor, offset, size in zip(self.tensors, self.offsets, self.sizes):
                 self._fill(torch.zeros(offset - position, dtype=torch.uint8), position)

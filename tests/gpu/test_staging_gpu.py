@@ -1,0 +1,39 @@
+"""A snapshot of device tensors (checkpoint/staging.py) on a GPU: its copies on the pool's stream see the work
+queued before it, the training stream's writes queued after :func:`wait_for_copies` do not reach them, and the
+device holds no copy of the state (at most a chunk or two of a non-contiguous tensor)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from megatron_zaya.checkpoint.staging import CHUNK_BYTES, Snapshot, read_tensors, wait_for_copies
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+
+
+def test_a_snapshot_of_device_tensors_holds_its_moment(tmp_path):
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    tensors = [torch.randn(1 << 26, device="cuda", generator=generator),  # 256 MiB
+               torch.randn(4096, 8192, device="cuda", generator=generator).t(),  # not contiguous, 128 MiB
+               torch.arange(1 << 20, device="cuda")]
+    expected = [t.cpu() + 1 for t in tensors]
+    busy = torch.randn(8192, 8192, device="cuda", generator=generator)
+    for _ in range(30):
+        busy = torch.tanh(busy @ busy)  # the step still running when the save is taken
+    for tensor in tensors:
+        tensor.add_(busy[0, 0].clamp(2, 2).to(tensor.dtype) - 1)  # + 1, queued behind it
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    snapshot = Snapshot(tensors)
+    thread = threading.Thread(target=lambda: (snapshot.copy(), snapshot.write(tmp_path, "t")))
+    thread.start()
+    wait_for_copies()
+    for tensor in tensors:
+        tensor.mul_(-1)  # the next optimizer step, on the training stream
+    thread.join()
+    assert torch.cuda.max_memory_allocated() - before <= 2 * CHUNK_BYTES
+    back = read_tensors(tmp_path, "t", snapshot.specs)
+    assert all(torch.equal(a, b) for a, b in zip(back, expected))
