@@ -11,6 +11,7 @@ them and before the tracker names the step (:func:`write_checksums`); :mod:`.int
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import zlib
@@ -64,14 +65,82 @@ def file_crcs(paths: list[Path]) -> list[int]:
         return list(pool.map(_crc32, paths))
 
 
-def record_written(paths: list[str | os.PathLike], rank: int) -> None:
+def record_written(paths: list[str | os.PathLike], rank: int, known: dict[str, list[int]] | None = None) -> None:
     """Record the size and CRC-32 of the files ``paths`` that ``rank`` just wrote (all in one step directory),
-    for :func:`write_checksums` to take instead of reading them again (the background writer calls it)."""
+    for :func:`write_checksums` to take instead of reading them again (the background writer calls it). Files
+    checksummed as they were written (``known``: ``{path: [size, crc32]}``, :func:`checksums_while_writing`)
+    with the size they have are not read; the others are."""
     if not paths:
         return
-    paths = [Path(p) for p in paths]
-    table = {p.name: [p.stat().st_size, crc] for p, crc in zip(paths, file_crcs(paths), strict=True)}
-    _write_atomically(paths[0].parent / f".{CHECKSUMS}.rank-{rank:05d}", {"algorithm": "crc32", "files": table})
+    known = known or {}
+    sizes = {p: Path(p).stat().st_size for p in map(os.fspath, paths)}
+    unknown = [p for p, size in sizes.items() if known.get(p, [None])[0] != size]
+    crcs = dict(zip(unknown, file_crcs([Path(p) for p in unknown]), strict=True))
+    table = {Path(p).name: [size, crcs[p] if p in crcs else known[p][1]] for p, size in sizes.items()}
+    _write_atomically(Path(paths[0]).parent / f".{CHECKSUMS}.rank-{rank:05d}", {"algorithm": "crc32", "files": table})
+
+
+_recording: dict[str, list[int]] | None = None  # the table of checksums_while_writing, while one is on
+
+
+@contextlib.contextmanager
+def checksums_while_writing():
+    """Within it, the files this process opens with :func:`open_checksummed` for writing (``wb``) are CRC-32'd as
+    their bytes are written; yields ``{path: [size, crc32]}``, filled as they are closed."""
+    global _recording
+    _recording = table = {}
+    try:
+        yield table
+    finally:
+        _recording = None
+
+
+def open_checksummed(file, mode: str = "r", *args, **kwargs):
+    """``open``; within :func:`checksums_while_writing`, a file opened ``wb`` comes wrapped in a
+    :class:`ChecksummedFile`."""
+    stream = open(file, mode, *args, **kwargs)
+    if _recording is None or mode != "wb":
+        return stream
+    return ChecksummedFile(stream, os.fspath(file), _recording)
+
+
+class ChecksummedFile:
+    """A file being written whose size and CRC-32 go into ``table[path]`` when it is closed after a write in
+    order; one that seeks is left out (it is hashed after, as before)."""
+
+    def __init__(self, stream, path: str, table: dict[str, list[int]]):
+        self._stream, self._path, self._table = stream, path, table
+        self._size, self._crc = 0, 0
+
+    def write(self, data) -> int:
+        written = self._stream.write(data)  # a buffered file writes every byte or raises
+        view = memoryview(data)
+        self._size += view.nbytes
+        try:
+            self._crc = None if self._crc is None else zlib.crc32(view, self._crc)
+        except (TypeError, BufferError, ValueError):  # not one contiguous buffer: hashed after
+            self._crc = None
+        return written
+
+    def seek(self, *args) -> int:
+        self._crc = None
+        return self._stream.seek(*args)
+
+    def close(self) -> None:
+        self._stream.close()
+        if self._crc is not None:
+            self._table[self._path] = [self._size, self._crc]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *rest) -> None:
+        if kind is not None:
+            self._crc = None
+        self.close()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
 
 
 def write_checksum_table(path: str | os.PathLike, table: dict[str, list[int]]) -> None:

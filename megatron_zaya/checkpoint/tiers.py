@@ -18,7 +18,7 @@ import torch
 
 from ..errors import UsageError
 from ..memory_plan import GIB, RESERVE_GIB
-from .format import record_written
+from .format import checksums_while_writing, record_written
 
 # The flags --async-save implies, placed before the user's (an explicit one wins): --async-save alone gives a
 # background save. Megatron turns --async-save off without --use-persistent-ckpt-worker (arguments.py:1740), and its
@@ -240,14 +240,16 @@ def background_request(request):
 
 def stage_write_record(write, rank, write_buckets, results_queue) -> None:
     """In the background writer: stage the device copies to host memory, run Megatron's ``torch_dist`` write,
-    then record the sizes and CRC-32 of the files this rank wrote, so that the finalization, in the training
-    loop, does not hash them again."""
+    checksumming the files as they are written (the ``checkpointing.checksums_while_writing`` patch; without
+    it they are read again after), then record their sizes and CRC-32, so that the finalization, in the
+    training loop, does not hash them again."""
     start = time.perf_counter()
     stage_buckets(write_buckets)
     staged = time.perf_counter()
-    write(rank, write_buckets, results_queue)
+    with checksums_while_writing() as checksummed:
+        write(rank, write_buckets, results_queue)
     written = time.perf_counter()
-    record_written([bucket[0] for bucket in write_buckets], rank)
+    record_written([bucket[0] for bucket in write_buckets], rank, checksummed)
     if rank == 0:  # what sets the shortest save interval that does not wait for the previous write
         print(f"[zaya] background save written in {time.perf_counter() - start:.1f} s: staged to host memory "
               f"{staged - start:.1f} s, written {written - staged:.1f} s, checksummed "

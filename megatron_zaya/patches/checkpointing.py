@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 
-from .registry import register, replace_attr
+from ..errors import PatchError
+from .registry import megatron_version, register, replace_attr
 
 
 @register("checkpointing.background_saves", target="megatron.training.checkpointing.schedule_async_save")
@@ -47,6 +48,35 @@ def background_saves() -> None:
         return original(request)
 
     replace_attr(checkpointing, "schedule_async_save", schedule_async_save)
+
+
+@register("checkpointing.checksums_while_writing", target="megatron.core.dist_checkpointing.strategies."
+          "filesystem_async.FileSystemWriterAsync.write_preloaded_data")
+def checksums_while_writing() -> None:
+    """A background ``torch_dist`` save's files are checksummed (CRC-32) as the writer writes them, not read
+    again after.
+
+    Megatron's writer threads open each data file with the builtin ``open`` and write the items into it
+    (``FileSystemWriterAsync.write_preloaded_data``, filesystem_async.py:403); the background writer then read
+    every file back for the checksum record (11-21 s of a 45-60 s write of the 8-layer model on one H200,
+    docs/benchmarks.md). Sets the name ``open`` in that module (which the function looks up before the
+    builtins) to :func:`~megatron_zaya.checkpoint.format.open_checksummed`: the builtin, except inside the
+    background writer's write (:func:`~megatron_zaya.checkpoint.tiers.stage_write_record`), where a file opened
+    ``wb`` is wrapped so that each write also updates its CRC-32 (a file that seeks is left to be hashed). The
+    writer records those checksums and hashes only files without one, or whose size differs.
+    Off: leave ``checkpointing.checksums_while_writing`` out of ``--zaya-patches`` (the writer reads its files
+    again).
+    """
+    import inspect
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_zaya.checkpoint.format import open_checksummed
+
+    if "open_file = open" not in inspect.getsource(filesystem_async.FileSystemWriterAsync.write_preloaded_data):
+        raise PatchError("FileSystemWriterAsync.write_preloaded_data no longer opens its files with open: "
+                         f"megatron-core changed under this patch (found {megatron_version()})")
+    filesystem_async.open = open_checksummed  # a new module global, found before the builtin
 
 
 @register("checkpointing.one_write_in_flight", target="megatron.training.training.save_checkpoint",
