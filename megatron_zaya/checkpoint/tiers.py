@@ -124,8 +124,11 @@ def check_args(args) -> None:
         raise UsageError("--non-persistent-ckpt-type local saves every --non-persistent-save-interval N steps; give N")
     if not args.save:
         raise UsageError("--non-persistent-ckpt-type local needs --save: local checkpoints sit between persistent ones")
+    # A local save's copies are waited for only at the next step's finalize_model_grads (staging.py); a step that
+    # shares the gradient and parameter buffers zeroes the parameters before that.
     for flag, given in (("--replication", args.replication), ("--use-checkpoint-args", args.use_checkpoint_args),
-                        ("--dist-ckpt-optim-fully-reshardable", args.dist_ckpt_optim_fully_reshardable)):
+                        ("--dist-ckpt-optim-fully-reshardable", args.dist_ckpt_optim_fully_reshardable),
+                        ("--reuse-grad-buf-for-mxfp8-param-ag", args.reuse_grad_buf_for_mxfp8_param_ag)):
         if given:
             raise UsageError(f"{flag} does not work with --non-persistent-ckpt-type local; drop one of them")
     root = Path(args.non_persistent_local_ckpt_dir)
