@@ -16,8 +16,10 @@ in place of NVIDIA's resiliency package. On disk::
                                 layout.json          world size, parallel sizes and rank that wrote it
                                 zaya_checksums.json  sizes and CRC-32 of them all, written last and atomically
 
-The tensor bytes are checksummed as they are written (device tensors through a pinned host pool, in chunks);
-only the small files are hashed after. A rank's part is complete when its ``zaya_checksums.json`` exists; an
+A save returns at once: a thread of the tier copies the tensors into a host pool beside the next step (pinned,
+on a stream of its own on a GPU; the training loop waits for those copies before it changes the tensors,
+:mod:`.staging`), writes them, checksummed as they are written (only the small files are hashed after), and
+sends the part to its keeper. A rank's part is complete when its ``zaya_checksums.json`` exists; an
 iteration can be resumed when every rank of the same layout holds an intact part, or its keeper an intact
 copy, which the rank then receives. Each rank keeps its last K complete parts (and copies). No file is shared
 between ranks, so nothing here needs a shared filesystem.
