@@ -1,6 +1,7 @@
 """The in-memory tier in real runs: two "nodes" of one rank each (started as torchrun starts ranks, with
 ``LOCAL_WORLD_SIZE`` 1; each with its own memory directory, as two hosts' ``/dev/shm``) train with in-memory
-checkpoints every 3 steps and a persistent one every 5; node 1 is SIGKILLed, the job ends, node 1 is replaced
+checkpoints every 3 steps and a persistent one every 5; node 1 is SIGKILLed after step 7 (once its part of 6
+has reached node 0, sent by its tier's thread while training went on), the job ends, node 1 is replaced
 (its memory directory gone) and the persistent checkpoint is damaged. The relaunch resumes from the in-memory
 checkpoint, rank 1's part from its copy on node 0, without reading the persistent checkpoint, and repeats the
 killed run's losses bit for bit."""
@@ -47,8 +48,10 @@ def _kill_node(rank: subprocess.Popen) -> None:
 def test_a_node_killed_and_replaced_resumes_from_the_copy_on_its_peer(tmp_path):
     procs = _launch(tmp_path, "killed", [])
     log = tmp_path / "killed1.log"  # the last rank prints the iteration lines
+    copied = tmp_path / "mem0" / "iter_0000006" / "rank_00001" / CHECKSUMS  # sent by node 1's tier thread
     deadline = time.time() + 300
-    while max(losses(log.read_text()), default=0) < 7 and procs[1].poll() is None and time.time() < deadline:
+    while ((max(losses(log.read_text()), default=0) < 7 or not copied.exists()) and procs[1].poll() is None
+           and time.time() < deadline):
         time.sleep(0.005)
     _kill_node(procs[1])  # node 1 fails
     _kill_node(procs[0])  # and the scheduler ends the job
