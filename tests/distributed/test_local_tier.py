@@ -216,6 +216,56 @@ def test_the_memory_tier_survives_a_lost_node_and_a_damaged_part(tmp_path):
     assert sorted(p.parent.parent.name for p in root.glob(f"node*/iter_*/rank_*/{CHECKSUMS}")) == ["iter_0000001"] * 4
 
 
+def _killed_while_sending(rank, world, root):
+    """Each rank a node of its own (as in :func:`_memory_tier_on_nodes`): save iteration 1, then 2 with the
+    copies sent in 64-byte chunks and rank 0 SIGKILLed at its sixth send: a node lost in the middle of the
+    copy its tier's thread sends."""
+    import os
+    import signal
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+
+    from megatron_zaya.checkpoint import peer_copy
+    from megatron_zaya.checkpoint.local_tier import LocalTier
+    from megatron_zaya.patches import apply_patches
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    apply_patches("cpu,checkpointing.local_tier")
+    ps.initialize_model_parallel()
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    tier = LocalTier(f"{root}/node{rank}", 2, None, peer=True)
+    for iteration in (1, 2):
+        if iteration == 2:
+            peer_copy.CHUNK_BYTES = 64
+            if rank == 0:
+                sends, isend = [], torch.distributed.isend
+                torch.distributed.isend = lambda *args, **kwargs: (
+                    sends.append(1), len(sends) == 6 and os.kill(os.getpid(), signal.SIGKILL), isend(*args, **kwargs))[2]
+        state, _ = MCoreTensorAwareStateDict.from_state_dict(
+            _sharded_state(iteration, rank, world), algo="fully_parallel", parallelization_group=group)
+        tier.save(state, iteration, is_async=False)
+        tier.finish()
+
+
+def test_a_copy_cut_short_by_a_lost_node_is_never_taken(tmp_path):
+    """Node 0 SIGKILLed while its tier's thread sends its part of 2 to node 1: node 1 holds a copy cut short,
+    which has no checksum record. Node 0 replaced, the resume takes 1 (rank 0's part from its complete copy)."""
+    import torch.multiprocessing as mp
+
+    root = tmp_path / "mem"
+    with pytest.raises((mp.ProcessExitedException, mp.ProcessRaisedException)):
+        run_ranks(_killed_while_sending, 2, tmp_path / "killed", str(root))
+    cut = root / "node1" / "iter_0000002" / "rank_00000"
+    assert any(cut.iterdir()) and not (cut / CHECKSUMS).exists()
+    shutil.rmtree(root / "node0")
+    results = run_ranks(_memory_tier_on_nodes, 2, tmp_path / "resumed", str(root), [], [], False)
+    for rank, ((latest, loaded), printed) in enumerate(results):
+        assert latest == 1 and loaded["sharded"] == [100.0 + 10 * rank + i for i in range(4)], (loaded, printed)
+    assert f"local checkpoint {root}/node0/iter_0000002 is incomplete (no part from rank 0); skipped" \
+        in results[0][1]  # (named after rank 0's directory, which prints)
+
+
 def _resume_then_save_until_killed(root, store, log, start):
     """In a forked process, one rank: resume from the tier (the loaded state must be exactly the one saved at
     that iteration; written to ``log``), then save iterations ``start``, ``start + 1``, ... of a 16 MiB state
