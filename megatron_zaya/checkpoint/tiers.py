@@ -89,8 +89,8 @@ def check_host_memory(args, needed: float) -> None:
         raise UsageError(f"--zaya-memory-ckpt-interval: the in-memory tier needs {needed / GIB:.1f} GiB of host memory "
                          f"on each node ({args.zaya_memory_ckpt_keep} kept + 1 being written, the copies of "
                          f"another node's parts and the staging pool; --zaya-memory-plan itemizes it), this node has "
-                         f"{available / GIB:.1f} GiB free; lower --zaya-memory-ckpt-keep, or spread the state over more "
-                         "GPUs")
+                         f"{available / GIB:.1f} GiB free; lower --zaya-memory-ckpt-keep, or spread the state over "
+                         "more GPUs")
 
 
 def _resiliency_package() -> bool:

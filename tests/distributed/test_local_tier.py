@@ -240,8 +240,14 @@ def _killed_while_sending(rank, world, root):
             peer_copy.CHUNK_BYTES = 64
             if rank == 0:
                 sends, isend = [], torch.distributed.isend
-                torch.distributed.isend = lambda *args, **kwargs: (
-                    sends.append(1), len(sends) == 6 and os.kill(os.getpid(), signal.SIGKILL), isend(*args, **kwargs))[2]
+
+                def dying(*args, **kwargs):
+                    sends.append(1)
+                    if len(sends) == 6:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    return isend(*args, **kwargs)
+
+                torch.distributed.isend = dying
         state, _ = MCoreTensorAwareStateDict.from_state_dict(
             _sharded_state(iteration, rank, world), algo="fully_parallel", parallelization_group=group)
         tier.save(state, iteration, is_async=False)
