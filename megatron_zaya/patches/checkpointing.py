@@ -94,7 +94,9 @@ def one_write_in_flight() -> None:
     preload joins the writer, async_utils.py:421); now it also finalizes it first. Wraps the name
     ``save_checkpoint`` that ``megatron.training.training`` imported; calls the queue's own
     ``maybe_finalize_async_calls(blocking=True)`` rather than ``maybe_finalize_async_save``, which prints a line
-    at every save that finds a write in flight (each step, with a local tier saving every step).
+    at every save that finds a write in flight (each step, with a local tier saving every step). A local-tier
+    save does not wait: it writes nothing of ``--save``, and its own thread writes it (its request to Megatron's
+    writer does nothing), so a persistent write in flight never holds the in-memory tier back.
     Off: leave ``checkpointing.one_write_in_flight`` out of ``--zaya-patches`` (a kill can then leave the newest
     written checkpoint unnamed).
     """
@@ -105,7 +107,9 @@ def one_write_in_flight() -> None:
 
     @functools.wraps(original)
     def save_checkpoint(*args, **kwargs):
-        if training.get_args().async_save and not async_utils.is_empty_async_queue():
+        run = training.get_args()
+        local = kwargs.get("non_persistent_ckpt") and run.non_persistent_ckpt_type == "local"
+        if run.async_save and not local and not async_utils.is_empty_async_queue():
             async_utils._async_calls_queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
         return original(*args, **kwargs)
 
