@@ -182,9 +182,9 @@ class LocalTier:
         if self._group is None:  # collective: every rank saves the same iterations
             self._group = torch.distributed.new_group(backend="gloo")
         tensors = state.pop_tensors()
-        snapshot = Snapshot(tensors)
         rest = copy.deepcopy(state)  # the rest (the optimizer's step counts, ...) as of this step
         state.insert_tensors(tensors)
+        snapshot = Snapshot(tensors)  # from here the training loop waits for its copies: the thread must run
         self._thread = threading.Thread(target=self._write, args=(snapshot, rest, iteration, current_layout()),
                                         name=f"zaya-local-save-{iteration}", daemon=True)
         self._thread.start()

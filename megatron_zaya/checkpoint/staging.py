@@ -12,15 +12,16 @@ CUDA the same code copies with plain host copies. :func:`read_tensors` reads the
 When the copies must have landed: training writes the saved tensors (weights, master weights, optimizer
 state, the routers' balancing biases) only from the end of the next step's backward on, in
 ``finalize_model_grads`` (the balancing step) and the optimizer step after it. The forward and backward
-before read them and write activations and gradients, which a checkpoint does not hold. So the training
-loop calls :func:`wait_for_copies` at the start of ``finalize_model_grads`` (the ``checkpointing.local_tier``
-patch): it waits until every copy is queued, and makes the training stream wait for the last one, a wait of
-the device, not of the host (on the CPU, until the copies are done). A pool the size of the part, rather
-than a few buffers recycled as their chunks reach the files, is what lets the copies end without waiting
-for the files: that wait is bounded by the device-to-host bandwidth, never by the disk. The device holds no
-copy of the state: contiguous tensors are copied as they are, and a non-contiguous one is made contiguous
-a slice of rows at a time (at most :data:`CHUNK_BYTES`, or one row), on the copy stream, each slice reusing
-the memory of the one before.
+before read them and write activations and gradients, which a checkpoint does not hold (a step that zeroes
+the parameters with the gradients, ``--reuse-grad-buf-for-mxfp8-param-ag``, is refused by :mod:`.tiers`).
+So the training loop calls :func:`wait_for_copies` at the start of ``finalize_model_grads`` (the
+``checkpointing.local_tier`` patch): it waits until every copy is queued, and makes the training stream wait
+for the last one, a wait of the device, not of the host (on the CPU, until the copies are done). A pool the
+size of the part, rather than a few buffers recycled as their chunks reach the files, is what lets the copies
+end without waiting for the files: that wait is bounded by the device-to-host bandwidth, never by the disk.
+The device holds no copy of the state: contiguous tensors are copied as they are, and a non-contiguous one is
+made contiguous a slice of rows at a time (at most :data:`CHUNK_BYTES`, or one row), on the copy stream, each
+slice reusing the memory of the one before.
 """
 
 from __future__ import annotations
