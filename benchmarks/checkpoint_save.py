@@ -21,7 +21,8 @@ Per mode it prints, from Megatron's log: the save call (Megatron's ``save-checkp
 waits for in the call), the loop's excess time per save (every iteration from the first save on, against the
 ``none`` run's median iteration: includes a background write's slowdown of the steps and its finalization),
 the total time of a save (from "saving checkpoint" to the line saying it is complete: for a background save,
-when the next step finalized it), the bytes per parameter of one checkpoint (its files over the parameters the
+when the next step finalized it; for the local and in-memory tiers, when their thread has every rank's part
+written, and copied to another node), the bytes per parameter of one checkpoint (its files over the parameters the
 memory planner counts), for the background writer its peak device memory (``nvidia-smi``, the processes of
 the run other than the trainer), and the trainer's peak device memory above the ``none`` run's (what the saves
 add). The table is printed again after each mode. Persistent checkpoints beyond the newest are deleted as the
@@ -90,6 +91,7 @@ MODES = {
 STAMP = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\]"
 STARTED = re.compile(STAMP + r" saving checkpoint at iteration\s+(\d+) to (\S+)")
 DONE = re.compile(STAMP + r" successfully saved (?:local )?checkpoint from iteration\s+(\d+)")
+WRITTEN = re.compile(STAMP + r" \[zaya\] local checkpoint of iteration (\d+) complete")  # the tier's thread
 LOAD = re.compile(r"^\s+load-checkpoint \.+: \(([0-9.]+), ([0-9.]+)\)", re.MULTILINE)
 CALL = re.compile(r"^\s+save-checkpoint(?:-non-persistent)? \.+: \(([0-9.]+), ([0-9.]+)\)", re.MULTILINE)
 
@@ -207,7 +209,8 @@ def summarize(text: str, interval: int) -> dict:
     starts = [(int(i), _time(t), where) for t, i, where in STARTED.findall(text)]
     tier = starts[0][2] if starts else None  # (the save after the last step of a local run goes to --save)
     started = {i: t for i, t, where in starts if where == tier and i % interval == 0}
-    done = {int(i): _time(t) for t, i in DONE.findall(text)}
+    # A local tier's save is complete when its thread says so (Megatron's line comes as the save starts)
+    done = {int(i): _time(t) for t, i in DONE.findall(text) + WRITTEN.findall(text)}
     kept = [Path(tier) / f"iter_{i:07d}" for i, _, where in reversed(starts)
             if where == tier and (Path(tier) / f"iter_{i:07d}").is_dir()]  # older ones are deleted as it goes
     return {"iterations": iterations(text), "calls_ms": [float(high) for _, high in CALL.findall(text)][:len(started)],

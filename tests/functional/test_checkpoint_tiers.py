@@ -83,6 +83,7 @@ def test_a_resume_takes_the_newest_local_checkpoint_and_repeats_the_losses(kille
     assert_resumed_exactly(loss_csv(tmp_path / "ck" / "loss.csv"), range(min(resumed), max(resumed) + 1),
                            killed[1], resumed, uninterrupted)
     assert max(resumed) == 10 and (tmp_path / "ck" / TRACKER).read_text() == "8"
+    assert "] [zaya] local checkpoint of iteration 10 complete on every rank in " in run.stdout  # by its thread
     assert newest_intact_checkpoint(str(tmp_path / "ck")) == "8"
     assert sorted(p.parent.parent.name for p in (tmp_path / "local").glob(f"iter_*/rank_00000/{CHECKSUMS}")) == [
         "iter_0000009", "iter_0000010"]
