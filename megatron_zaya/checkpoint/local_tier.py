@@ -74,7 +74,6 @@ def write_part(path: str, snapshot: Snapshot, state, layout: dict[str, int]) -> 
     """Write a rank's part (in the tier's thread): its tensors' bytes, copied to host memory from ``snapshot``
     first and checksummed as written, the rest of the state (``state``, its tensors popped), the layout, then
     the checksums, last and atomically. A part of the same iteration left by an earlier run is removed first."""
-    snapshot.copy()
     part = Path(path)
     shutil.rmtree(part, ignore_errors=True)
     part.mkdir(parents=True)

@@ -1,13 +1,14 @@
 """A rank's checkpoint tensors staged to host memory while training goes on, then written to files in one pass,
 each byte checksummed as it is written, never read back.
 
-A :class:`Snapshot` of a save's tensors is taken in the training loop (an event on the training stream) and
-copied, in a thread of its own, chunk by chunk into the process's :class:`HostPool` (pinned on a GPU, reused
-by every save) on a CUDA stream of its own, beside the next step's forward and backward; the pool is laid
-out as the data files, which :meth:`Snapshot.write` then writes from it (the raw bytes of each tensor one
-after the other, each aligned to :data:`ALIGN`, in files of at most :data:`FILE_BYTES`, :data:`THREADS` at a
-time) and returns their sizes and CRC-32 for the checksum record (:func:`~.format.write_checksums`). Without
-CUDA the same code copies with plain host copies. :func:`read_tensors` reads the files back.
+A :class:`Snapshot` of a save's tensors is taken in the training loop (an event on the training stream);
+:meth:`Snapshot.write`, in a thread of its own, copies them chunk by chunk into the process's
+:class:`HostPool` (pinned on a GPU, reused by every save) on a CUDA stream of its own, beside the next step's
+forward and backward, while writer threads write the data files from the pool as their chunks land (the raw
+bytes of each tensor one after the other, each aligned to :data:`ALIGN`, in files of at most
+:data:`FILE_BYTES`, :data:`THREADS` at a time), and returns their sizes and CRC-32 for the checksum record
+(:func:`~.format.write_checksums`). Without CUDA the same code copies with plain host copies.
+:func:`read_tensors` reads the files back.
 
 When the copies must have landed: training writes the saved tensors (weights, master weights, optimizer
 state, the routers' balancing biases) only from the end of the next step's backward on, in
@@ -18,7 +19,8 @@ So the training loop calls :func:`wait_for_copies` at the start of ``finalize_mo
 ``checkpointing.local_tier`` patch): it waits until every copy is queued, and makes the training stream wait
 for the last one, a wait of the device, not of the host (on the CPU, until the copies are done). A pool the
 size of the part, rather than a few buffers recycled as their chunks reach the files, is what lets the copies
-end without waiting for the files: that wait is bounded by the device-to-host bandwidth, never by the disk.
+end without waiting for the files: that wait is bounded by the device-to-host bandwidth, never by the disk
+(a part larger than the pool, see :class:`HostPool`, also waits for the writes of the files it reuses).
 The device holds no copy of the state: contiguous tensors are copied as they are, and a non-contiguous one is
 made contiguous a slice of rows at a time (at most :data:`CHUNK_BYTES`, or one row), on the copy stream, each
 slice reusing the memory of the one before.
@@ -35,6 +37,8 @@ import zlib
 from pathlib import Path
 
 import torch
+
+from .tiers import free_host_memory
 
 CHUNK_BYTES = 32 << 20
 FILE_BYTES = 1 << 30
@@ -53,19 +57,23 @@ def _offsets(sizes: list[int]) -> tuple[list[int], int]:
 
 
 class HostPool:
-    """Host memory for a part's data, one buffer of ``segment`` bytes per data file, allocated at the first save
-    that needs it and reused by every later one (pinned when CUDA is available: allocating it takes seconds,
-    once); and the CUDA stream the copies into it run on."""
+    """Host memory for a part's data, buffers of ``segment`` bytes, one per data file, up to ``most`` (data file
+    k is staged in buffer k mod ``most``), allocated at the first save that needs them and reused by every
+    later one (pinned when CUDA is available: allocating them takes seconds, once); and the CUDA stream the
+    copies into them run on. By default ``most`` holds a part in half of the node's free host memory shared by
+    its ranks (``LOCAL_WORLD_SIZE``); a larger part waits for its earlier files to be written."""
 
-    def __init__(self, segment: int = FILE_BYTES):
-        self.segment = segment
+    def __init__(self, segment: int = FILE_BYTES, most: int | None = None):
+        share = free_host_memory() / 2 / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.segment, self.most = segment, most or max(2, int(share // segment))
         self.segments: list[torch.Tensor] = []
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
     def take(self, index: int) -> torch.Tensor:
-        while len(self.segments) <= index:
+        """The buffer of data file ``index``."""
+        while len(self.segments) <= index % self.most:
             self.segments.append(torch.empty(self.segment, dtype=torch.uint8, pin_memory=self.stream is not None))
-        return self.segments[index]
+        return self.segments[index % self.most]
 
 
 _pools: dict[int, HostPool] = {}  # the process's pools by segment size; one save at a time uses a pool
@@ -98,8 +106,8 @@ def _flat_pieces(tensor: torch.Tensor, chunk: int):
 
 class Snapshot:
     """The bytes of a save's ``tensors`` as they are when it is made (in the training loop), copied into a
-    :class:`HostPool` by :meth:`copy` and written by :meth:`write` (in another thread); the training loop
-    calls :func:`wait_for_copies` before it changes them."""
+    :class:`HostPool` and written from it by :meth:`write` (in another thread); the training loop calls
+    :func:`wait_for_copies` before it changes them."""
 
     def __init__(self, tensors: list[torch.Tensor], limit: int = FILE_BYTES, chunk: int = CHUNK_BYTES):
         self.tensors = tensors
@@ -108,17 +116,20 @@ class Snapshot:
         self.offsets, self.end = _offsets(self.sizes)
         self.chunk = chunk
         self.pool = _pools[limit] if limit in _pools else _pools.setdefault(limit, HostPool(limit))
+        self.files = -(-self.end // limit)
         self.ready = None
         if any(t.is_cuda for t in tensors):  # what the copies wait for: the work that produced the tensors
             self.ready = torch.cuda.Event()
             self.ready.record()
         self._copied = threading.Event()
         self._last = None  # the copy stream's event after the latest device copy
+        self._progress = threading.Condition()
         self._landed: list[tuple[int, object]] = []  # (data bytes copied, the copy stream's event after them)
-        self._complete = False  # every copy queued
+        self._stopped = False  # the copies ended, all queued or not
+        self._written = [threading.Event() for _ in range(self.files)]  # a file written: its buffer is free
         _unfenced.append(self)
 
-    def copy(self) -> None:
+    def _copy(self) -> None:
         """Queue every chunk's copy into the pool (on the CPU: copy it), in data order; zero the gaps."""
         stream, position = self.pool.stream, 0
         try:
@@ -130,24 +141,35 @@ class Snapshot:
                 with torch.cuda.stream(stream) if tensor.is_cuda else contextlib.nullcontext():
                     for first, piece in _flat_pieces(tensor, self.chunk):
                         self._fill(piece, offset + first)
-                        if piece.is_cuda:
-                            self._last = torch.cuda.Event()
-                            self._last.record(stream)
-                        self._landed.append((offset + first + piece.numel(), self._last))
                 position = offset + size
-            self._landed.append((self.end, self._last))
-            self._complete = True
+            self._mark(self.end)
         finally:
+            with self._progress:
+                self._stopped = True
+                self._progress.notify_all()
             self._copied.set()
 
+    def _mark(self, position: int) -> None:
+        with self._progress:
+            self._landed.append((position, self._last))
+            self._progress.notify_all()
+
     def _fill(self, piece: torch.Tensor, at: int) -> None:
-        """Copy the bytes ``piece`` into the pool at data position ``at``, split where a data file ends."""
+        """Copy the bytes ``piece`` into the pool at data position ``at``, split where a data file ends (each
+        part marked landed on its own, so that a file's writer never waits for a later file's buffer); into a
+        buffer still holding an earlier file once that file is written."""
         done, segment = 0, self.pool.segment
         while done < piece.numel():
             index, start = divmod(at + done, segment)
+            if index >= self.pool.most:
+                self._written[index - self.pool.most].wait()
             length = min(piece.numel() - done, segment - start)
             self.pool.take(index)[start:start + length].copy_(piece[done:done + length], non_blocking=piece.is_cuda)
             done += length
+            if piece.is_cuda:
+                self._last = torch.cuda.Event()
+                self._last.record(self.pool.stream)
+            self._mark(at + done)
 
     def wait_copied(self) -> None:
         """In the training loop: return once every copy is queued, the training stream waiting for the last."""
@@ -156,41 +178,48 @@ class Snapshot:
             torch.cuda.current_stream().wait_event(self._last)
 
     def _wait_landed(self, position: int) -> None:
-        """Until the data bytes before ``position`` are in the pool (after :meth:`copy`)."""
-        if not self._complete:
-            raise RuntimeError("the checkpoint's copy to host memory failed")
-        event = self._landed[bisect.bisect_left(self._landed, position, key=lambda mark: mark[0])][1]
+        """Until the data bytes before ``position`` are in the pool."""
+        with self._progress:
+            self._progress.wait_for(lambda: self._stopped or self._landed and self._landed[-1][0] >= position)
+            if not self._landed or self._landed[-1][0] < position:
+                raise RuntimeError("the checkpoint's copy to host memory failed")
+            event = self._landed[bisect.bisect_left(self._landed, position, key=lambda mark: mark[0])][1]
         if event is not None:
             event.synchronize()
 
     def write(self, directory: Path, stem: str, threads: int = THREADS) -> dict[str, list[int]]:
-        """After :meth:`copy`: write the pool's data into ``directory/<stem>.NNN.bin``, a file per thread at a
-        time (writes and CRC-32 release the GIL), each fsynced; returns ``{file: [size, crc32]}``. The
-        tensors are released once written."""
+        """Copy the tensors into the pool (in this thread) while the files ``directory/<stem>.NNN.bin`` are
+        written from it as their chunks land, a file per thread at a time (writes and CRC-32 release the GIL),
+        each fsynced; returns ``{file: [size, crc32]}``. The tensors are released once copied."""
         segment = self.pool.segment
-        names = [f"{stem}.{i:03d}.bin" for i in range(-(-self.end // segment))]
+        names = [f"{stem}.{i:03d}.bin" for i in range(self.files)]
 
         def write_file(index: int) -> list[int]:
             low, high = index * segment, min(self.end, (index + 1) * segment)
             crc, data = 0, memoryview(self.pool.take(index).numpy())
-            with (Path(directory) / names[index]).open("wb") as stream:
-                for start in range(low, high, self.chunk):
-                    stop = min(high, start + self.chunk)
-                    self._wait_landed(stop)
-                    view = data[start - low:stop - low]
-                    stream.write(view)
-                    crc = zlib.crc32(view, crc)
-                stream.flush()
-                os.fsync(stream.fileno())  # the checksum record, written after, must not outlive the data
+            try:
+                with (Path(directory) / names[index]).open("wb") as stream:
+                    for start in range(low, high, self.chunk):
+                        stop = min(high, start + self.chunk)
+                        self._wait_landed(stop)
+                        view = data[start - low:stop - low]
+                        stream.write(view)
+                        crc = zlib.crc32(view, crc)
+                    stream.flush()
+                    os.fsync(stream.fileno())  # the checksum record, written after, must not outlive the data
+            finally:
+                self._written[index].set()
             return [high - low, crc]
 
-        try:
-            with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(names)))) as workers:
-                return dict(zip(names, workers.map(write_file, range(len(names))), strict=True))
-        finally:
-            if self._last is not None:  # every copy done: the tensors may be freed or reused
-                self._last.synchronize()
-            self.tensors = []
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, self.files))) as workers:
+            written = workers.map(write_file, range(self.files))  # started now, waiting for their chunks
+            try:
+                self._copy()
+            finally:
+                if self._last is not None:  # every copy done: the tensors may be freed or reused
+                    self._last.synchronize()
+                self.tensors = []
+            return dict(zip(names, written, strict=True))
 
 
 def read_tensors(directory: Path, stem: str, specs: list[tuple[str, tuple[int, ...]]]) -> list[torch.Tensor]:

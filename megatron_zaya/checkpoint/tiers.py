@@ -69,16 +69,20 @@ def _check_memory_tier(args) -> None:
                          "--non-persistent-save-interval, or drop --zaya-memory-ckpt-interval")
 
 
-def host_memory_available(directory: str) -> float:
-    """Bytes of host memory this node can still give: ``MemAvailable``, plus what ``directory`` (the in-memory
-    tier of a run being resumed, which its own saves replace) already holds."""
+def free_host_memory() -> float:
+    """Bytes of host memory this node can still give (``MemAvailable``)."""
     try:
         info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-        available = float(info["MemAvailable"].split()[0]) * 1024
+        return float(info["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
-        available = float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def host_memory_available(directory: str) -> float:
+    """:func:`free_host_memory`, plus what ``directory`` (the in-memory tier of a run being resumed, which its
+    own saves replace) already holds."""
     held = sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file()) if Path(directory).is_dir() else 0
-    return available + held
+    return free_host_memory() + held
 
 
 def check_host_memory(args, needed: float) -> None:

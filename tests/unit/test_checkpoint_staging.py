@@ -1,7 +1,7 @@
 """A rank's checkpoint tensors staged to host memory in a thread and written in one pass (checkpoint/staging.py):
 the bytes of every dtype and shape come back exactly, the checksums recorded while writing equal the files'
 CRC-32 read back, files split at their size limit, chunks span tensors and files, and the host pool is reused
-by the next save; a snapshot holds the values of its moment when training changes the tensors as soon as
+by the next save (and, smaller than the part, by its later files); a snapshot holds the values of its moment when training changes the tensors as soon as
 :func:`wait_for_copies` returns, while the copies run in another thread (here plain host copies, the path a
 GPU takes with device copies on the pool's stream)."""
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import zlib
 
+import pytest
 import torch
 
 from megatron_zaya.checkpoint import staging
@@ -23,13 +24,15 @@ def _tensors() -> list[torch.Tensor]:
             torch.tensor([True, False, True]), torch.randn(4, 6, generator=generator).t()]  # not contiguous
 
 
-def test_tensors_come_back_exactly_with_the_checksums_of_their_files(tmp_path):
+@pytest.mark.parametrize("most", [None, 2], ids=["a-pool-for-the-part", "two-buffers-reused"])
+def test_tensors_come_back_exactly_with_the_checksums_of_their_files(tmp_path, monkeypatch, most):
+    """Also through a pool of two buffers, each file waiting for the one two before it to be written."""
+    monkeypatch.setitem(staging._pools, 40, staging.HostPool(40, most))
     tensors = _tensors()
     for attempt in ("first", "again"):  # the second save reuses the pool's buffers
         (tmp_path / attempt).mkdir()
         snapshot = Snapshot(tensors, limit=40, chunk=7)
-        snapshot.copy()
-        table = snapshot.write(tmp_path / attempt, "tensors")
+        table = snapshot.write(tmp_path / attempt, "tensors", threads=3)
         segments = [s.data_ptr() for s in snapshot.pool.segments]
         assert sorted(table) == [f"tensors.{i:03d}.bin" for i in range(len(table))] and len(table) > 4
         for name, (size, crc) in table.items():
@@ -37,7 +40,8 @@ def test_tensors_come_back_exactly_with_the_checksums_of_their_files(tmp_path):
             assert size == len(data) <= 40 and crc == zlib.crc32(data), name
         back = read_tensors(tmp_path / attempt, "tensors", snapshot.specs)
         assert all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(tensors, back))
-    assert [s.data_ptr() for s in staging._pools[40].segments] == segments and len(segments) == len(table)
+    assert [s.data_ptr() for s in staging._pools[40].segments] == segments
+    assert len(segments) == (most or len(table))
 
 
 def test_a_snapshot_holds_its_moment_while_training_changes_the_tensors(tmp_path, monkeypatch):
@@ -54,7 +58,7 @@ def test_a_snapshot_holds_its_moment_while_training_changes_the_tensors(tmp_path
     monkeypatch.setattr(Snapshot, "_fill", slow_fill)
     snapshot = Snapshot(tensors, chunk=4096)
     written = {}
-    thread = threading.Thread(target=lambda: (snapshot.copy(), written.update(snapshot.write(tmp_path, "t"))))
+    thread = threading.Thread(target=lambda: written.update(snapshot.write(tmp_path, "t")))
     thread.start()
     assert not snapshot._copied.is_set()  # the save returned with the copies still to run
     wait_for_copies()
