@@ -58,8 +58,8 @@ def _offsets(sizes: list[int]) -> tuple[list[int], int]:
 
 class HostPool:
     """Host memory for a part's data, buffers of ``segment`` bytes, one per data file, up to ``most`` (data file
-    k is staged in buffer k mod ``most``), allocated at the first save that needs them and reused by every
-    later one (pinned when CUDA is available: allocating them takes seconds, once); and the CUDA stream the
+    k is staged in buffer k mod ``most``), allocated by the first save that needs them, in the save call, and reused
+    by every later one (pinned when CUDA is available: allocating them takes seconds, once); and the CUDA stream the
     copies into them run on. By default ``most`` holds a part in half of the node's free host memory shared by
     its ranks (``LOCAL_WORLD_SIZE``); a larger part waits for its earlier files to be written."""
 
@@ -117,6 +117,8 @@ class Snapshot:
         self.chunk = chunk
         self.pool = _pools[limit] if limit in _pools else _pools.setdefault(limit, HostPool(limit))
         self.files = -(-self.end // limit)
+        for index in range(min(self.files, self.pool.most)):  # here, in the save (under the watchdog's pause for
+            self.pool.take(index)  # saves): pinning takes seconds at the first save, and the next step waits
         self.ready = None
         if any(t.is_cuda for t in tensors):  # what the copies wait for: the work that produced the tensors
             self.ready = torch.cuda.Event()

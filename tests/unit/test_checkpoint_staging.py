@@ -1,9 +1,10 @@
 """A rank's checkpoint tensors staged to host memory in a thread and written in one pass (checkpoint/staging.py):
 the bytes of every dtype and shape come back exactly, the checksums recorded while writing equal the files'
-CRC-32 read back, files split at their size limit, chunks span tensors and files, and the host pool is reused
-by the next save (and, smaller than the part, by its later files); a snapshot holds the values of its moment when training changes the tensors as soon as
-:func:`wait_for_copies` returns, while the copies run in another thread (here plain host copies, the path a
-GPU takes with device copies on the pool's stream)."""
+CRC-32 read back, files split at their size limit, chunks span tensors and files, and the host pool is taken in
+the save call and reused by the next save (and, smaller than the part, by its later files); a snapshot holds the
+values of its moment when training changes the tensors as soon as :func:`wait_for_copies` returns, while the
+copies run in another thread (here plain host copies, the path a GPU takes with device copies on the pool's
+stream)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def test_tensors_come_back_exactly_with_the_checksums_of_their_files(tmp_path, m
     for attempt in ("first", "again"):  # the second save reuses the pool's buffers
         (tmp_path / attempt).mkdir()
         snapshot = Snapshot(tensors, limit=40, chunk=7)
+        # The buffers are taken in the save call (the watchdog's pause), not by the copies the next step waits for.
+        assert len(snapshot.pool.segments) == min(snapshot.files, snapshot.pool.most)
         table = snapshot.write(tmp_path / attempt, "tensors", threads=3)
         segments = [s.data_ptr() for s in snapshot.pool.segments]
         assert sorted(table) == [f"tensors.{i:03d}.bin" for i in range(len(table))] and len(table) > 4
