@@ -5,6 +5,7 @@ next."""
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 import traceback
@@ -188,9 +189,21 @@ def _parse(argv: list[str], main_job: bool, planning: bool):
     return args
 
 
+# A setting Megatron requires (``assert args.<name> is not None``) and the flag that gives it, where the two names
+# differ: Megatron copies --seq-length into encoder_seq_length before it checks.
+_REQUIRED = re.compile(r"assert args\.(\w+) is not None")
+_FLAG_OF = {"encoder_seq_length": "--seq-length"}
+
+
 def _failed_check(error: AssertionError) -> str:
-    """Megatron's bare ``assert``s carry no message: name the check that failed instead."""
-    return f"Megatron's check `{traceback.extract_tb(error.__traceback__)[-1].line}` failed"
+    """Megatron's bare ``assert``s carry no message: name the flag a missing setting needs, else the check."""
+    line = traceback.extract_tb(error.__traceback__)[-1].line
+    required = _REQUIRED.fullmatch(line.strip())
+    if required:
+        name = required.group(1)
+        flag = _FLAG_OF.get(name, "--" + name.replace("_", "-"))
+        return f"{flag} is missing; give it (Megatron's check `{line}` failed)"
+    return f"Megatron's check `{line}` failed"
 
 
 def run(argv: list[str]) -> None:

@@ -139,6 +139,9 @@ def results(tmp_path_factory):
     argvs = {name: QUICK + ["--train-iters", "5", "--save", "ckpt", "--load", "ckpt", *flags]
              for name, flags in cases.items()}
     argvs["--help"] = ["--help"]
+    # Whole command lines: without the settings QUICK gives.
+    argvs["no micro-batch size"] = ["--mock-data", "--zaya-preset", "tiny", "--seq-length", "64"]
+    argvs["no sequence length"] = ["--mock-data", "--zaya-preset", "tiny", "--micro-batch-size", "2"]
     run = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(argvs)], cwd=directory, capture_output=True,
                          text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
@@ -174,6 +177,10 @@ EXPECTED = {  # case -> words the one error line must hold
     "a tokenizer that does not load": ["does not load", "give the tokenizer's directory"],
     "negative learning rate": ["--lr -0.001 is negative"],
     "micro-batch size 0": ["--micro-batch-size 0: must be at least 1"],
+    "no micro-batch size": ["invalid arguments: --micro-batch-size is missing; give it (Megatron's check "
+                            "`assert args.micro_batch_size is not None` failed)"],
+    "no sequence length": ["invalid arguments: --seq-length is missing; give it (Megatron's check "
+                           "`assert args.encoder_seq_length is not None` failed)"],
     "bf16 and fp16": ["--bf16 and --fp16", "choose one"],
     "mock data and a data path": ["--mock-data and --data-path", "drop --mock-data"],
     "CUDA graphs on CPU": ["--zaya-cuda-graphs needs a GPU"],
