@@ -375,6 +375,13 @@ def check_args(args, world_size: int, machine_checks: bool = True) -> None:
                          "change --expert-model-parallel-size")
     if args.num_experts and args.num_experts % ep:
         raise UsageError(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}")
+    if machine_checks and args.train_iters is None and args.train_samples is None:  # a memory plan needs none
+        raise UsageError("the run has no length: give --train-iters N (or --train-samples N)")
+    batch, micro, dp = args.global_batch_size, args.micro_batch_size, world_size // (tp * pp * cp)
+    if batch and micro and batch % (micro * dp):
+        raise UsageError(f"--global-batch-size {batch} is not a multiple of --micro-batch-size {micro} x the "
+                         f"data-parallel size {dp}; give a multiple of {micro * dp}, e.g. "
+                         f"{-(-batch // (micro * dp)) * micro * dp}")
     if args.num_query_groups and args.num_query_groups % tp:
         raise UsageError(f"--num-query-groups {args.num_query_groups} is not divisible by TP {tp}: CCA splits "
                          "KV heads across TP ranks; use a TP size that divides the KV heads")

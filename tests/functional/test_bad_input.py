@@ -83,6 +83,8 @@ def results(tmp_path_factory):
         "negative learning rate": [*mock, "--lr", "-0.001"],
         "micro-batch size 0": [*mock, "--micro-batch-size", "0"],
         "bf16 and fp16": [*mock, "--bf16", "--fp16"],
+        "a global batch no multiple of the micro-batch": [*mock, "--micro-batch-size", "2", "--global-batch-size",
+                                                          "3"],
         "CUDA graphs on CPU": [*mock, "--zaya-cuda-graphs"],
         "balancing a skip class that is off": [*mock, "--zaya-no-skip-class", "--zaya-balance-skip-class"],
         "a misspelt flag": [*mock, "--lrr", "3"],
@@ -140,8 +142,10 @@ def results(tmp_path_factory):
              for name, flags in cases.items()}
     argvs["--help"] = ["--help"]
     # Whole command lines: without the settings QUICK gives.
-    argvs["no micro-batch size"] = ["--mock-data", "--zaya-preset", "tiny", "--seq-length", "64"]
-    argvs["no sequence length"] = ["--mock-data", "--zaya-preset", "tiny", "--micro-batch-size", "2"]
+    argvs["no micro-batch size"] = ["--mock-data", "--zaya-preset", "tiny", "--seq-length", "64", "--train-iters", "4"]
+    argvs["no sequence length"] = ["--mock-data", "--zaya-preset", "tiny", "--micro-batch-size", "2", "--train-iters",
+                                   "4"]
+    argvs["no run length"] = ["--mock-data", "--zaya-preset", "tiny", "--micro-batch-size", "2", "--seq-length", "64"]
     run = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(argvs)], cwd=directory, capture_output=True,
                          text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
@@ -164,7 +168,8 @@ MODEL_AND_LAYOUT = {
     "cuda graphs and overlapped gather": (["--zaya-cuda-graphs", "--use-distributed-optimizer",
                                            "--overlap-param-gather", "--overlap-grad-reduce"],
                                           ["--zaya-cuda-graphs", "--overlap-param-gather"]),
-    "pipeline stages": (["--pipeline-model-parallel-size", "3"], ["--num-layers 4", "--pipeline-model-parallel-size 3"]),
+    "pipeline stages": (["--pipeline-model-parallel-size", "3"],
+                        ["--num-layers 4", "--pipeline-model-parallel-size 3"]),
     "document mask without position ids": (["--reset-attention-mask"], ["--reset-position-ids", "together"]),
 }
 
@@ -182,6 +187,9 @@ EXPECTED = {  # case -> words the one error line must hold
     "no sequence length": ["invalid arguments: --seq-length is missing; give it (Megatron's check "
                            "`assert args.encoder_seq_length is not None` failed)"],
     "bf16 and fp16": ["--bf16 and --fp16", "choose one"],
+    "no run length": ["the run has no length: give --train-iters N (or --train-samples N)"],
+    "a global batch no multiple of the micro-batch": ["--global-batch-size 3 is not a multiple of --micro-batch-size "
+                                                      "2 x the data-parallel size 1; give a multiple of 2, e.g. 4"],
     "mock data and a data path": ["--mock-data and --data-path", "drop --mock-data"],
     "CUDA graphs on CPU": ["--zaya-cuda-graphs needs a GPU"],
     "balancing a skip class that is off": ["--zaya-balance-skip-class with --zaya-no-skip-class"],
