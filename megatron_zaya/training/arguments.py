@@ -377,6 +377,9 @@ def check_args(args, world_size: int, machine_checks: bool = True) -> None:
         raise UsageError(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}")
     if machine_checks and args.train_iters is None and args.train_samples is None:  # a memory plan needs none
         raise UsageError("the run has no length: give --train-iters N (or --train-samples N)")
+    if args.train_iters is not None and args.train_samples is not None:
+        raise UsageError(f"--train-iters {args.train_iters} and --train-samples {args.train_samples} both give the "
+                         "run's length; keep one")
     batch, micro, dp = args.global_batch_size, args.micro_batch_size, world_size // (tp * pp * cp)
     if batch and micro and batch % (micro * dp):
         raise UsageError(f"--global-batch-size {batch} is not a multiple of --micro-batch-size {micro} x the "

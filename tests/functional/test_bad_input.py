@@ -85,6 +85,7 @@ def results(tmp_path_factory):
         "bf16 and fp16": [*mock, "--bf16", "--fp16"],
         "a global batch no multiple of the micro-batch": [*mock, "--micro-batch-size", "2", "--global-batch-size",
                                                           "3"],
+        "two run lengths": [*mock, "--train-samples", "40"],
         "CUDA graphs on CPU": [*mock, "--zaya-cuda-graphs"],
         "balancing a skip class that is off": [*mock, "--zaya-no-skip-class", "--zaya-balance-skip-class"],
         "a misspelt flag": [*mock, "--lrr", "3"],
@@ -188,6 +189,7 @@ EXPECTED = {  # case -> words the one error line must hold
                            "`assert args.encoder_seq_length is not None` failed)"],
     "bf16 and fp16": ["--bf16 and --fp16", "choose one"],
     "no run length": ["the run has no length: give --train-iters N (or --train-samples N)"],
+    "two run lengths": ["--train-iters 5 and --train-samples 40 both give the run's length; keep one"],
     "a global batch no multiple of the micro-batch": ["--global-batch-size 3 is not a multiple of --micro-batch-size "
                                                       "2 x the data-parallel size 1; give a multiple of 2, e.g. 4"],
     "mock data and a data path": ["--mock-data and --data-path", "drop --mock-data"],
