@@ -131,6 +131,19 @@ def assert_matches_oracle(name: str, actual, oracle, reference=None, rel_tol: fl
         raise AssertionError(f"{name}: max error {error:.3g} vs float64 exceeds {bound:.3g} (|oracle| max {scale:.3g})")
 
 
+
+def assert_weight_grads_match(weights, before, returned, oracle, into_main_grad: bool) -> None:
+    """The experts' weight gradients against their float64 ``oracle`` [E, M, K]: added into each weight's
+    ``main_grad`` (which held ``before``) and the weight marked as Megatron's hooks expect, when
+    ``into_main_grad``; else ``returned`` by autograd, ``main_grad`` untouched."""
+    for e, weight in enumerate(weights):
+        assert weight.grad_added_to_main_grad == into_main_grad
+        if into_main_grad:
+            assert_matches_oracle(f"main_grad[{e}]", weight.main_grad - before[e], oracle[e])
+        else:
+            assert torch.equal(weight.main_grad, before[e])
+            assert_matches_oracle(f"d_weight[{e}]", returned[e], oracle[e])
+
 class _CompileOnlyDriver:
     """Stands in for triton's GPU driver: reports ``target`` so launches specialise for it without a GPU."""
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from triton_interpreter import assert_matches_oracle, install, load_kernel_module
+from triton_interpreter import assert_matches_oracle, assert_weight_grads_match, install, load_kernel_module
 
 from benchmarks import grouped_gemm_backends as bench
 from megatron_zaya.config import zaya_config
@@ -113,13 +113,7 @@ def test_weight_gradients_accumulate_into_main_grad(weight_grad, enabled, kernel
     out = grouped_mm.grouped_gemm(x, weights, COUNTS, True, Backends("torch", "torch", weight_grad))
     got = torch.autograd.grad(out, weights, grad)
     oracle = _oracle(x, weights, grad)[2]
-    for e, weight in enumerate(weights):
-        assert weight.grad_added_to_main_grad == enabled
-        if enabled:
-            assert_matches_oracle(f"main_grad[{e}]", weight.main_grad - before[e], oracle[e])
-        else:
-            assert torch.equal(weight.main_grad, before[e])
-            assert_matches_oracle(f"d_weight[{e}]", got[e], oracle[e])
+    assert_weight_grads_match(weights, before, got, oracle, enabled)
 
 
 ENTRY = {"device": "NVIDIA H200", "dtype": "bfloat16", "weight": [16, 4096, 2048],

@@ -8,7 +8,7 @@ tiles: several tiles per expert, ragged edges, several contraction steps.
 import pytest
 import torch
 
-from triton_interpreter import assert_matches_oracle, load_kernel_module
+from triton_interpreter import assert_matches_oracle, assert_weight_grads_match, load_kernel_module
 
 from megatron_zaya.ops import experts as ops
 
@@ -137,13 +137,7 @@ def test_weight_gradients_accumulate_into_megatron_main_grad(enabled, gap, monke
     got = torch.autograd.grad(out, weights, grad)
     stacked = torch.stack([w.detach() for w in weights])
     oracle = _run(ops.grouped_gemm, x, stacked, counts, grad, torch.float64)[2]
-    for e, weight in enumerate(weights):
-        assert weight.grad_added_to_main_grad == enabled
-        if enabled:
-            assert_matches_oracle(f"main_grad[{e}]", weight.main_grad - before[e], oracle[e])
-        else:
-            assert torch.equal(weight.main_grad, before[e])
-            assert_matches_oracle(f"d_weight[{e}]", got[e], oracle[e])
+    assert_weight_grads_match(weights, before, got, oracle, enabled)
 
 
 @pytest.mark.parametrize("padded_rows", [False, True])
