@@ -36,9 +36,9 @@ from . import health, reliability
 from .arguments import (ZAYA_FLAGS, add_zaya_args, check_args, check_data, early_flags, memory_plan_inputs,
                         preset_flags, zaya_pretrain_parser)
 from .ledger import CRASH_LOOP_EXIT_CODE, LEDGER, LEDGER_FILE, failing_step, last_error_line
-from .watchdog import record_collectives
 from .loss_curve import LOSS_CURVE, curve_group, writes_curve
 from .steps import forward_step, model_provider, train_valid_test_datasets_provider
+from .watchdog import record_collectives
 
 APPLIED = ("applied", "already applied")  # apply_patches() reports of a patch in effect
 
