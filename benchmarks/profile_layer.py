@@ -96,7 +96,7 @@ PARTS = {
     "self_attention": "cca convolutions, epilogue, value delay",
     "self_attention.core_attention": "attention",
     "self_attn_bda": "residual scaling", "mlp_bda": "residual scaling",
-    "mlp.router": "router", "mlp.experts": "experts", "mlp": "dispatch, combine",
+    "mlp.router": "router", "mlp.experts": "experts", "mlp": "dispatch, combine (with the moe op: the whole sublayer)",
 }
 PART = "part::"
 NODE = "autograd::engine::evaluate_function: "

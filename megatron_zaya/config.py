@@ -22,8 +22,10 @@ from .errors import ZayaConfigError
 ATTENTION_TYPES = ("global", "sliding")
 SKIP_MODES = ("zero", "identity")
 CORE_ATTENTIONS = ("sdpa", "te")  # CCA's softmax attention: torch's SDPA, or Transformer Engine's fused attention
-# The model's ops that have a Triton kernel (megatron_zaya/kernels) beside their torch reference (megatron_zaya/ops).
-KERNEL_OPS = ("router", "router_head", "residual", "cca", "lm_head", "experts")
+# The model's ops that have a Triton kernel (megatron_zaya/kernels) beside their torch reference (megatron_zaya/ops),
+# and ``moe``: the MoE sublayer as one op over the router, router_head and experts kernels (ops/moe.py).
+KERNEL_OPS = ("router", "router_head", "residual", "cca", "lm_head", "experts", "moe")
+MOE_OP_PIECES = ("router", "router_head", "experts")
 # ``--recompute-granularity selective --recompute-modules ...``: what each name recomputes in every ZAYA1 layer
 # (model/recompute.py). The default set is the cheap one: elementwise work and the small router MLP.
 RECOMPUTE_MODULES = {
@@ -200,7 +202,10 @@ class ZayaConfig(TransformerConfig):
         if self.cuda_graphs and (self.hidden_dropout or self.attention_dropout):
             fail("--zaya-cuda-graphs with dropout (replays would reuse the captured random offsets)",
                  "set --hidden-dropout 0 --attention-dropout 0 or drop --zaya-cuda-graphs")
-        kernel_selection(self.kernels)
+        named = kernel_selection(self.kernels)
+        if "moe" in named and not set(MOE_OP_PIECES) <= set(named):
+            fail("the moe kernel op composes the router, router_head and experts kernels",
+                 f"name them too: --zaya-kernels {','.join(dict.fromkeys((*named, *MOE_OP_PIECES)))}")
         if self.core_attention not in CORE_ATTENTIONS:
             fail(f"core_attention={self.core_attention!r} is unknown", f"use one of {CORE_ATTENTIONS}")
         if self.core_attention == "te" and "sliding" in (self.attention_types or ()):
@@ -220,12 +225,13 @@ class ZayaConfig(TransformerConfig):
         any device (off a GPU its ``fused_*`` function computes the reference, or runs the kernel in Triton's
         interpreter under ``TRITON_INTERPRET=1``). ``router_head``, the
         router after its projection as one kernel each way, saves launches at the cost of device time, so ``all``
-        leaves it out under CUDA graphs, whose replays launch for free (``ops/router.py``'s ``choose``).
+        leaves it out under CUDA graphs, whose replays launch for free (``ops/router.py``'s ``choose``), and with it
+        ``moe``, which is built on it.
         """
         if op not in KERNEL_OPS:
             raise ValueError(f"unknown kernel op {op!r}; one of {KERNEL_OPS}")
         if self.kernels == "all":
-            return torch.cuda.is_available() and not (op == "router_head" and self.cuda_graphs)
+            return torch.cuda.is_available() and not (op in ("router_head", "moe") and self.cuda_graphs)
         return op in kernel_selection(self.kernels)
 
     @property

@@ -281,7 +281,7 @@ def weight_grad(grad_out, x, tokens_per_expert, padded_rows: bool, weights, main
     return grad_w
 
 
-class _GroupedGemm(torch.autograd.Function):
+class GroupedGemm(torch.autograd.Function):
     """``(x, counts, padded_rows, table, *weights)`` from :func:`prepare`: weights one stacked [E, M, K] tensor
     (table None) or E [M, K] tensors at the offsets of ``table``."""
 
@@ -338,7 +338,7 @@ def grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padde
     ``weight``: one [E, M, K] tensor, or a sequence of E [M, K] tensors (the experts' own parameters, read where
     they are: no stacked copy per call).
     """
-    return _GroupedGemm.apply(*prepare(x, weight, tokens_per_expert, padded_rows))
+    return GroupedGemm.apply(*prepare(x, weight, tokens_per_expert, padded_rows))
 
 
 def prepare(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padded_rows: bool):

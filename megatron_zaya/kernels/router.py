@@ -394,7 +394,7 @@ def _head_launch(device: torch.device, n_tokens: int, width: int, n_classes: int
     }  # fmt: skip
 
 
-class _RouteHead(torch.autograd.Function):
+class RouteHead(torch.autograd.Function):
     """:func:`route_head` by one kernel forward; backward one kernel (which recomputes the forward) and the
     weight gradients' GEMMs over its [T, R] intermediates."""
 
@@ -452,6 +452,15 @@ class _RouteHead(torch.autograd.Function):
 def route_head(u, state_in, eda_scale, norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight,
                biases, eps: float, num_experts: int):
     """The fused router head; same contract as ``ops.router.route_head`` (for routers up to ``HEAD_MAX_WIDTH``)."""
+    probs, routing_map, state, skip_gate, counts = RouteHead.apply(*route_head_arguments(
+        u, state_in, eda_scale, norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight, biases, eps,
+        num_experts))
+    return probs, routing_map, state.view(*u.shape[:-1], out_weight.shape[1]), skip_gate, counts
+
+
+def route_head_arguments(u, state_in, eda_scale, norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight,
+                         biases, eps: float, num_experts: int) -> tuple:
+    """:class:`RouteHead`'s arguments for :func:`route_head`'s, checked: the tokens as rows, everything contiguous."""
     n_classes, width = out_weight.shape
     if n_classes != num_experts + 1:
         raise ValueError(
@@ -464,14 +473,11 @@ def route_head(u, state_in, eda_scale, norm_weight, fc1_weight, fc1_bias, fc2_we
         raise ValueError(f"the fused router head holds routers up to {HEAD_MAX_WIDTH} wide, not {width}")
     params = [norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight]
     with_state = state_in is not None and eda_scale is not None
-    probs, routing_map, state, skip_gate, counts = _RouteHead.apply(
-        u.reshape(-1, width).contiguous(), state_in.reshape(-1, width).contiguous() if with_state else None,
-        eda_scale, *(p.contiguous() for p in params), biases.detach().float().contiguous(), float(eps),
-    )  # fmt: skip
-    return probs, routing_map, state.view(*u.shape[:-1], width), skip_gate, counts
+    return (u.reshape(-1, width).contiguous(), state_in.reshape(-1, width).contiguous() if with_state else None,
+            eda_scale, *(p.contiguous() for p in params), biases.detach().float().contiguous(), float(eps))
 
 
-class _RouterProjection(torch.autograd.Function):
+class RouterProjection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         x2d = x.reshape(-1, x.shape[-1])
@@ -491,7 +497,7 @@ class _RouterProjection(torch.autograd.Function):
 
 def router_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``ops.router.router_projection`` for bf16/fp16 x and weight: a GEMM in their dtype with fp32 output."""
-    return _RouterProjection.apply(x, weight, bias)
+    return RouterProjection.apply(x, weight, bias)
 
 
 def runs_on(*tensors: torch.Tensor) -> bool:

@@ -105,7 +105,7 @@ def _launch(device: torch.device, n_rows: int, n_cols: int, backward: bool) -> t
     return grid, {"ROWS": rows, "BLOCK": block, "num_warps": tuning[prefix + "warps"]}
 
 
-class _SwiGLU(torch.autograd.Function):
+class SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights, bias):
         x2d = flat_rows(x)
@@ -140,7 +140,7 @@ def swiglu(x: torch.Tensor, weights: torch.Tensor | None = None, bias: torch.Ten
         raise ValueError(f"weights must hold one scale per token ({list(x.shape[:-1])}), got {list(weights.shape)}")
     if bias is not None and bias.shape != x.shape[-1:]:
         raise ValueError(f"bias must have shape [{x.shape[-1]}], got {list(bias.shape)}")
-    return _SwiGLU.apply(x, weights, bias)
+    return SwiGLU.apply(x, weights, bias)
 
 
 def runs_on(*tensors: torch.Tensor) -> bool:

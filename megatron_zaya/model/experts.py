@@ -29,12 +29,16 @@ class ZayaExperts(SequentialMLP):
         for param in self.parameters():
             param.allreduce = False
         self.grouped = experts.choose(self.config, self.tp_group.size(), self.num_local_experts)  # None: the loop
+        self.backends = None if self.grouped is None else experts.choose_backends(self.config, self.num_local_experts)
+
+    def weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The local experts' fc1 ``[2F, D]`` and fc2 ``[D, F]`` weights, for the grouped GEMMs to read in place."""
+        return ([expert.linear_fc1.weight for expert in self.local_experts],
+                [expert.linear_fc2.weight for expert in self.local_experts])
 
     def forward(self, permuted_hidden: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor):
         if self.grouped is not None:
-            fc1 = [expert.linear_fc1.weight for expert in self.local_experts]  # [2F, D] each, read in place
-            fc2 = [expert.linear_fc2.weight for expert in self.local_experts]  # [D, F] each
-            return self.grouped(permuted_hidden, fc1, fc2, tokens_per_expert, permuted_probs), None
+            return self.grouped(permuted_hidden, *self.weights(), tokens_per_expert, permuted_probs), None
         routed = int(tokens_per_expert.sum())  # the per-expert loop needs host counts anyway
         if routed == permuted_hidden.shape[0]:
             return super().forward(permuted_hidden, tokens_per_expert, permuted_probs)

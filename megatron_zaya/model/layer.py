@@ -61,7 +61,7 @@ class ZayaTransformerLayer(TransformerLayer):
         if norms:
             input_norm.drop_outputs(attention_output)
         mlp_input, residual = pre_mlp_norm(attention_output, residual)
-        if recomputes(self.config, "moe", self.training):
+        if recomputes(self.config, "moe", self.training) and not self.mlp.runs_as_one_op(mlp_input):
             mlp = Recompute(_count_tokens_once(self, lambda x, router_state: self.mlp(x, router_state=router_state)),
                             self.mlp.parameters())
             mlp_output, router_state = mlp(mlp_input, router_state)

@@ -21,6 +21,9 @@ expert's rank only) back to the token's rank. That moves EP× the tokens of an a
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
@@ -31,6 +34,8 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from ..ops import experts as experts_ops
+from ..ops import moe as moe_ops
+from .recompute import recomputes
 
 
 class SkipAwareAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
@@ -78,22 +83,57 @@ class ZayaMoELayer(MoELayer):
                 self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pg_collection
             )
         self.sort_by_expert = experts_ops.choose_sort(config)
+        self.one_op = config.uses_kernel("moe") and self._one_op_fits()
+        self._one_op_runs: dict[torch.device, bool] = {}
+
+    def _one_op_fits(self) -> bool:
+        """Whether this layout takes the ``moe`` op; says once why not where it does not."""
+        if not self._dispatches_locally():
+            _say_once("the moe op runs the MoE sublayer of one rank's experts (EP 1, TP 1, top-1); this layout keeps "
+                      "one op per kernel")
+        elif not self.config.skip_class or self.experts.grouped is None:
+            _say_once("the moe op needs the skip class and the grouped experts; one op per kernel instead")
+        else:
+            return True
+        return False
+
+    def runs_as_one_op(self, hidden_states: torch.Tensor) -> bool:
+        """Whether :meth:`forward` runs the sublayer as the ``moe`` op (recomputation included) on these inputs."""
+        if not self.one_op:
+            return False
+        if hidden_states.device not in self._one_op_runs:
+            self._one_op_runs[hidden_states.device] = moe_ops.runs_on(
+                hidden_states, self.router.weights(), *self.experts.weights(), self.experts.backends)
+        return self._one_op_runs[hidden_states.device]
 
     def forward(self, hidden_states: torch.Tensor, router_state: torch.Tensor | None = None):
-        self.router.state_in = router_state
-        if self._sorts_without_host_sync():
-            output = self._sorted_forward(hidden_states)
+        if self.runs_as_one_op(hidden_states):
+            output, next_state, skip_gate = self._one_op_forward(hidden_states, router_state)
         else:
-            output, bias = super().forward(hidden_states)
-            assert bias is None
-        next_state, skip_gate = self.router.state_out, self.router.skip_gate
-        self.router.state_in = self.router.state_out = self.router.skip_gate = None
+            self.router.state_in = router_state
+            if self._sorts_without_host_sync():
+                output = self._sorted_forward(hidden_states)
+            else:
+                output, bias = super().forward(hidden_states)
+                assert bias is None
+            next_state, skip_gate = self.router.state_out, self.router.skip_gate
+            self.router.state_in = self.router.state_out = self.router.skip_gate = None
         if self.config.skip_mode == "identity" and self.config.skip_class:
             # A skipped token passes through scaled by its (unbiased) skip probability.
             output = output + (skip_gate.view(hidden_states.shape[:-1]).unsqueeze(-1) * hidden_states.float()).to(
                 output.dtype
             )
         return output, next_state
+
+    def _one_op_forward(self, hidden_states: torch.Tensor, router_state: torch.Tensor | None):
+        cfg = self.config
+        recompute = next((name for name in ("moe", "router") if recomputes(cfg, name, self.training)), None)
+        settings = moe_ops.Settings(cfg.layernorm_epsilon, self.num_local_experts, self.experts.backends, recompute)
+        output, next_state, skip_gate, counts = moe_ops.moe_sublayer(
+            hidden_states, router_state, self.router.weights(), *self.experts.weights(), self.router.balancing_biases,
+            settings)
+        self.router.count(counts)
+        return output, next_state, skip_gate
 
     def _sorts_without_host_sync(self) -> bool:
         """Top-1, no tensor parallelism, no shared experts; every expert here, or the allgather dispatcher."""
@@ -128,3 +168,8 @@ class ZayaMoELayer(MoELayer):
         if gathered:  # one rank's output per token is non-zero: the bf16 sum is exact
             output = reduce_scatter_to_sequence_parallel_region(output, group=self.ep_group)
         return output.view(hidden_states.shape[:-1] + output.shape[-1:])
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    logging.getLogger(__name__).warning(message)

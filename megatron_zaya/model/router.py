@@ -102,16 +102,26 @@ class ZayaRouter(MegatronModule):
         route = Recompute(self._route, self.parameters()) if recomputes(self.config, "router", self.training) \
             else self._route
         probs, routing_map, self.state_out, self.skip_gate, counts = route(hidden_states, self.state_in)
-        if self.training and self.count_tokens:
-            self.tokens_per_class += counts.float()
+        self.count(counts)
         return probs, routing_map
+
+    def count(self, counts: torch.Tensor) -> None:
+        """Add a micro-batch's tokens per class ``[C]`` to the step's, in training and not in a recomputation."""
+        if self.training and self.count_tokens:
+            self.tokens_per_class += counts
+
+    def weights(self) -> router_ops.RouterWeights:
+        """The router's parameters, each ``LinearWeights`` called (see there)."""
+        down, fc1, fc2, out = self.down_proj(), self.fc1(), self.fc2(), self.out_proj()
+        return router_ops.RouterWeights(down.weight, down.bias, self.eda_scale, self.norm_weight, fc1.weight, fc1.bias,
+                                        fc2.weight, fc2.bias, out.weight)
 
     def _route(self, hidden_states: torch.Tensor, state_in: torch.Tensor | None):
         """-> probs, routing map, router state r_l, skip gate, tokens per class (see the module docstring)."""
-        down, fc1, fc2, out = self.down_proj(), self.fc1(), self.fc2(), self.out_proj()
-        u = self.project(hidden_states, down.weight, down.bias)
-        return self.route_head(u, state_in, self.eda_scale, self.norm_weight, fc1.weight, fc1.bias, fc2.weight,
-                               fc2.bias, out.weight, self.balancing_biases, self.config.layernorm_epsilon,
+        w = self.weights()
+        u = self.project(hidden_states, w.down_weight, w.down_bias)
+        return self.route_head(u, state_in, w.eda_scale, w.norm_weight, w.fc1_weight, w.fc1_bias, w.fc2_weight,
+                               w.fc2_bias, w.out_weight, self.balancing_biases, self.config.layernorm_epsilon,
                                self.num_experts)
 
     @torch.no_grad()

@@ -132,7 +132,7 @@ def grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padde
                  backends: Backends = TRITON) -> torch.Tensor:
     """``ops.experts.grouped_gemm`` with each GEMM by its backend in ``backends`` (check :func:`runs_on` first)."""
     x, counts, padded_rows, table, *weights = _kernel().prepare(x, weight, tokens_per_expert, padded_rows)
-    return _GroupedMM.apply(x, counts, padded_rows, table, backends, *weights)
+    return GroupedMM.apply(x, counts, padded_rows, table, backends, *weights)
 
 
 def _kernel():
@@ -141,7 +141,7 @@ def _kernel():
     return kernel
 
 
-class _GroupedMM(torch.autograd.Function):
+class GroupedMM(torch.autograd.Function):
     """``(x, counts, padded_rows, table, backends, *weights)``: the kernel's arguments (its ``prepare``) and the
     backends."""
 

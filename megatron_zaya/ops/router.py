@@ -8,11 +8,26 @@ the equations.
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from .residual_norm import rms_norm
+
+
+class RouterWeights(NamedTuple):
+    """The router's parameters in one tuple, as ``ops/moe.py`` takes them (``eda_scale`` None without EDA)."""
+
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor
+    eda_scale: torch.Tensor | None
+    norm_weight: torch.Tensor
+    fc1_weight: torch.Tensor
+    fc1_bias: torch.Tensor
+    fc2_weight: torch.Tensor
+    fc2_bias: torch.Tensor
+    out_weight: torch.Tensor
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:

@@ -75,8 +75,8 @@ def test_model_with_kernels_equals_torch_path(packed, launches):
     assert set(launches) == set(MODEL_KERNELS), launches  # every kernel ran, forward and backward
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert set(grads) == set(ref_grads)
-    for key, grad in ref_grads.items():
-        torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-6, msg=key)
+    for key, grad in ref_grads.items():  # a bias's gradient sums terms of the tensor's scale: its rounding is theirs
+        torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-6 * max(1.0, grad.abs().max().item()), msg=key)
 
 
 def test_checkpoints_interchange_with_and_without_kernels(tmp_path):

@@ -1,0 +1,176 @@
+"""ZAYA1's MoE sublayer on one rank as one op (kernel op ``moe``): the router, the sort by expert, the experts
+with SwiGLU and the unsort, forward and backward (docs/architecture.md §4).
+
+    u = x Wdᵀ + bd                                   # the router's projection, fp32 out
+    probs, map, r, skip, counts = head(u, r_prev)    # EDA, RMSNorm, MLP, top-1 with the skip class
+    order, inverse, per_expert = sort(map)           # tokens by expert, skipped tokens last
+    y = experts(x[order], per_expert, probs.sum(-1)[order])
+    out = y[inverse]
+
+It adds no math: each step is the kernel that the layer runs without it (ops ``router``, ``router_head``,
+``experts``), composed by :class:`~.composite.Piece`, and its backward is their backwards in reverse order. So its
+reference is theirs, composed as ``ZayaMoELayer`` composes them with the op off. What goes is autograd's work
+around seven kernel ops (their graph nodes and saved-tensor bookkeeping, the row permutations), and the
+re-entrant autograd pass of the router's selective recomputation: here the backward recomputes the router's
+projection (``recompute="router"``: the fused head recomputes the rest in its backward kernel anyway) or the
+whole forward (``recompute="moe"``) by running the pieces again.
+
+The experts' weight gradients go into Megatron's ``main_grad`` from the grouped GEMM, as without the op; the
+router's are returned to autograd, whose DDP hooks add them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import torch
+
+from . import grouped_mm
+from .composite import Piece
+from .router import RouterWeights
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The op's arguments besides tensors: the router's RMSNorm epsilon, the number of experts, the backends of
+    fc1's and fc2's grouped GEMMs (``ops/grouped_mm.py``), and what the backward recomputes: None, ``router``
+    (the projection u) or ``moe`` (everything; only the input and the router state are kept)."""
+
+    eps: float
+    num_experts: int
+    backends: tuple[grouped_mm.Backends, grouped_mm.Backends] = (grouped_mm.TRITON, grouped_mm.TRITON)
+    recompute: str | None = None
+
+
+def _kernels():
+    from ..kernels import grouped_gemm, router, sort_by_expert, swiglu  # triton only where the op runs
+
+    return grouped_gemm, router, sort_by_expert, swiglu
+
+
+def runs_on(hidden: torch.Tensor, router: RouterWeights, fc1, fc2, backends) -> bool:
+    """Whether every piece runs as its kernel on these tensors: the router head up to its width, the sort, SwiGLU
+    and both grouped GEMMs (or their ``torch._grouped_mm`` backends), with the weights in the input's dtype."""
+    grouped_gemm, router_kernel, sort_kernel, swiglu = _kernels()
+    router_weights = [w for w in router if w is not None]
+    if any(w.dtype != hidden.dtype for w in (*router_weights, *fc1, *fc2)):
+        return False
+    if router.out_weight.shape[1] > router_kernel.HEAD_MAX_WIDTH:
+        return False
+    return (router_kernel.runs_on(hidden, *router_weights) and sort_kernel.runs_on(hidden) and swiglu.runs_on(hidden)
+            and all(grouped_gemm.runs_on(hidden, *weights) if chosen == grouped_mm.TRITON
+                    else grouped_mm.runs_on(hidden, weights, chosen)
+                    for weights, chosen in zip((fc1, fc2), backends)))
+
+
+def moe_sublayer(hidden: torch.Tensor, state_in: torch.Tensor | None, router: RouterWeights, fc1, fc2,
+                 biases: torch.Tensor, settings: Settings):
+    """The MoE sublayer on ``hidden [..., D]``, with the previous MoE layer's router state ``state_in [..., R]`` (None
+    on the first), the router's weights, the experts' ``fc1`` and ``fc2`` (lists of ``[2F, D]`` and ``[D, F]``) and
+    the balancing ``biases [E + 1]``. Check :func:`runs_on` first.
+
+    Returns: the output ``[..., D]`` in hidden's dtype, the router state ``[..., R]`` fp32, the skip gate ``[T]``
+    fp32 (p_skip where the skip class won, else 0) and the tokens per class ``[E + 1]`` (int64).
+    """
+    out, state, skip_gate, counts = MoESublayer.apply(settings, len(fc1), hidden, state_in, biases, *router, *fc1,
+                                                      *fc2)
+    return out.view(hidden.shape), state.view(*hidden.shape[:-1], state.shape[-1]), skip_gate, counts
+
+
+class MoESublayer(torch.autograd.Function):
+    """:func:`moe_sublayer`: ``(settings, num_experts, hidden, state_in, biases, *router, *fc1, *fc2)``."""
+
+    @staticmethod
+    def forward(ctx, settings: Settings, num_experts: int, hidden, state_in, biases, *weights):
+        router = RouterWeights(*weights[: len(RouterWeights._fields)])
+        fc1, fc2 = weights[len(router): len(router) + num_experts], weights[len(router) + num_experts:]
+        run = _Forward(settings, hidden.reshape(-1, hidden.shape[-1]), state_in, biases, router, fc1, fc2)
+        ctx.hidden_shape, ctx.state_shape = hidden.shape, None if state_in is None else state_in.shape
+        if settings.recompute == "moe":
+            ctx.save_for_backward(hidden, state_in, biases)
+            ctx.recompute = (settings, router, fc1, fc2)
+        else:
+            ctx.run = run
+        ctx.mark_non_differentiable(run.counts)
+        ctx.set_materialize_grads(False)
+        return run.out, run.state, run.skip_gate, run.counts
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_state, grad_skip, _grad_counts):
+        if hasattr(ctx, "run"):
+            run = ctx.run
+            del ctx.run  # its saved tensors go with it
+        else:
+            hidden, state_in, biases = ctx.saved_tensors
+            settings, router, fc1, fc2 = ctx.recompute
+            run = _Forward(settings, hidden.reshape(-1, hidden.shape[-1]), state_in, biases, router, fc1, fc2)
+        if grad_out is None:
+            grad_out = torch.zeros_like(run.out)
+        grad_hidden, grad_state_in, grad_router, grad_fc1, grad_fc2 = run.backward(
+            grad_out.reshape(run.out.shape), grad_state, grad_skip)
+        if grad_state_in is not None:
+            grad_state_in = grad_state_in.view(ctx.state_shape)
+        return (None, None, grad_hidden.view(ctx.hidden_shape), grad_state_in, None, *grad_router, *grad_fc1,
+                *grad_fc2)
+
+
+class _Forward:
+    """One forward's pieces, kept for its backward."""
+
+    def __init__(self, settings: Settings, hidden2d, state_in, biases, router: RouterWeights, fc1, fc2):
+        _, router_kernel, sort_kernel, swiglu = _kernels()
+        self.router = router
+        self.projection = Piece(router_kernel.RouterProjection, hidden2d, router.down_weight, router.down_bias)
+        head_arguments = router_kernel.route_head_arguments(
+            self.projection.outputs, state_in, router.eda_scale, router.norm_weight, router.fc1_weight,
+            router.fc1_bias, router.fc2_weight, router.fc2_bias, router.out_weight, biases, settings.eps,
+            settings.num_experts)
+        self.head = Piece(router_kernel.RouteHead, *head_arguments)
+        probs, routing_map, self.state, self.skip_gate, self.counts = self.head.outputs
+        if settings.recompute == "router":  # u, the head's first saved tensor, is dropped and recomputed
+            assert self.head.saved_tensors[0] is head_arguments[0]
+            self.head.saved_tensors = (None, *self.head.saved_tensors[1:])
+        self.order, self.inverse, per_expert = sort_kernel.sort_by_expert(routing_map, 0, settings.num_experts)
+        self.fc1 = _grouped_gemm(hidden2d.index_select(0, self.order), fc1, per_expert, settings.backends[0])
+        prob = probs.sum(dim=-1).index_select(0, self.order)
+        self.swiglu = Piece(swiglu.SwiGLU, self.fc1.outputs, prob.unsqueeze(-1), None)
+        self.fc2 = _grouped_gemm(self.swiglu.outputs, fc2, per_expert, settings.backends[1])
+        self.out = self.fc2.outputs.index_select(0, self.inverse)
+
+    def backward(self, grad_out, grad_state, grad_skip):
+        """-> the gradients of the input rows, of the router state in, of the router's weights (as
+        :class:`RouterWeights`), and of fc1's and fc2's weights (placeholders where the grouped GEMM added them into
+        ``main_grad``)."""
+        if self.head.saved_tensors[0] is None:
+            hidden2d = self.projection.saved_tensors[0]
+            u = Piece(_kernels()[1].RouterProjection, hidden2d, self.router.down_weight, self.router.down_bias).outputs
+            self.head.saved_tensors = (u, *self.head.saved_tensors[1:])
+        grad_act, grad_fc2 = _grouped_gemm_backward(self.fc2, grad_out.index_select(0, self.order))
+        grad_h, grad_prob, _ = self.swiglu.backward(grad_act)
+        grad_sorted, grad_fc1 = _grouped_gemm_backward(self.fc1, grad_h)
+        n_tokens, n_experts = self.head.outputs[0].shape
+        grad_probs = grad_prob.view(-1).index_select(0, self.inverse).unsqueeze(-1).expand(n_tokens, n_experts)
+        grad_u, grad_state_in, d_eda, d_norm, d_w1, d_b1, d_w2, d_b2, d_w3, _, _ = self.head.backward(
+            grad_probs, None, grad_state, grad_skip, None)
+        grad_hidden, d_down_weight, d_down_bias = self.projection.backward(grad_u)
+        grad_hidden = grad_hidden + grad_sorted.index_select(0, self.inverse)
+        d_router = RouterWeights(d_down_weight, d_down_bias, d_eda, d_norm, d_w1, d_b1, d_w2, d_b2, d_w3)
+        return grad_hidden, grad_state_in, d_router, grad_fc1, grad_fc2
+
+
+def _grouped_gemm(x, weights, per_expert, backends: grouped_mm.Backends) -> Piece:
+    """The grouped GEMM over tokens sorted by expert (a zero tail), by the Triton kernel or ``torch._grouped_mm``
+    as ``backends`` name."""
+    kernel = _kernels()[0]
+    x, counts, padded_rows, table, *prepared = kernel.prepare(x, weights, per_expert, True)
+    if backends == grouped_mm.TRITON:
+        return Piece(kernel.GroupedGemm, x, counts, padded_rows, table, *prepared)
+    return Piece(grouped_mm.GroupedMM, x, counts, padded_rows, table, backends, *prepared)
+
+
+def _grouped_gemm_backward(gemm: Piece, grad_out) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """-> the input's gradient and one gradient per expert weight (a stacked weight's, unbound)."""
+    grads = gemm.backward(grad_out)
+    grad_weights = list(grads[-len(gemm.weights):])  # the Functions' last arguments are their weights
+    if gemm.weights[0].dim() == 3:  # the experts' weights, stacked into one tensor by ``prepare``
+        grad_weights = list(grad_weights[0].unbind(0))
+    return grads[0], grad_weights

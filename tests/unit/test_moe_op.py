@@ -1,0 +1,85 @@
+"""The ``moe`` kernel op (ops/moe.py), the MoE sublayer as one autograd op over the router, router_head and experts
+kernels, against the same kernels run op by op: it adds no math, so the losses, the gradients (into Megatron's
+``main_grad`` as trained, over two micro-batches), the router state and the token counts are bit for bit the
+same, whatever the layer recomputes. (The per-kernel path itself is checked against the torch references in
+test_zaya_kernel_glue.py, where ``moe`` is among the ops.) Kernels run in Triton's interpreter."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import pytest
+import torch
+from triton_interpreter import install_model_kernels, load_model_kernels
+
+from megatron_zaya.config import ZayaConfigError, zaya_config
+from megatron_zaya.ops import moe as moe_ops
+from megatron_zaya.pretrained import build_single_process_model
+
+PER_KERNEL = "router,router_head,experts"  # the rest of the model runs its torch references
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return load_model_kernels()
+
+
+@pytest.fixture
+def one_op_calls(interpreted, monkeypatch) -> Counter:
+    """The kernels interpreted; counts the ``moe`` op's forwards and backwards."""
+    install_model_kernels(monkeypatch, interpreted, lambda module, kernel: contextlib.nullcontext())
+    calls = Counter()
+    for name in ("forward", "backward"):
+        original = getattr(moe_ops.MoESublayer, name)
+
+        def counted(*args, _original=original, _name=name):
+            calls[_name] += 1
+            return _original(*args)
+
+        monkeypatch.setattr(moe_ops.MoESublayer, name, staticmethod(counted))
+    return calls
+
+
+def _trained_step(kernels: str, recompute: tuple[str, ...], skip_mode: str, state: dict):
+    """Two micro-batches of the test model under Megatron's DDP (gradients accumulated into fp32 ``main_grad``)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    cfg = zaya_config("test", kernels=kernels, use_cpu_initialization=True, params_dtype=torch.float32,
+                      recompute_granularity="selective", recompute_modules=list(recompute), skip_mode=skip_mode)
+    model = build_single_process_model(cfg)
+    model.load_state_dict(state)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model).train()
+    generator = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(2):
+        ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=generator)
+        loss = ddp(ids, labels=ids)
+        loss.sum().backward()
+        losses.append(loss.detach())
+    grads = {name: param.main_grad.clone() for name, param in model.named_parameters()}
+    counts = [layer.mlp.router.tokens_per_class.clone() for layer in model.decoder.layers]
+    return model, torch.stack(losses), grads, counts
+
+
+@pytest.mark.parametrize("recompute, skip_mode", [(("layernorm", "router"), "identity"), (("moe",), "zero")],
+                         ids=["recompute-router", "recompute-moe"])
+def test_moe_op_equals_the_kernels_op_by_op(recompute, skip_mode, one_op_calls):
+    state = build_single_process_model(zaya_config("test", use_cpu_initialization=True,
+                                                   params_dtype=torch.float32)).state_dict()
+    model, losses, grads, counts = _trained_step(PER_KERNEL, recompute, skip_mode, state)
+    assert not any(layer.mlp.one_op for layer in model.decoder.layers) and not one_op_calls
+    model, one_op_losses, one_op_grads, one_op_counts = _trained_step(PER_KERNEL + ",moe", recompute, skip_mode, state)
+    layers = len(model.decoder.layers)
+    assert one_op_calls == {"forward": 2 * layers, "backward": 2 * layers}  # the op ran in every layer, once each
+    assert torch.equal(one_op_losses, losses)
+    for name, grad in grads.items():
+        assert torch.equal(one_op_grads[name], grad), name
+    assert any(grad.abs().sum() > 0 for name, grad in one_op_grads.items() if ".router." in name)
+    for counted, expected in zip(one_op_counts, counts):
+        assert torch.equal(counted, expected) and counted.sum() == 2 * 2 * 11  # every token once per micro-batch
+
+
+def test_moe_op_needs_its_pieces_named():
+    with pytest.raises(ZayaConfigError, match="--zaya-kernels experts,moe,router,router_head"):
+        zaya_config("test", kernels="experts,moe")
