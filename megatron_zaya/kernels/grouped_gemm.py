@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .utils import platform, triton_runs
+from .utils import ACCUMULATE_INTO_MAIN_GRAD, platform, triton_runs
 
 #: Launch settings per platform (``utils.platform()``). The row-tile kernel (forward and input gradient): output
 #: tile rows x columns, contraction step, warps, software-pipeline depth; the weight-gradient kernel: output tile
@@ -300,13 +300,6 @@ class GroupedGemm(torch.autograd.Function):
         grad_x = matmul(grad_out, tokens_per_expert, ctx.padded_rows, ctx.table, weights, transposed=False)
         grad_w = weight_grad(grad_out, x, tokens_per_expert, ctx.padded_rows, weights, ctx.main_grads)
         return grad_x, None, None, None, *((grad_w,) if len(weights) == 1 else grad_w.unbind(0))
-
-
-#: ``enabled``: the weight gradients of experts held by Megatron's DDP (each weight has a ``main_grad`` in its
-#: gradient buffer) are accumulated by the kernel straight into ``main_grad``, in fp32, instead of being written
-#: as a bf16 [E, M, K] tensor that the DDP hooks then add expert by expert (2·E launches per layer and a
-#: rounding to bf16). Off while something must compute gradients without adding them (CUDA-graph warm-up).
-ACCUMULATE_INTO_MAIN_GRAD = {"enabled": True}
 
 
 def main_grad_target(weights) -> tuple[torch.Tensor, torch.Tensor, bool] | None:

@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import flat_rows, persistent_programs, platform, row_block, triton_runs
+from .utils import (added_to_main_grad, flat_rows, main_grad_targets, persistent_programs, platform, row_block,
+                    triton_runs)
 
 MAX_HIDDEN = 16384  # one row lives in registers
 MAX_TILE = 8192  # elements per tensor of one backward iteration (rows x BLOCK) held in registers
@@ -182,14 +183,17 @@ def _norm_sum_partials_kernel(
     out0_ptr, out1_ptr, out2_ptr, out3_ptr, out4_ptr,  # [D] each, in its parameter's dtype (V of them used)
     programs,
     n_cols,
+    FIRST: tl.constexpr,  # out_v takes partials[v + FIRST]
+    ACCUMULATE: tl.constexpr,  # out_v += the sum (a parameter's main_grad), else out_v = the sum
     BLOCK_P: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """out_v = sum over programs of partials[v], cast on store: one launch instead of a sum and a cast per vector."""
+    """out_v (+)= sum over programs of partials[v + FIRST], cast on store: one launch instead of a sum and a cast
+    (and an addition) per vector."""
     vector = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < n_cols
-    base = partials_ptr + tl.cast(vector, tl.int64) * programs * n_cols
+    base = partials_ptr + tl.cast(vector + FIRST, tl.int64) * programs * n_cols
     total = tl.zeros([BLOCK_C], dtype=tl.float32)
     for first in range(0, programs, BLOCK_P):
         rows = first + tl.arange(0, BLOCK_P)
@@ -197,15 +201,22 @@ def _norm_sum_partials_kernel(
         block = tl.load(base + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
         total += tl.sum(block, axis=0)
     if vector == 0:
-        tl.store(out0_ptr + cols, total.to(out0_ptr.dtype.element_ty), mask=col_mask)
+        _store_sum(out0_ptr + cols, total, col_mask, ACCUMULATE)
     elif vector == 1:
-        tl.store(out1_ptr + cols, total.to(out1_ptr.dtype.element_ty), mask=col_mask)
+        _store_sum(out1_ptr + cols, total, col_mask, ACCUMULATE)
     elif vector == 2:
-        tl.store(out2_ptr + cols, total.to(out2_ptr.dtype.element_ty), mask=col_mask)
+        _store_sum(out2_ptr + cols, total, col_mask, ACCUMULATE)
     elif vector == 3:
-        tl.store(out3_ptr + cols, total.to(out3_ptr.dtype.element_ty), mask=col_mask)
+        _store_sum(out3_ptr + cols, total, col_mask, ACCUMULATE)
     else:
-        tl.store(out4_ptr + cols, total.to(out4_ptr.dtype.element_ty), mask=col_mask)
+        _store_sum(out4_ptr + cols, total, col_mask, ACCUMULATE)
+
+
+@triton.jit
+def _store_sum(out_ptrs, total, mask, ACCUMULATE: tl.constexpr):
+    if ACCUMULATE:
+        total += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------- autograd
@@ -228,7 +239,8 @@ def _launch_forward(hidden, residual, vectors, weight, eps, out_dtype, has_norm=
 
 
 def _launch_backward(grad_out, grad_new_residual, hidden, residual, vectors, weight, rstd, round_input=False):
-    """Returns (grad_hidden, grad_residual, [grad weight, *grad vectors] in their dtypes)."""
+    """Returns (grad_hidden, grad_residual, grads): the gradients of the weight (with a norm, ``grad_out`` given)
+    and of the vectors (with a merge), in their dtypes; placeholders where they were added into ``main_grad``."""
     rows, n_cols = hidden.shape
     block, num_warps = row_block(n_cols, MAX_HIDDEN, "rms_norm")
     tuning = BACKWARD_TUNING[platform(hidden.device)]
@@ -247,13 +259,16 @@ def _launch_backward(grad_out, grad_new_residual, hidden, residual, vectors, wei
         HAS_RESIDUAL=bool(vectors), HAS_NORM=grad_out is not None, ROUND_INPUT=round_input, ROWS=tile_rows,
         BLOCK=block, STAGES=stages, num_warps=tuning["num_warps"] or num_warps,
     )  # fmt: skip
-    grads = [torch.empty(n_cols, dtype=t.dtype, device=hidden.device) for t in (weight, *(vectors or ()))]
+    params = ([weight] if grad_out is not None else []) + list(vectors or ())
+    targets = main_grad_targets(params)
+    outs = targets or [torch.empty(n_cols, dtype=p.dtype, device=hidden.device) for p in params]
     block_c = min(128, triton.next_power_of_2(n_cols))
-    unused = grads[:1] * (5 - len(grads))  # the kernel's spare output pointers, never stored to
-    _norm_sum_partials_kernel[(triton.cdiv(n_cols, block_c), len(grads))](
-        partials, *grads, *unused, programs, n_cols, BLOCK_P=32, BLOCK_C=block_c
-    )
-    return grad_hidden, grad_residual, grads
+    unused = outs[:1] * (5 - len(outs))  # the kernel's spare output pointers, never stored to
+    _norm_sum_partials_kernel[(triton.cdiv(n_cols, block_c), len(outs))](
+        partials, *outs, *unused, programs, n_cols, FIRST=0 if grad_out is not None else 1,
+        ACCUMULATE=targets is not None, BLOCK_P=32, BLOCK_C=block_c,
+    )  # fmt: skip
+    return grad_hidden, grad_residual, outs if targets is None else added_to_main_grad(params)
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -311,7 +326,7 @@ class _ResidualMerge(torch.autograd.Function):
             None, flat_rows(grad_new_residual.float()), h2d, res2d, vectors, vectors[1], None
         )
         shape = grad_new_residual.shape
-        return grad_h.view(shape), grad_res.view(shape), *grads[1:]
+        return grad_h.view(shape), grad_res.view(shape), *grads
 
 
 # ----------------------------------------------------------------------------------------- public API

@@ -65,6 +65,35 @@ def flat_rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(-1, x.shape[-1])
 
 
+#: ``enabled``: kernels that compute parameters' gradients add them straight into the parameters' ``main_grad``
+#: (Megatron DDP's gradient buffer) where each has one, instead of returning them for DDP's hooks to add one
+#: launch per parameter (the experts' fp32 accumulation also skips a rounding to bf16). Off while gradients must
+#: be computed without being added (CUDA-graph warm-up: ``ops.experts.main_grad_untouched``).
+ACCUMULATE_INTO_MAIN_GRAD = {"enabled": True}
+
+
+def main_grad_targets(params) -> list[torch.Tensor] | None:
+    """Each of ``params``' ``main_grad`` where adding into it is enabled and every one has a contiguous
+    ``main_grad`` of its shape, kept by Megatron's DDP (which marks such a parameter ``grad_added_to_main_grad``);
+    else None (return the gradients)."""
+    if not ACCUMULATE_INTO_MAIN_GRAD["enabled"]:
+        return None
+    targets = [getattr(p, "main_grad", None) for p in params]
+    if any(t is None or t.shape != p.shape or not t.is_contiguous() or not hasattr(p, "grad_added_to_main_grad")
+           for t, p in zip(targets, params)):
+        return None
+    return targets
+
+
+def added_to_main_grad(params) -> list[torch.Tensor]:
+    """Mark ``params`` as having their gradients in ``main_grad`` (DDP's hooks then add nothing) and return a
+    placeholder gradient for each: an unwritten tensor of its shape that autograd hands to the hook, which fires on
+    any gradient and drops it. (Autograd takes a contiguous placeholder as it is, without a copy.)"""
+    for param in params:
+        param.grad_added_to_main_grad = True
+    return [torch.empty_like(param) for param in params]
+
+
 _FP32_OUT_GEMM = {"supported": True}
 
 

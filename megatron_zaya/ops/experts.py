@@ -115,8 +115,9 @@ def fused_experts(hidden, fc1, fc2, tokens_per_expert, probs,
 
 @contextmanager
 def main_grad_untouched():
-    """Within: the grouped GEMM's weight gradients stay out of Megatron's ``main_grad`` (it adds them there from
-    inside the backward otherwise), e.g. for warm-up passes."""
+    """Within: the kernels' parameter gradients (the grouped GEMM's, the norms' and residual scales') stay out of
+    Megatron's ``main_grad`` (they are added there from inside the backward otherwise), e.g. for warm-up passes.
+    The switch is ``kernels/utils.py``'s, which every kernel module shares."""
     from ..kernels import grouped_gemm as kernel
 
     kernel.ACCUMULATE_INTO_MAIN_GRAD["enabled"] = False

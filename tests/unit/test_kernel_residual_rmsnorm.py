@@ -177,3 +177,30 @@ def test_bad_shapes_raise_clear_errors():
         kernels.rms_norm(torch.randn(2, 8), torch.ones(7), EPS)
     with pytest.raises(ValueError, match="exceed"):
         kernels.rms_norm(torch.randn(1, kernels.MAX_HIDDEN + 1), torch.ones(kernels.MAX_HIDDEN + 1), EPS)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "residual_rms_norm", "residual_merge"])
+def test_parameter_gradients_into_main_grad(op):
+    """Under Megatron's DDP (each parameter with an fp32 ``main_grad``, holding earlier micro-batches' gradients),
+    the kernel adds the parameters' gradients into ``main_grad`` in its reduction and marks them, for DDP's hooks
+    to add nothing."""
+    gen = torch.Generator().manual_seed(2)
+    rows, dim = 21, 48
+    hidden, residual, grad = (torch.randn(rows, dim, generator=gen) for _ in range(3))
+    params = [1 + 0.3 * torch.randn(dim, generator=gen) for _ in range({"rms_norm": 1, "residual_merge": 4}.get(op, 5))]
+    before = [torch.randn(dim, generator=gen) for _ in params]
+
+    def run(fn, cast=None, main_grads=()):
+        hidden_leaf, residual_leaf, *leaves = _leaves(hidden, residual, *params, dtype=cast)
+        for leaf, held in zip(leaves, main_grads):
+            leaf.main_grad, leaf.grad_added_to_main_grad = held.clone(), False
+        args = (hidden_leaf, *leaves) if op == "rms_norm" else (hidden_leaf, residual_leaf, *leaves)
+        out = fn(*args) if op == "residual_merge" else fn(*args, EPS)
+        out = out[0] if isinstance(out, tuple) else out
+        return leaves, torch.autograd.grad(out, leaves, grad.to(out.dtype))
+
+    leaves, _ = run(getattr(kernels, op), main_grads=before)
+    _, oracle = run(getattr(ops, op), torch.float64)
+    for i, leaf in enumerate(leaves):
+        assert leaf.grad_added_to_main_grad
+        assert_matches_oracle(f"main_grad[{i}]", leaf.main_grad - before[i], oracle[i])
