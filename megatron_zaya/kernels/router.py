@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import matmul_fp32, platform, triton_runs
+from .utils import added_to_main_grad, main_grad_targets, matmul_fp32, matmul_fp32_into, platform, triton_runs
 
 #: Launch settings per platform (``benchmarks/tune_launch.py --kernel router``): each program of the forward
 #: (backward) kernel takes ``tokens`` (``backward_tokens``) tokens with ``warps`` (``backward_warps``) warps.
@@ -440,13 +440,30 @@ class RouteHead(torch.autograd.Function):
             n_tokens, ctx.eps, n_tokens * width, width, n_classes, HAS_STATE=has_state,
             HAS_GRAD_SKIP=grad_skip is not None, HAS_GRAD_STATE=grad_state is not None, **launch,
         )  # fmt: skip
-        # Vectors: norm_weight, eda_scale, b1, b2 (the parameters share one dtype: one cast).
-        d_norm, d_eda, d_b1, d_b2 = partials.sum(0).to(norm_weight.dtype)
-        d_w1, d_w2 = torch.bmm(grads[:2].transpose(1, 2), acts[:2]).to(w1.dtype)  # d a1ᵀ z0, d a2ᵀ h1
-        d_w3 = (grad_logits.t() @ acts[2]).to(w3.dtype)
         grad_state_in = grads[3].to(state_in2d.dtype) if has_state else None
+        vectors, vector_sums = (norm_weight, eda_scale, b1, b2), partials.sum(0)  # d norm, d eda, d b1, d b2
+        params = [p for p in (*vectors, w1, w2, w3) if p is not None]
+        targets = main_grad_targets(params)
+        if targets is None:  # the parameters share one dtype: one cast for the vectors, one for d W1 and d W2
+            d_norm, d_eda, d_b1, d_b2 = vector_sums.to(norm_weight.dtype)
+            d_w1, d_w2 = torch.bmm(grads[:2].transpose(1, 2), acts[:2]).to(w1.dtype)  # d a1ᵀ z0, d a2ᵀ h1
+            d_w3 = (grad_logits.t() @ acts[2]).to(w3.dtype)
+        else:  # added into main_grad in fp32: one foreach addition for the vectors, one GEMM for each matrix
+            vector_targets, (w1_target, w2_target, w3_target) = targets[:-3], targets[-3:]
+            torch._foreach_add_(vector_targets, [v for v, p in zip(vector_sums, vectors) if p is not None])
+            for target, operand_grad, operand in ((w1_target, grads[0], acts[0]), (w2_target, grads[1], acts[1]),
+                                                  (w3_target, grad_logits, acts[2])):
+                matmul_fp32_into(target, operand_grad.t(), operand, accumulate=True)
+            d_norm, d_eda, d_b1, d_b2, d_w1, d_w2, d_w3 = _with_placeholders((*vectors, w1, w2, w3),
+                                                                             added_to_main_grad(params))
         return (grads[2].to(u2d.dtype), grad_state_in, d_eda if eda_scale is not None else None, d_norm, d_w1, d_b1,
                 d_w2, d_b2, d_w3, None, None)  # fmt: skip
+
+
+def _with_placeholders(params, placeholders) -> list:
+    """``placeholders`` (one per parameter that is not None) in the places of ``params``, None elsewhere."""
+    given = iter(placeholders)
+    return [None if p is None else next(given) for p in params]
 
 
 def route_head(u, state_in, eda_scale, norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight,
@@ -482,7 +499,7 @@ class RouterProjection(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         x2d = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x2d, weight)
-        ctx.bias_dtype = bias.dtype
+        ctx.params = (weight, bias)
         return (matmul_fp32(x2d, weight.t()) + bias.float()).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -491,8 +508,12 @@ class RouterProjection(torch.autograd.Function):
         grad32 = grad_out.reshape(-1, weight.shape[0])
         grad = grad32.to(x2d.dtype)
         grad_x = (grad @ weight).view(*grad_out.shape[:-1], x2d.shape[-1])
-        grad_weight = matmul_fp32(grad.t(), x2d).to(weight.dtype)
-        return grad_x, grad_weight, grad32.sum(0).to(ctx.bias_dtype)
+        targets = main_grad_targets(ctx.params)
+        if targets is None:
+            return grad_x, matmul_fp32(grad.t(), x2d).to(weight.dtype), grad32.sum(0).to(ctx.params[1].dtype)
+        matmul_fp32_into(targets[0], grad.t(), x2d, accumulate=True)  # added into main_grad in fp32
+        targets[1].add_(grad32.sum(0))
+        return grad_x, *added_to_main_grad(ctx.params)
 
 
 def router_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

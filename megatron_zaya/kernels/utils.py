@@ -125,7 +125,9 @@ def matmul_fp32_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumu
             return
         except (RuntimeError, NotImplementedError, TypeError):  # no fp32-output overload: one temporary
             pass
-    if accumulate:
+    if accumulate and a.dtype == b.dtype == out.dtype == torch.float32:
+        out.addmm_(a, b)  # the product's fp32 sum and out added in one pass
+    elif accumulate:
         out += matmul_fp32(a, b)
     else:
         out.copy_(matmul_fp32(a, b))
