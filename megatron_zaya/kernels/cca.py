@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import persistent_programs, platform, triton_runs
+from .utils import added_to_main_grad, main_grad_targets, persistent_programs, platform, triton_runs
 
 
 def _split_history(history, q_width: int):
@@ -462,7 +462,11 @@ class _QKEpilogue(torch.autograd.Function):
             batch, *_rope_strides(cos, batch), torch.finfo(torch.float32).eps,
             **_meta_params(n_q, n_kv, ctx.head_dim, rot),
         )  # fmt: skip
-        return *grads, grad_temp.sum(0).to(temp.dtype), None, None, None
+        targets = main_grad_targets([temp])
+        if targets is None:
+            return *grads, grad_temp.sum(0).to(temp.dtype), None, None, None
+        targets[0].add_(grad_temp.sum(0))  # into main_grad in fp32
+        return *grads, *added_to_main_grad([temp]), None, None, None
 
 
 #: Convolution launches per platform (``utils.platform()``): token rows per program and warps of the forward,
@@ -487,7 +491,9 @@ class _CausalConvs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, history, offsets):
-        x, w1, b1, w2, b2 = (t.contiguous() for t in (x, w1, b1, w2, b2))
+        ctx.params = (w1, b1, w2, b2)  # as given: a parameter's main_grad is the parameter's, not a view's
+        x, b1, w2, b2 = (t.contiguous() for t in (x, b1, w2, b2))
+        w1 = w1.reshape(w1.shape[0], -1).contiguous()  # [C, t0], from [C, t0] or the module's [C, 1, t0]
         history = None if history is None else history.to(x.dtype).contiguous()
         offsets = None if offsets is None else offsets.to(torch.int32).contiguous()
         chunks = 1 if history is None else history.shape[0]
@@ -501,7 +507,6 @@ class _CausalConvs(torch.autograd.Function):
             HAS_HISTORY=history is not None, HAS_DOCS=offsets is not None, DOT_PRECISION=_dot_precision(x),
             num_warps=tuning["warps"])  # fmt: skip
         ctx.save_for_backward(x, history, offsets, w1, b1, w2)
-        ctx.grouped_bias_dtype = b2.dtype
         return out
 
     @staticmethod
@@ -546,8 +551,14 @@ class _CausalConvs(torch.autograd.Function):
             grad, x, history_or_x, offsets_or_x, w1, b1, partial_w, length, batch, channels, total, rows_per_program,
             T0=t0, T1=t1, HEAD_DIM=head_dim, BLOCK_ROWS=rows, HAS_HISTORY=history is not None, HAS_DOCS=has_docs,
             DOT_PRECISION=precision, num_warps=tuning["weight_warps"], num_stages=tuning["weight_stages"])  # fmt: skip
-        return (grad_x, sums[1:].t().to(w1.dtype), grad_b1.to(b1.dtype), partial_w.sum(0).to(w2.dtype),
-                sums[0].to(ctx.grouped_bias_dtype), grad_history, None)  # fmt: skip
+        param_grads = [sums[1:].t(), grad_b1, partial_w.sum(0), sums[0]]  # fp32: d w1, d b1, d w2, d b2
+        targets = main_grad_targets(ctx.params)
+        if targets is None:
+            param_grads = [g.reshape(p.shape).to(p.dtype) for g, p in zip(param_grads, ctx.params)]
+        else:  # into main_grad in fp32, one foreach addition
+            torch._foreach_add_(targets, [g.reshape(p.shape) for g, p in zip(param_grads, ctx.params)])
+            param_grads = added_to_main_grad(ctx.params)
+        return grad_x, *param_grads, grad_history, None
 
 
 def causal_qk_convs_fused(x: torch.Tensor, depthwise_w, depthwise_b, grouped_w, grouped_b, heads: int,
@@ -596,7 +607,8 @@ def cca_qk(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin, histo
     """CCA q/k by the Triton kernels (convolutions, then steps 2-4): q0 [S, B, nq*d], k0 [S, B, nkv*d] -> q
     [S, B, nq, d], k [S, B, nkv, d] in q0's dtype; ``ops.cca.cca_qk`` (fp32) up to rounding.
 
-    Depthwise conv weights wq1 [nq*d, t0], wk1 [nkv*d, t0]; grouped wq2 [nq*d, d, t1], wk2 [nkv*d, d, t1];
+    Depthwise conv weights wq1 [nq*d, t0], wk1 [nkv*d, t0] (or [., 1, t0], the modules' parameters, so that their
+    gradients can go into Megatron's ``main_grad``); grouped wq2 [nq*d, d, t1], wk2 [nkv*d, d, t1];
     biases [channels]; temp [nkv]; cos, sin [S, rot] or [S, B, rot] (NeoX layout: both halves equal);
     ``history [n, t0 + t1 - 2, B, nq*d + nkv*d]``: the pre-conv q0‖k0 before each of n chunks;
     ``document_offsets [S, B]``: see ``ops.cca.causal_convs``.

@@ -139,8 +139,8 @@ def fused_cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, head_dim: int
         return cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, head_dim=head_dim, qk_history=qk_history,
                       document_offsets=document_offsets)
     angles = rotary_pos_emb[:, :, 0, :].float()  # [s, 1 or b, rot]
-    return kernel.cca_qk(q0, k0, conv.q_depthwise_weight.squeeze(1), conv.q_depthwise_bias,
-                         conv.k_depthwise_weight.squeeze(1), conv.k_depthwise_bias, conv.q_grouped_weight,
+    return kernel.cca_qk(q0, k0, conv.q_depthwise_weight, conv.q_depthwise_bias,
+                         conv.k_depthwise_weight, conv.k_depthwise_bias, conv.q_grouped_weight,
                          conv.q_grouped_bias, conv.k_grouped_weight, conv.k_grouped_bias, key_temperature,
                          angles.cos(), angles.sin(), qk_history, document_offsets)
 

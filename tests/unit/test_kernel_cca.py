@@ -53,6 +53,29 @@ def test_cca_qk_forward_backward(dtype, rope_per_batch):
         assert_matches_oracle(name, k, o, r)
 
 
+def test_parameter_gradients_into_main_grad():
+    """Under Megatron's DDP (parameters as the modules hold them, depthwise weights [C, 1, t0], each with a
+    ``main_grad`` holding earlier micro-batches' gradients), the convolutions' and the key temperature's
+    gradients are added into ``main_grad`` and the parameters marked, for DDP's hooks to add nothing."""
+    gen = torch.Generator().manual_seed(3)
+    tensors, angles = _inputs(torch.float32, False, gen)
+    grads = [torch.randn(SEQ, BATCH, heads, HEAD_DIM, generator=gen) for heads in (N_Q, N_KV)]
+    params = [t.detach().clone().requires_grad_() for t in tensors[2:]]
+    for i in (0, 2):  # the depthwise weights as the module's parameters
+        params[i] = params[i].detach().unsqueeze(1).requires_grad_()
+    before = [torch.randn(p.shape, generator=gen) for p in params]
+    for param, held in zip(params, before):
+        param.main_grad, param.grad_added_to_main_grad = held.clone(), False
+    q, k = kernel(*tensors[:2], *params, angles)
+    torch.autograd.grad([q, k], params, [g.to(q.dtype) for g in grads])
+
+    model = _run(reference, tensors, angles, grads)
+    oracle = _run(reference, tensors, angles, grads, dtype=torch.float64)
+    for name, param, held, r, o in zip(NAMES[4:], params, before, model[4:], oracle[4:], strict=True):
+        assert param.grad_added_to_main_grad, name
+        assert_matches_oracle(name, (param.main_grad - held).view(o.shape), o, r)
+
+
 def test_reference_matches_transformers_cca_projection_and_qk_norm():
     from transformers.models.zaya.configuration_zaya import ZayaConfig
     from transformers.models.zaya.modeling_zaya import ZayaCCAProjection, ZayaQKNorm, apply_rotary_pos_emb
