@@ -67,7 +67,7 @@ def file_crcs(paths: list[Path]) -> list[int]:
 
 def record_written(paths: list[str | os.PathLike], rank: int, known: dict[str, list[int]] | None = None) -> None:
     """Record the size and CRC-32 of the files ``paths`` that ``rank`` just wrote (all in one step directory),
-    for :func:`write_checksums` to take instead of reading them again (the background writer calls it). Files
+    for :func:`write_checksums` to take instead of reading them again (:func:`write_recording_checksums`). Files
     checksummed as they were written (``known``: ``{path: [size, crc32]}``, :func:`checksums_while_writing`)
     with the size they have are not read; the others are."""
     if not paths:
@@ -93,6 +93,16 @@ def checksums_while_writing():
         yield table
     finally:
         _recording = None
+
+
+def write_recording_checksums(write, rank: int, write_buckets: list, results_queue) -> None:
+    """Megatron's ``torch_dist`` write (``write``, ``FileSystemWriterAsync.write_preloaded_data_multithread`` with
+    its first arguments bound), each file CRC-32'd as its bytes are written (:func:`checksums_while_writing`; the
+    ``checkpointing.checksums_while_writing`` patch opens the files through :func:`open_checksummed`), then the
+    sizes and CRC-32 recorded (:func:`record_written`), so that :func:`write_checksums` does not read the files."""
+    with checksums_while_writing() as checksummed:
+        write(rank, write_buckets, results_queue)
+    record_written([bucket[0] for bucket in write_buckets], rank, checksummed)
 
 
 def open_checksummed(file, mode: str = "r", *args, **kwargs):

@@ -1,7 +1,6 @@
 """Background (``--async-save``), local-tier and in-memory checkpoint saves: the flags they imply, the combinations
 refused before training starts (an in-memory tier larger than the node's free host memory among them), the copies
-a background save takes so that training goes on while it is written, the per-rank checksums the background writer
-records, and waiting for writes in flight.
+a background save takes so that training goes on while it is written, and waiting for writes in flight.
 
 How the tiers behave on faults: ``docs/reliability.md``. The local and in-memory tiers: :mod:`.local_tier`.
 """
@@ -18,7 +17,6 @@ import torch
 
 from ..errors import UsageError
 from ..memory_plan import GIB, RESERVE_GIB
-from .format import checksums_while_writing, record_written
 
 # The flags --async-save implies, placed before the user's (an explicit one wins): --async-save alone gives a
 # background save. Megatron turns --async-save off without --use-persistent-ckpt-worker (arguments.py:1740), and its
@@ -233,31 +231,27 @@ def stage_buckets(buckets: list, which: frozenset[int] | None = None) -> list:
 def background_request(request):
     """A ``torch_dist`` background save (``FileSystemWriterAsync``'s request) that copies its tensors on their
     devices within :func:`copy_budget`, so that the training loop waits only for the host copy of what did not
-    fit (and for a previous write still running), then in the writer process stages the copies to host memory,
-    writes, and records the files' checksums."""
+    fit (and for a previous write still running), then in the writer process stages the copies to host memory
+    and writes them."""
     rank, buckets, results_queue = request.async_fn_args
     tensors, originals = take_copies(_bucket_tensors(buckets))
     buckets = _set_bucket_tensors(list(buckets), tensors)
     # Always a preload, even of nothing: the loop waits for the writer to take it, so that at most one save is
     # queued behind a write (a save interval shorter than a write then waits, as without copies).
-    return request._replace(async_fn=functools.partial(stage_write_record, request.async_fn),
+    return request._replace(async_fn=functools.partial(stage_and_write, request.async_fn),
                             async_fn_args=[rank, buckets, results_queue],
                             preload_fn=functools.partial(stage_buckets, buckets, originals))
 
 
-def stage_write_record(write, rank, write_buckets, results_queue) -> None:
-    """In the background writer: stage the device copies to host memory, run Megatron's ``torch_dist`` write,
-    checksumming the files as they are written (the ``checkpointing.checksums_while_writing`` patch; without
-    it they are read again after), then record their sizes and CRC-32, so that the finalization, in the
-    training loop, does not hash them again."""
+def stage_and_write(write, rank, write_buckets, results_queue) -> None:
+    """In the background writer: stage the device copies to host memory, then run Megatron's ``torch_dist``
+    write (with the ``checkpointing.checksums_while_writing`` patch, :func:`~.format.write_recording_checksums`:
+    the files checksummed as they are written, and recorded, so that the finalization, in the training loop,
+    does not hash them again)."""
     start = time.perf_counter()
     stage_buckets(write_buckets)
     staged = time.perf_counter()
-    with checksums_while_writing() as checksummed:
-        write(rank, write_buckets, results_queue)
-    written = time.perf_counter()
-    record_written([bucket[0] for bucket in write_buckets], rank, checksummed)
+    write(rank, write_buckets, results_queue)
     if rank == 0:  # what sets the shortest save interval that does not wait for the previous write
         print(f"[zaya] background save written in {time.perf_counter() - start:.1f} s: staged to host memory "
-              f"{staged - start:.1f} s, written {written - staged:.1f} s, checksummed "
-              f"{time.perf_counter() - written:.1f} s", flush=True)
+              f"{staged - start:.1f} s, written {time.perf_counter() - staged:.1f} s", flush=True)

@@ -1,6 +1,6 @@
-"""Patch group ``checkpointing``: background saves that copy on the GPU and are staged and checksummed by the
-writer, and ZAYA1's local checkpoint tier in Megatron's ``local_checkpoint_manager`` slot, without NVIDIA's
-resiliency package.
+"""Patch group ``checkpointing``: background saves that copy on the GPU and are staged by the writer, files
+checksummed as they are written, and ZAYA1's local checkpoint tier in Megatron's ``local_checkpoint_manager``
+slot, without NVIDIA's resiliency package.
 
 The tiers, their flags and their faults: ``megatron_zaya/checkpoint/tiers.py``, ``local_tier.py`` and
 ``docs/reliability.md``.
@@ -17,21 +17,17 @@ from .registry import megatron_version, register, replace_attr
 @register("checkpointing.background_saves", target="megatron.training.checkpointing.schedule_async_save")
 def background_saves() -> None:
     """A ``--async-save`` copies its tensors on the GPU and lets training go on; the background writer moves
-    them to host memory, writes them, and checksums each rank's files.
+    them to host memory and writes them.
 
     Megatron's request has the writer process copy the training tensors to host memory while the training loop
     waits for it (``PersistentAsyncCaller.schedule_async_call`` joins its preload, async_utils.py:421): 21 s
-    per save of the 8-layer model on one H200. And the tracker and ``zaya_checksums.json`` of a background save
-    are written when Megatron finalizes it, from the training loop (``maybe_finalize_async_save``,
-    training.py:3740); the ``reliability.atomic_tracker`` patch would then read the whole checkpoint on rank 0
-    while training waits. Wraps the name ``schedule_async_save`` that ``save_checkpoint`` calls
-    (checkpointing.py:1121) with :func:`~megatron_zaya.checkpoint.tiers.background_request` for a
-    ``torch_dist`` request (``FileSystemWriterAsync.write_preloaded_data_multithread``): device copies within
+    per save of the 8-layer model on one H200. Wraps the name ``schedule_async_save`` that ``save_checkpoint``
+    calls (checkpointing.py:1121) with :func:`~megatron_zaya.checkpoint.tiers.background_request` for a
+    ``torch_dist`` request (one whose preload is ``FileSystemWriterAsync.preload_tensors``): device copies within
     the memory the steps leave free (the loop waits only for the tensors beyond it), then, in the writer, the
-    copies staged, Megatron's write, and the size and CRC-32 of the files written; the finalization takes those
-    (and hashes only files without a record, such as ``.metadata``). Other requests are unchanged.
+    copies staged and Megatron's write. Other requests are unchanged.
     Off: leave ``checkpointing.background_saves`` out of ``--zaya-patches`` (the loop then waits for the copy
-    to host memory, and rank 0 hashes every file).
+    to host memory).
     """
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
     from megatron.training import checkpointing
@@ -39,11 +35,10 @@ def background_saves() -> None:
     from megatron_zaya.checkpoint.tiers import background_request
 
     original = checkpointing.schedule_async_save
-    writer = FileSystemWriterAsync.write_preloaded_data_multithread
 
     @functools.wraps(original)
     def schedule_async_save(request):
-        if getattr(request.async_fn, "func", None) is writer:
+        if getattr(request.preload_fn, "func", None) is FileSystemWriterAsync.preload_tensors:
             request = background_request(request)
         return original(request)
 
@@ -51,32 +46,46 @@ def background_saves() -> None:
 
 
 @register("checkpointing.checksums_while_writing", target="megatron.core.dist_checkpointing.strategies."
-          "filesystem_async.FileSystemWriterAsync.write_preloaded_data")
+          "filesystem_async.FileSystemWriterAsync.get_save_function_and_args")
 def checksums_while_writing() -> None:
-    """A background ``torch_dist`` save's files are checksummed (CRC-32) as the writer writes them, not read
-    again after.
+    """A ``torch_dist`` save's files, synchronous or background, are checksummed (CRC-32) as the writer writes
+    them, not read again after.
 
-    Megatron's writer threads open each data file with the builtin ``open`` and write the items into it
-    (``FileSystemWriterAsync.write_preloaded_data``, filesystem_async.py:403); the background writer then read
-    every file back for the checksum record (11-21 s of a 45-60 s write of the 8-layer model on one H200,
-    docs/benchmarks.md). Sets the name ``open`` in that module (which the function looks up before the
-    builtins) to :func:`~megatron_zaya.checkpoint.format.open_checksummed`: the builtin, except inside the
-    background writer's write (:func:`~megatron_zaya.checkpoint.tiers.stage_write_record`), where a file opened
-    ``wb`` is wrapped so that each write also updates its CRC-32 (a file that seeks is left to be hashed). The
-    writer records those checksums and hashes only files without one, or whose size differs.
-    Off: leave ``checkpointing.checksums_while_writing`` out of ``--zaya-patches`` (the writer reads its files
-    again).
+    Megatron writes every ``torch_dist`` save through the function ``FileSystemWriterAsync`` hands out
+    (``get_save_function_and_args``, filesystem_async.py:206): a synchronous save runs it in the training
+    process (``AsyncRequest.execute_sync``, async_utils.py:141), a background one in the writer. Its threads
+    open each data file with the builtin ``open`` and write the items into it (``write_preloaded_data``,
+    filesystem_async.py:403). Rank 0 then read every file back for ``zaya_checksums.json`` when the tracker was
+    written, and the background writer read its files back (11-21 s of a 45-60 s write of the 8-layer model
+    on one H200, docs/benchmarks.md). Two replacements: the function handed out is wrapped in
+    :func:`~megatron_zaya.checkpoint.format.write_recording_checksums`, which records each rank's sizes and CRC-32
+    beside its files; and the name ``open`` in that module (which the function looks up before the builtins) is
+    set to :func:`~megatron_zaya.checkpoint.format.open_checksummed`: the builtin, except inside that wrapper,
+    where a file opened ``wb`` is wrapped so that each write also updates its CRC-32 (a file that seeks is left
+    to be hashed). The tracker's checksums take those records and hash only the files without one (``.metadata``,
+    ``metadata.json``) or whose size differs.
+    Off: leave ``checkpointing.checksums_while_writing`` out of ``--zaya-patches`` (rank 0 then reads every file
+    again when the tracker is written).
     """
     import inspect
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-    from megatron_zaya.checkpoint.format import open_checksummed
+    from megatron_zaya.checkpoint.format import open_checksummed, write_recording_checksums
 
-    if "open_file = open" not in inspect.getsource(filesystem_async.FileSystemWriterAsync.write_preloaded_data):
+    if "open_file = open" not in inspect.getsource(FileSystemWriterAsync.write_preloaded_data):
         raise PatchError("FileSystemWriterAsync.write_preloaded_data no longer opens its files with open: "
                          f"megatron-core changed under this patch (found {megatron_version()})")
     filesystem_async.open = open_checksummed  # a new module global, found before the builtin
+    original = FileSystemWriterAsync.get_save_function_and_args
+
+    @functools.wraps(original)
+    def get_save_function_and_args(self):
+        write, preload, args = original(self)
+        return None if write is None else functools.partial(write_recording_checksums, write), preload, args
+
+    replace_attr(FileSystemWriterAsync, "get_save_function_and_args", get_save_function_and_args)
 
 
 @register("checkpointing.one_write_in_flight", target="megatron.training.training.save_checkpoint",

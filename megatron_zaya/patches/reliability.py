@@ -47,7 +47,7 @@ def atomic_tracker() -> None:
     background write), so it names a complete checkpoint; before it, every byte range the checkpoint's
     ``.metadata`` records is checked to lie in its file (``checkpoint.format.check_written``: else the save fails and
     the tracker stays), then the size and CRC-32 of each file go into ``zaya_checksums.json`` (hashed in
-    parallel threads, or taken from the background writers' records; written atomically), which
+    parallel threads, or taken from the records the writers made as they wrote them; written atomically), which
     ``reliability.verified_load`` checks on the next load.
     Off: leave ``reliability`` out of ``--zaya-patches`` / ``ZAYA_PATCHES``.
     """

@@ -124,15 +124,15 @@ def _wrap_writer(module) -> None:
     from megatron_zaya.checkpoint import step_name
 
     slow = {step_name(iteration) for kind, iteration, _ in _plan() if kind == "slow_write"}
-    stage_write_record = module.stage_write_record
+    stage_and_write = module.stage_and_write
 
-    @functools.wraps(stage_write_record)
+    @functools.wraps(stage_and_write)
     def slowed(write, rank, write_buckets, results_queue):
         if any(part in slow for part in os.path.normpath(write_buckets[0][0]).split(os.sep)):
             time.sleep(SLOW_WRITE_SECONDS)
-        return stage_write_record(write, rank, write_buckets, results_queue)
+        return stage_and_write(write, rank, write_buckets, results_queue)
 
-    module.stage_write_record = slowed
+    module.stage_and_write = slowed
 
 
 def _wrap_self_test(module) -> None:
