@@ -37,9 +37,9 @@ STEP_TRANSIENT_BYTES = {"zaya_muon": 2.0, "adam": 0.0, "sgd": 0.0}
 GRAPH_GRAD_BYTES = 2  # --zaya-cuda-graphs: each layer's backward graph keeps its parameter gradients (param dtype)
 LM_HEAD_TILE_ELEMENTS = 2**28  # kernels/cross_entropy.py: fp32 logits per chunk of the fused LM head
 RESERVE_GIB = 2.0  # per GPU, outside torch's allocations: CUDA/ROCm context, NCCL/RCCL buffers, fragmentation
-# --async-save: the background writer is a second process on the GPU (its own CUDA context; it reads the save's
-# device copies through IPC handles, so it allocates no copy of them). 518 MiB at its peak on an H200
-# (benchmarks/checkpoint_save.py, docs/benchmarks.md "Checkpoint saves").
+# --async-save: Megatron's background writer is a second process on the GPU (its own CUDA context; it allocates
+# no copy of the state, which a thread of the trainer stages to host memory and writes). 518 MiB at its peak on an
+# H200 when it read device copies (benchmarks/checkpoint_save.py, docs/benchmarks.md "Checkpoint saves").
 ASYNC_WRITER_GIB = 0.5
 GPUS_GIB = {"H200": 140.4, "MI300X": 192.0, "MI355X": 288.0}  # capacity as the runtime reports it
 
@@ -259,17 +259,21 @@ def plan(cfg, par: Parallel, run: Run, stage: int = 0) -> dict[str, float]:
     backward = state + out["activations per micro-batch"] + out["activations in flight"] + out["LM-head chunks"]
     out["between steps"] = state + (graphs * out["activations per micro-batch"])
     out["peak"] = max(backward, state + out["optimizer-step transient"])
-    # A background save copies the state on the device, but only into memory beyond the peak (not counted in it);
-    # the training loop waits while the rest is copied to host memory (checkpoint/tiers.py). An upper
-    # bound: a rank copies only the tensors it writes, and a fully parallel save spreads the replicated ones.
-    out["background-save copies"] = run.async_save * (out["weights"] + out["master weights"] + out["optimizer state"])
     return out
+
+
+def background_save_host_bytes(result: dict[str, float], run: Run, world_size: int) -> float:
+    """Host memory per node that ``--async-save`` pins for its staging pool (checkpoint/staging.py): each GPU's
+    checkpoint state (weights, master weights, optimizer state; an upper bound: a rank stages only the tensors
+    it writes, and a fully parallel save spreads the replicated ones)."""
+    state = result["weights"] + result["master weights"] + result["optimizer state"]
+    return run.async_save * state * min(run.gpus_per_node, world_size)
 
 
 def memory_tier_host_bytes(result: dict[str, float], run: Run, world_size: int) -> float:
     """Host memory per node that the in-memory tier takes (``--zaya-memory-ckpt-interval``): each GPU's
-    checkpoint state (weights, master weights, optimizer state; an upper bound, as for the background-save
-    copies) for the K parts kept and the one being written, twice when the node also keeps the copies of
+    checkpoint state (weights, master weights, optimizer state; an upper bound, as for the background save's
+    pool) for the K parts kept and the one being written, twice when the node also keeps the copies of
     another node's parts, and once more for the pool that a save is staged in (checkpoint/staging.py)."""
     state = result["weights"] + result["master weights"] + result["optimizer state"]
     copies = 2 if world_size > run.gpus_per_node else 1
@@ -300,13 +304,12 @@ def report(cfg, par: Parallel, run: Run) -> str:
         lines.append(f"  {name:<28s} {value / GIB:9.2f} GiB")
     for gpu, gib in GPUS_GIB.items():
         lines.append(f"  largest micro-batch on {gpu:<7s} ({gib:.0f} GiB): {largest_micro_batch(cfg, par, run, gib)}")
-    copies = result["background-save copies"]
-    for gpu, gib in GPUS_GIB.items() if copies else ():
-        fits = min(copies, max(0.0, (gib - RESERVE_GIB) * GIB - result["peak"]))
-        lines.append(f"  background-save copies beside the peak on {gpu:<7s}: {fits / GIB:6.2f} GiB (the loop waits "
-                     "for the rest)")
+    world = par.tp * par.pp * par.cp * par.dp
+    if run.async_save:
+        lines.append(f"  background saves, pinned host memory per node: "
+                     f"{background_save_host_bytes(result, run, world) / GIB:.2f} GiB ({min(run.gpus_per_node, world)} "
+                     "GPUs' staging pools; no device copy)")
     if run.memory_ckpt_keep:
-        world = par.tp * par.pp * par.cp * par.dp
         lines.append(f"  in-memory checkpoints, host memory per node: "
                      f"{memory_tier_host_bytes(result, run, world) / GIB:.2f} GiB ({min(run.gpus_per_node, world)} "
                      f"GPUs, {run.memory_ckpt_keep} kept + 1 being written"

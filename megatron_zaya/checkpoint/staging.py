@@ -77,6 +77,17 @@ class HostPool:
 
 
 _pools: dict[int, HostPool] = {}  # the process's pools by segment size; one save at a time uses a pool
+_whole: list[HostPool] = []  # the pool of :func:`whole_pool`
+
+
+def whole_pool(tensors: list[torch.Tensor]) -> HostPool:
+    """The process's pool for the saves whose tensors must stay whole in host memory until they are written (a
+    background ``torch_dist`` save: Megatron's writer takes host tensors): one buffer that holds the data of
+    ``tensors``, allocated by the first save and reused by every later one (a larger save replaces it)."""
+    end = _offsets([t.numel() * t.element_size() for t in tensors])[1]
+    if not _whole or _whole[0].segment < end:
+        _whole[:] = [HostPool(max(end, 1), most=1)]
+    return _whole[0]
 _unfenced: list["Snapshot"] = []  # snapshots whose copies the training loop has not waited for yet
 
 
@@ -109,14 +120,15 @@ class Snapshot:
     :class:`HostPool` and written from it by :meth:`write` (in another thread); the training loop calls
     :func:`wait_for_copies` before it changes them."""
 
-    def __init__(self, tensors: list[torch.Tensor], limit: int = FILE_BYTES, chunk: int = CHUNK_BYTES):
+    def __init__(self, tensors: list[torch.Tensor], limit: int = FILE_BYTES, chunk: int = CHUNK_BYTES,
+                 pool: HostPool | None = None):
         self.tensors = tensors
         self.specs = [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in tensors]
         self.sizes = [t.numel() * t.element_size() for t in tensors]
         self.offsets, self.end = _offsets(self.sizes)
         self.chunk = chunk
-        self.pool = _pools[limit] if limit in _pools else _pools.setdefault(limit, HostPool(limit))
-        self.files = -(-self.end // limit)
+        self.pool = pool or (_pools[limit] if limit in _pools else _pools.setdefault(limit, HostPool(limit)))
+        self.files = -(-self.end // self.pool.segment)
         for index in range(min(self.files, self.pool.most)):  # here, in the save (under the watchdog's pause for
             self.pool.take(index)  # saves): pinning takes seconds at the first save, and the next step waits
         self.ready = None
@@ -188,6 +200,25 @@ class Snapshot:
             event = self._landed[bisect.bisect_left(self._landed, position, key=lambda mark: mark[0])][1]
         if event is not None:
             event.synchronize()
+
+    def copy_to_host(self) -> list[torch.Tensor]:
+        """Copy the tensors into the pool (in this thread) and return them once landed, in the pool (a pool of one
+        buffer that holds them all, :func:`whole_pool`), each a tensor of its own storage: ``torch.save``, which
+        Megatron's writer calls for each tensor, writes a view's whole storage. The tensors are released once
+        copied."""
+        if self.files > 1 or self.pool.most < self.files:
+            raise ValueError(f"{self.end} bytes of tensors do not fit one buffer of {self.pool.segment} bytes")
+        try:
+            self._copy()
+        finally:
+            if self._last is not None:
+                self._last.synchronize()
+            self.tensors = []
+        self._wait_landed(self.end)
+        data = memoryview(self.pool.take(0).numpy())
+        return [torch.frombuffer(data, dtype=torch.uint8, count=size, offset=start).view(getattr(torch, dtype))
+                .view(shape) if size else torch.empty(shape, dtype=getattr(torch, dtype))
+                for (dtype, shape), size, start in zip(self.specs, self.sizes, self.offsets, strict=True)]
 
     def write(self, directory: Path, stem: str, threads: int = THREADS) -> dict[str, list[int]]:
         """Copy the tensors into the pool (in this thread) while the files ``directory/<stem>.NNN.bin`` are

@@ -1,6 +1,6 @@
 """Background (``--async-save``), local-tier and in-memory checkpoint saves: the flags they imply, the combinations
-refused before training starts (an in-memory tier larger than the node's free host memory among them), the copies
-a background save takes so that training goes on while it is written, and waiting for writes in flight.
+refused before training starts (an in-memory tier larger than the node's free host memory among them), and a
+background save staged through host memory and written by a thread while training goes on.
 
 How the tiers behave on faults: ``docs/reliability.md``. The local and in-memory tiers: :mod:`.local_tier`.
 """
@@ -10,13 +10,18 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import UsageError
-from ..memory_plan import GIB, RESERVE_GIB
+from ..memory_plan import GIB
+
+if TYPE_CHECKING:
+    from .staging import Snapshot
 
 # The flags --async-save implies, placed before the user's (an explicit one wins): --async-save alone gives a
 # background save. Megatron turns --async-save off without --use-persistent-ckpt-worker (arguments.py:1740), and its
@@ -110,6 +115,10 @@ def check_args(args) -> None:
     if args.async_save and args.async_strategy == "nvrx" and not _resiliency_package():
         raise UsageError("--async-strategy nvrx needs NVIDIA's nvidia_resiliency_ext, which is not installed; drop "
                          "the flag (Megatron's own background writer is used)")
+    # A background or local save's copies are waited for only at the next step's finalize_model_grads
+    # (staging.py); a step that shares the gradient and parameter buffers zeroes the parameters before that.
+    if args.async_save and args.reuse_grad_buf_for_mxfp8_param_ag:
+        raise UsageError("--reuse-grad-buf-for-mxfp8-param-ag does not work with --async-save; drop one of them")
     if args.non_persistent_save_interval is not None and args.non_persistent_save_interval < 1:
         raise UsageError(f"--non-persistent-save-interval {args.non_persistent_save_interval}: must be at least 1")
     if args.non_persistent_save_interval and args.non_persistent_ckpt_type is None:
@@ -126,8 +135,6 @@ def check_args(args) -> None:
         raise UsageError("--non-persistent-ckpt-type local saves every --non-persistent-save-interval N steps; give N")
     if not args.save:
         raise UsageError("--non-persistent-ckpt-type local needs --save: local checkpoints sit between persistent ones")
-    # A local save's copies are waited for only at the next step's finalize_model_grads (staging.py); a step that
-    # shares the gradient and parameter buffers zeroes the parameters before that.
     for flag, given in (("--replication", args.replication), ("--use-checkpoint-args", args.use_checkpoint_args),
                         ("--dist-ckpt-optim-fully-reshardable", args.dist_ckpt_optim_fully_reshardable),
                         ("--reuse-grad-buf-for-mxfp8-param-ag", args.reuse_grad_buf_for_mxfp8_param_ag)):
@@ -147,111 +154,64 @@ def check_args(args) -> None:
                          "writable node-local directory") from error
 
 
-_headroom: int | None = None  # device memory the steps reserve above what stays allocated between them
-
-
-def copy_budget() -> float:
-    """Device bytes a background save may copy its tensors into: the memory beyond the steps' own peak, less
-    the memory planner's reserve (unlimited without a GPU: host tensors are always copied). The steps' peak is
-    taken at the first save, before any copy of a save exists; copies of earlier saves still held count as
-    used."""
-    global _headroom
-    if not torch.cuda.is_available():
-        return float("inf")
-    torch.cuda.ipc_collect()  # copies the writer process has released
-    allocated = torch.cuda.memory_allocated()
-    if _headroom is None:
-        _headroom = torch.cuda.max_memory_reserved() - allocated
-    free, _ = torch.cuda.mem_get_info()
-    return free + torch.cuda.memory_reserved() - allocated - _headroom - RESERVE_GIB * GIB
-
-
-def device_copies(tensors: list[torch.Tensor], budget: float) -> tuple[list[torch.Tensor], frozenset[int]]:
-    """Copies of a save's ``tensors``, each on its own device, while their bytes fit ``budget``; past it the
-    tensors themselves. Training may change a copied tensor as soon as this returns; the writer stages the
-    copies to host memory while training goes on. Returns the tensors to save and the indices of the originals
-    among them, which the writer stages while training waits (:func:`stage`)."""
-    saved, originals = [], set()
-    for index, tensor in enumerate(tensors):
-        if tensor.nbytes <= budget:
-            budget -= tensor.nbytes
-            saved.append(tensor.detach().clone())
-        else:
-            saved.append(tensor)
-            originals.add(index)
-    if any(tensor.is_cuda for tensor in saved):
-        torch.cuda.current_stream().synchronize()  # the writer reads the copies through IPC, on its own stream
-    return saved, frozenset(originals)
-
-
-def take_copies(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], frozenset[int]]:
-    """:func:`device_copies` within :func:`copy_budget`, said in one line on rank 0: what was copied and how
-    long the loop waited for it, and what is left for the host copy the loop waits for."""
-    start = time.perf_counter()
-    saved, originals = device_copies(tensors, copy_budget())
-    if torch.distributed.get_rank() == 0:
-        left = sum(tensors[i].nbytes for i in originals)
-        copied = sum(tensor.nbytes for tensor in tensors) - left
-        beyond = f"; {left / GIB:.2f} GiB beyond the budget go to host memory while training waits" if left else ""
-        print(f"[zaya] background save: {copied / GIB:.2f} GiB copied on the device in "
-              f"{time.perf_counter() - start:.2f} s{beyond}", flush=True)
-    return saved, originals
-
-
-def stage(tensors: list, which: frozenset[int] | None = None) -> list:
-    """Put host copies in place of ``tensors`` (the list is changed in place, so that no device reference is
-    left): the originals at indices ``which``, copied even on the host since training changes them, or, with
-    ``which`` None, every tensor still on a device. Originals go to pinned memory, fastest, as the training loop
-    waits for them; copies to pageable memory, since the writer has time and host memory is what runs short."""
-    pinned = which is not None
-    indices = which if pinned else [i for i, tensor in enumerate(tensors) if tensor.device.type != "cpu"]
-    for index in indices:
-        tensors[index] = tensors[index].to("cpu", non_blocking=pinned, copy=True)
-    if pinned and torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return tensors
-
-
-def _bucket_tensors(buckets: list) -> list:
-    return [tensor for _, _, (_, tensors) in buckets for _, tensor in tensors]
-
-
-def _set_bucket_tensors(buckets: list, tensors: list) -> list:
-    it = iter(tensors)
-    for index, (path, key, (raw, items)) in enumerate(buckets):
-        buckets[index] = (path, key, (raw, [(item, next(it)) for item, _ in items]))
-    return buckets
-
-
-def stage_buckets(buckets: list, which: frozenset[int] | None = None) -> list:
-    """:func:`stage` for the tensors of Megatron's ``torch_dist`` write buckets, in place."""
-    return _set_bucket_tensors(buckets, stage(_bucket_tensors(buckets), which))
+_writing: list[threading.Thread] = []  # the thread writing the background save in flight
 
 
 def background_request(request):
-    """A ``torch_dist`` background save (``FileSystemWriterAsync``'s request) that copies its tensors on their
-    devices within :func:`copy_budget`, so that the training loop waits only for the host copy of what did not
-    fit (and for a previous write still running), then in the writer process stages the copies to host memory
-    and writes them."""
+    """A ``torch_dist`` background save (``FileSystemWriterAsync``'s request) staged through host memory: its
+    tensors are copied into the process's pool (:func:`~.staging.whole_pool`, pinned on a GPU) by a thread of
+    the training process, on a CUDA stream of its own beside the next step (the training loop waits for those
+    copies only before it changes the tensors, :func:`~.staging.wait_for_copies`), and Megatron's writer, in the
+    same thread, writes the files from the pool (:func:`write_from_host`). No copy of the state is made on the
+    device. Megatron's writer process gets a request that waits until that thread is done
+    (:func:`wait_until_written`), so that Megatron finalizes the save (``.metadata``, tracker) after its files.
+
+    The write runs in the training process, not in Megatron's writer process (``--use-persistent-ckpt-worker``,
+    started with ``forkserver``): handing it the pool would need the pool in shared memory and pinned there,
+    registered with CUDA, and the writer would wait for copies that run in another process; and Megatron's
+    writer process does not have the patches of this process (the files checksummed as written). The write
+    releases the GIL (file writes, CRC-32), as the local tier's does. A save first waits for the write before
+    it: the two share the pool."""
+    from .staging import Snapshot, whole_pool  # staging imports this module
+
     rank, buckets, results_queue = request.async_fn_args
-    tensors, originals = take_copies(_bucket_tensors(buckets))
-    buckets = _set_bucket_tensors(list(buckets), tensors)
-    # Always a preload, even of nothing: the loop waits for the writer to take it, so that at most one save is
-    # queued behind a write (a save interval shorter than a write then waits, as without copies).
-    return request._replace(async_fn=functools.partial(stage_and_write, request.async_fn),
-                            async_fn_args=[rank, buckets, results_queue],
-                            preload_fn=functools.partial(stage_buckets, buckets, originals))
+    for thread in _writing:
+        thread.join()
+    tensors = [tensor for _, _, (_, items) in buckets for _, tensor in items]
+    snapshot = Snapshot(tensors, pool=whole_pool(tensors))  # from here the next step waits for its copies
+    written = torch.zeros(1, dtype=torch.int8).share_memory_()
+    _writing[:] = [threading.Thread(target=write_from_host, name="zaya-background-save", daemon=True,
+                                    args=(snapshot, request.async_fn, rank, list(buckets), results_queue, written))]
+    _writing[0].start()
+    return request._replace(async_fn=functools.partial(wait_until_written, written), async_fn_args=(),
+                            preload_fn=None)
 
 
-def stage_and_write(write, rank, write_buckets, results_queue) -> None:
-    """In the background writer: stage the device copies to host memory, then run Megatron's ``torch_dist``
-    write (with the ``checkpointing.checksums_while_writing`` patch, :func:`~.format.write_recording_checksums`:
-    the files checksummed as they are written, and recorded, so that the finalization, in the training loop,
-    does not hash them again)."""
-    start = time.perf_counter()
-    stage_buckets(write_buckets)
-    staged = time.perf_counter()
-    write(rank, write_buckets, results_queue)
-    if rank == 0:  # what sets the shortest save interval that does not wait for the previous write
-        print(f"[zaya] background save written in {time.perf_counter() - start:.1f} s: staged to host memory "
-              f"{staged - start:.1f} s, written {time.perf_counter() - staged:.1f} s", flush=True)
+def write_from_host(snapshot: Snapshot, write, rank: int, write_buckets: list, results_queue, written) -> None:
+    """The background save's thread: copy the tensors into the pool, then run Megatron's ``torch_dist`` write
+    (``write``, with the ``checkpointing.checksums_while_writing`` patch
+    :func:`~.format.write_recording_checksums`) from the pool's views; set ``written`` when done, failed or not
+    (a failed copy is handed to Megatron's finalization, which raises it on every rank, as a failed write)."""
+    try:
+        start = time.perf_counter()
+        try:
+            tensors = iter(snapshot.copy_to_host())
+        except Exception as error:
+            results_queue.put(error)
+            return
+        staged = time.perf_counter()
+        host = [(name, key, (raw, [(item, next(tensors)) for item, _ in items]))
+                for name, key, (raw, items) in write_buckets]
+        write(rank, host, results_queue)
+        if rank == 0:  # what sets the shortest save interval that does not wait for the previous write
+            print(f"[zaya] background save written in {time.perf_counter() - start:.1f} s: copied to host memory "
+                  f"{staged - start:.1f} s, written {time.perf_counter() - staged:.1f} s", flush=True)
+    finally:
+        written[0] = 1
+
+
+def wait_until_written(written: torch.Tensor) -> None:
+    """In Megatron's writer process: return once the training process's thread has written the save (or
+    failed), so that Megatron reports it done, and finalizes it, only then."""
+    while not written.item():
+        time.sleep(0.02)

@@ -1,5 +1,5 @@
-"""Patch group ``checkpointing``: background saves that copy on the GPU and are staged by the writer, files
-checksummed as they are written, and ZAYA1's local checkpoint tier in Megatron's ``local_checkpoint_manager``
+"""Patch group ``checkpointing``: background saves staged through pinned host memory and written by a thread,
+files checksummed as they are written, and ZAYA1's local checkpoint tier in Megatron's ``local_checkpoint_manager``
 slot, without NVIDIA's resiliency package.
 
 The tiers, their flags and their faults: ``megatron_zaya/checkpoint/tiers.py``, ``local_tier.py`` and
@@ -16,21 +16,23 @@ from .registry import megatron_version, register, replace_attr
 
 @register("checkpointing.background_saves", target="megatron.training.checkpointing.schedule_async_save")
 def background_saves() -> None:
-    """A ``--async-save`` copies its tensors on the GPU and lets training go on; the background writer moves
-    them to host memory and writes them.
+    """A ``--async-save`` is copied into a pinned host pool beside the next step, on a CUDA stream of its own,
+    and written from it by a thread of the training process; the device holds no copy of the state.
 
     Megatron's request has the writer process copy the training tensors to host memory while the training loop
     waits for it (``PersistentAsyncCaller.schedule_async_call`` joins its preload, async_utils.py:421): 21 s
-    per save of the 8-layer model on one H200. Wraps the name ``schedule_async_save`` that ``save_checkpoint``
-    calls (checkpointing.py:1121) with :func:`~megatron_zaya.checkpoint.tiers.background_request` for a
-    ``torch_dist`` request (one whose preload is ``FileSystemWriterAsync.preload_tensors``): device copies within
-    the memory the steps leave free (the loop waits only for the tensors beyond it), then, in the writer, the
-    copies staged and Megatron's write. Other requests are unchanged.
+    per save of the 8-layer model on one H200; copying them on the device first needs free device memory the
+    size of the state. Wraps the name ``schedule_async_save`` that ``save_checkpoint`` calls
+    (checkpointing.py:1121) with :func:`~megatron_zaya.checkpoint.tiers.background_request` for a ``torch_dist``
+    request (one whose preload is ``FileSystemWriterAsync.preload_tensors``): the copies and Megatron's write in
+    a thread (why not in the writer process: that function's docstring), the writer process waiting for it.
+    Other requests are unchanged. And ``setup_model_and_optimizer``, with ``--async-save``, makes the model
+    config's ``finalize_model_grads_func`` first wait for the copies (:func:`_fence_copies`).
     Off: leave ``checkpointing.background_saves`` out of ``--zaya-patches`` (the loop then waits for the copy
     to host memory).
     """
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-    from megatron.training import checkpointing
+    from megatron.training import checkpointing, get_args, training
 
     from megatron_zaya.checkpoint.tiers import background_request
 
@@ -42,7 +44,41 @@ def background_saves() -> None:
             request = background_request(request)
         return original(request)
 
+    original_setup = training.setup_model_and_optimizer
+
+    @functools.wraps(original_setup)
+    def setup_model_and_optimizer(*args, **kwargs):
+        model, *others = original_setup(*args, **kwargs)
+        if get_args().async_save:
+            _fence_copies(model)
+        return (model, *others)
+
     replace_attr(checkpointing, "schedule_async_save", schedule_async_save)
+    replace_attr(training, "setup_model_and_optimizer", setup_model_and_optimizer)
+
+
+def _fence_copies(model) -> None:
+    """Make the model config's ``finalize_model_grads_func`` (called once per step after the last backward,
+    before anything writes the saved tensors; Megatron's own when the model set none, as ``train`` would,
+    training.py:3549) first wait for the copies of the saves before it
+    (:func:`~megatron_zaya.checkpoint.staging.wait_for_copies`); once, whichever tier asks."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_model_config
+
+    from megatron_zaya.checkpoint.staging import wait_for_copies
+
+    config = get_model_config(model[0])
+    finalize = config.finalize_model_grads_func or finalize_model_grads
+    if getattr(finalize, "waits_for_copies", False):
+        return
+
+    @functools.wraps(finalize)
+    def finalize_model_grads_after_copies(*args, **kwargs):
+        wait_for_copies()
+        return finalize(*args, **kwargs)
+
+    finalize_model_grads_after_copies.waits_for_copies = True
+    config.finalize_model_grads_func = finalize_model_grads_after_copies
 
 
 @register("checkpointing.checksums_while_writing", target="megatron.core.dist_checkpointing.strategies."
@@ -240,21 +276,16 @@ def local_tier() -> None:
     it; and ``MCoreTensorAwareStateDict.from_state_dict``, Megatron's own conversion of a rank's state that the
     package only gives a base class, runs without its ``HAVE_NVRX`` guard (tensor_aware_state_dict.py:127).
     A save returns while its thread copies and writes, so two more hooks: the model config's
-    ``finalize_model_grads_func`` (called once per step after the last backward, before anything writes the
-    saved tensors; Megatron's own when the model set none, as ``train`` would, training.py:3549) first waits
-    for the copies of the save before it (:func:`~megatron_zaya.checkpoint.staging.wait_for_copies`); and
+    ``finalize_model_grads_func`` first waits for the copies of the save before it (:func:`_fence_copies`); and
     ``maybe_finalize_async_save`` called blocking (at the end of ``train``, whatever ends it, and of
     ``pretrain``) first waits for the save in flight, so that a run ends with its last part written.
     Off: leave ``checkpointing.local_tier`` out of ``--zaya-patches`` (the local type then needs the package).
     """
     import megatron.training
     from megatron.core.dist_checkpointing import tensor_aware_state_dict
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.utils import get_model_config
     from megatron.training import arguments, get_args, training
 
     from megatron_zaya.checkpoint.local_tier import tier_for
-    from megatron_zaya.checkpoint.staging import wait_for_copies
 
     original_validate = arguments.validate_args
 
@@ -287,17 +318,8 @@ def local_tier() -> None:
             tiers.append(checkpointing_context.setdefault("local_checkpoint_manager", tier_for(args)))
         model, *others = original_setup(*rest, checkpointing_context=checkpointing_context, **kwargs)
         if local:
-            config = get_model_config(model[0])
-            config.finalize_model_grads_func = fenced(config.finalize_model_grads_func or finalize_model_grads)
+            _fence_copies(model)
         return (model, *others)
-
-    def fenced(finalize):
-        @functools.wraps(finalize)
-        def finalize_model_grads(*args, **kwargs):
-            wait_for_copies()
-            return finalize(*args, **kwargs)
-
-        return finalize_model_grads
 
     original_finalize = training.maybe_finalize_async_save
 

@@ -1,13 +1,12 @@
-"""Checkpoint saves on two gloo ranks. A background save holds the state of its step while training changes the
-tensors before the writer has written them, whatever part of them the copy budget lets it copy; the writer, in a
-background or a synchronous save, checksums its files as it writes them, never reading them back."""
+"""Checkpoint saves on two gloo ranks. A background save holds the state of its step, copied straight into the
+host pool, while training changes the tensors before the files are written; the writer, in a background or a
+synchronous save, checksums its files as it writes them, never reading them back."""
 
 from __future__ import annotations
 
 import zlib
 from pathlib import Path
 
-import pytest
 import torch
 from gloo import run_ranks
 
@@ -29,57 +28,72 @@ def _count_reads(checkpoint_format) -> list:
     return hashed
 
 
-def _save_change_and_load(rank, world, root, budget):
-    """A ``torch_dist`` background save of a sharded and a replicated tensor through ``background_request``
-    with a copy budget of ``budget`` bytes, run in the writer's order (the preload while training waits, then
-    the write) with the training tensors changed in between; returns (how many tensors the preload copies to
-    host memory while training waits, the values loaded back, the values at the save, the writers' checksum
-    records, how many files the writer read back to checksum them)."""
+def _save_change_and_load(rank, world, root):
+    """Two ``torch_dist`` background saves of a sharded and a replicated tensor through ``background_request``,
+    run as the training loop runs them: the next step's fence (``wait_for_copies``), the training tensors
+    changed at once (the optimizer step), the writer process's wait, the finalization; returns, per save, the
+    values loaded back, the values at the save, the writers' checksum records, how many files were read back
+    to checksum them, the storages of the tensors Megatron's writer wrote, and the pool's buffers."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    from megatron_zaya.patches import apply_patches
-    from megatron_zaya.checkpoint import tiers as checkpoint_tiers
-
     from megatron_zaya.checkpoint import format as checkpoint_format
+    from megatron_zaya.checkpoint import staging
+    from megatron_zaya.checkpoint import tiers as checkpoint_tiers
+    from megatron_zaya.patches import apply_patches
 
     apply_patches("cpu,checkpointing.checksums_while_writing")
-
     training = _state(rank, world, fill=True)
-    at_save = {key: value.data.clone() for key, value in training.items()}
-    Path(root).mkdir(exist_ok=True)
-    request = dist_checkpointing.save(training, root, TorchDistSaveShardedStrategy("torch_dist", 1),
-                                      async_sharded_save=True, async_strategy="mcore")
-    checkpoint_tiers.copy_budget = lambda: budget
-    request = checkpoint_tiers.background_request(request)
-    args = list(request.async_fn_args)
-    args[1] = request.preload_fn()
-    for value in training.values():
-        value.data.mul_(-3).add_(7)  # the next optimizer steps
-    hashed = _count_reads(checkpoint_format)
-    request.async_fn(*args, **request.async_fn_kwargs)
-    for finalize in request.finalize_fns:
-        finalize()
-    loaded = dist_checkpointing.load(_state(rank, world, fill=False), root)
-    records = {p.name: checkpoint_format.recorded_files(root, p.name)
-               for p in Path(root).glob(".zaya_checksums.json.rank-*")}
-    return len(request.preload_fn.args[1]), loaded, at_save, records, len(hashed)
+    results = []
+    for save in ("first", "second"):  # the second reuses the pool
+        directory = Path(root) / save
+        directory.mkdir(parents=True, exist_ok=True)
+        at_save = {key: value.data.clone() for key, value in training.items()}
+        request = dist_checkpointing.save(dict(training), directory, TorchDistSaveShardedStrategy("torch_dist", 1),
+                                          async_sharded_save=True, async_strategy="mcore")
+        written_from, write = [], request.async_fn
+
+        def noting_storages(rank, write_buckets, results_queue, write=write, written_from=written_from):
+            written_from += [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), t.nbytes)
+                             for _, _, (_, items) in write_buckets for _, t in items]
+            return write(rank, write_buckets, results_queue)
+
+        request = checkpoint_tiers.background_request(request._replace(async_fn=noting_storages))
+        assert request.preload_fn is None  # the loop waits for no copy
+        staging.wait_for_copies()  # the next step's finalize_model_grads
+        for value in training.values():
+            value.data.mul_(-3).add_(7)  # its optimizer step
+        hashed = _count_reads(checkpoint_format)
+        request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)  # the writer process: waits
+        for finalize in request.finalize_fns:
+            finalize()
+        loaded = dist_checkpointing.load(_state(rank, world, fill=False), directory)
+        records = {p.name: checkpoint_format.recorded_files(directory, p.name)
+                   for p in directory.glob(".zaya_checksums.json.rank-*")}
+        pool = [(b.untyped_storage().data_ptr(), b.numel()) for b in staging._whole[0].segments]
+        results.append((loaded, at_save, records, len(hashed), written_from, pool))
+    return results
 
 
-# Rank 0 writes its 256 B shard and the 1 KiB replicated tensor, rank 1 its shard: 300 B copy only the shards.
-@pytest.mark.parametrize(("budget", "waits"), [(float("inf"), [0, 0]), (300, [1, 0])],
-                         ids=["all-copied", "some-copied"])
-def test_a_background_save_writes_the_state_of_its_step_while_training_changes_it(tmp_path, budget, waits):
-    for rank, (waited_for, loaded, at_save, records, hashed) in enumerate(
-            run_ranks(_save_change_and_load, 2, tmp_path, str(tmp_path / "ckpt"), budget)):
-        assert waited_for == waits[rank], (rank, waited_for)
-        for key, value in at_save.items():
-            torch.testing.assert_close(loaded[key], value, rtol=0, atol=0)
-        assert sorted(records) == [f".zaya_checksums.json.rank-{r:05d}" for r in range(2)], records
-        assert hashed == 0  # checksummed as written, never read back
-    for name, table in records.items():  # what the writers recorded is what the files hold
-        assert table and all([len(data := (tmp_path / "ckpt" / file).read_bytes()), zlib.crc32(data)] == size_crc
-                             for file, size_crc in table.items()), (name, table)
+def test_a_background_save_writes_the_state_of_its_step_from_the_host_pool(tmp_path):
+    """Every tensor Megatron's writer writes lies in the pool's one buffer, the size of the rank's tensors (rank
+    0 writes its 256 B shard and the 1 KiB replicated tensor, rank 1 its shard), the same buffer at every save:
+    no other copy of the state is made; each in a storage of its own size (``torch.save`` writes a tensor's whole
+    storage)."""
+    for rank, saves in enumerate(run_ranks(_save_change_and_load, 2, tmp_path, str(tmp_path / "ckpt"))):
+        state = [256 + 1024, 256][rank]
+        assert saves[0][5] == saves[1][5] and [size for _, size in saves[0][5]] == [state], (rank, saves[0][5])
+        (start, _), = saves[0][5]
+        for save, (loaded, at_save, records, hashed, written_from, pool) in zip(("first", "second"), saves):
+            assert sorted((ptr - start, stored, size) for ptr, stored, size in written_from) == (
+                [(0, 256, 256), (256, 1024, 1024)] if rank == 0 else [(0, 256, 256)]), (rank, written_from)
+            for key, value in at_save.items():
+                torch.testing.assert_close(loaded[key], value, rtol=0, atol=0)
+            assert sorted(records) == [f".zaya_checksums.json.rank-{r:05d}" for r in range(2)], records
+            assert hashed == 0  # checksummed as written, never read back
+            for name, table in records.items():  # what the writers recorded is what the files hold
+                assert table and all([len(data := (tmp_path / "ckpt" / save / file).read_bytes()), zlib.crc32(data)]
+                                     == size_crc for file, size_crc in table.items()), (name, table)
 
 
 def _save_synchronously(rank, world, root):

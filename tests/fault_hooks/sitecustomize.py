@@ -117,22 +117,29 @@ def _wrap_step_guard(module) -> None:
 
 
 def _wrap_writer(module) -> None:
-    """Delay the background writer's write of each ``slow_write`` checkpoint (it runs in the writer process,
-    which imports the module afresh; the replaced name is what the training process pickles for it)."""
+    """Delay the background save's write of each ``slow_write`` checkpoint, once its copies to host memory are
+    done (the training loop does not wait for it)."""
     import time
 
     from megatron_zaya.checkpoint import step_name
 
     slow = {step_name(iteration) for kind, iteration, _ in _plan() if kind == "slow_write"}
-    stage_and_write = module.stage_and_write
+    write_from_host = module.write_from_host
 
-    @functools.wraps(stage_and_write)
-    def slowed(write, rank, write_buckets, results_queue):
-        if any(part in slow for part in os.path.normpath(write_buckets[0][0]).split(os.sep)):
+    def slowed(write):
+        def write_later(*args):
             time.sleep(SLOW_WRITE_SECONDS)
-        return stage_and_write(write, rank, write_buckets, results_queue)
+            return write(*args)
 
-    module.stage_and_write = slowed
+        return write_later
+
+    @functools.wraps(write_from_host)
+    def write_slowly(snapshot, write, rank, write_buckets, results_queue, written):
+        if any(part in slow for part in os.path.normpath(write_buckets[0][0]).split(os.sep)):
+            write = slowed(write)
+        return write_from_host(snapshot, write, rank, write_buckets, results_queue, written)
+
+    module.write_from_host = write_slowly
 
 
 def _wrap_self_test(module) -> None:

@@ -1,7 +1,8 @@
 """Background saves (``--async-save``) and the local tier in real runs: the whole job SIGKILLed as checkpoint
 8's background save starts leaves both tiers resumable, and a resume from either tier repeats the killed run's
 losses; killed once its writer has begun the data files of a checkpoint, ``latest`` stays intact; a write still
-in flight when the run ends is finished and checksummed."""
+in flight when the run ends is finished and checksummed; two data-parallel ranks resume from a background save
+exactly."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 
 import pytest
 from shared import once
-from zaya_cli import KILLED_RUN, assert_resumed_exactly, loss_csv, losses, pretrain, with_faults
+from zaya_cli import KILLED_RUN, QUICK, assert_resumed_exactly, loss_csv, losses, pretrain, with_faults
 
 from megatron_zaya.checkpoint import CHECKSUMS, TRACKER, newest_intact_checkpoint
 
@@ -108,3 +109,21 @@ def test_a_kill_while_the_writer_writes_leaves_an_intact_latest(tmp_path):
     ck = tmp_path / "ck"
     _killed_when(tmp_path, lambda: any((ck / "iter_0000008").glob("*.distcp")), PERSISTENT, "slow_write@4")
     assert newest_intact_checkpoint(str(ck)) == (ck / TRACKER).read_text() == "4"
+
+
+def test_two_ranks_resume_exactly_from_a_background_save(tmp_path):
+    """Two gloo ranks (distributed optimizer, overlapped reductions) save in the background at steps 3 and 6, each
+    trainer's thread staging its part through the host pool and writing it while the next steps train; a relaunch
+    from 3 repeats that run's losses 4-6 bit for bit."""
+    flags = QUICK + ["--train-iters", "6", "--async-save", "--save-interval", "3", "--save", "ck", "--load", "ck",
+                     "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    first = pretrain(flags, cwd=tmp_path, nproc=2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout.count("[zaya] background save written in ") == 2, first.stdout[-3000:]
+    uninterrupted = loss_csv(tmp_path / "ck" / "loss.csv")
+    assert sorted(uninterrupted) == list(range(1, 7)) and newest_intact_checkpoint(str(tmp_path / "ck")) == "6"
+    (tmp_path / "ck" / TRACKER).write_text("3")
+    resumed = pretrain(flags, cwd=tmp_path, nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert losses(resumed.stdout) == {step: losses(first.stdout)[step] for step in (4, 5, 6)}
+    assert loss_csv(tmp_path / "ck" / "loss.csv") == uninterrupted
