@@ -8,7 +8,9 @@ forward and backward, while writer threads write the data files from the pool as
 bytes of each tensor one after the other, each aligned to :data:`ALIGN`, in files of at most
 :data:`FILE_BYTES`, :data:`THREADS` at a time), and returns their sizes and CRC-32 for the checksum record
 (:func:`~.format.write_checksums`). Without CUDA the same code copies with plain host copies.
-:func:`read_tensors` reads the files back.
+:func:`read_tensors` reads the files back. A background ``torch_dist`` save (:func:`~.tiers.background_request`)
+takes the same copies into a pool of one buffer that holds the whole part (:func:`whole_pool`) and hands the
+tensors, landed, to Megatron's writer (:meth:`Snapshot.copy_to_host`).
 
 When the copies must have landed: training writes the saved tensors (weights, master weights, optimizer
 state, the routers' balancing biases) only from the end of the next step's backward on, in

@@ -119,6 +119,8 @@ def results(tmp_path_factory):
                                               "drop --disable-gloo-process-groups"],
     "a background save of another format": [*mock, "--async-save", "--ckpt-format", "torch"],
         "a background save through a missing package": [*mock, "--async-save", "--async-strategy", "nvrx"],
+        "a background save beside a shared gradient buffer": [*mock, "--async-save",
+                                                              "--reuse-grad-buf-for-mxfp8-param-ag"],
         "Transformer Engine attention without the package": [*mock, "--zaya-core-attention", "te"],
         "Megatron's vocabulary flag": [*mock, "--vocab-size", "4096"],
         "a save without an interval": mock,
@@ -220,6 +222,8 @@ EXPECTED = {  # case -> words the one error line must hold
                                               "drop --non-persistent-ckpt-type"],
     "a background save of another format": ["--async-save writes --ckpt-format torch_dist only, not torch"],
     "a background save through a missing package": ["--async-strategy nvrx needs", "drop the flag"],
+    "a background save beside a shared gradient buffer": ["--reuse-grad-buf-for-mxfp8-param-ag does not work with "
+                                                          "--async-save"],
     "Transformer Engine attention without the package": ["--zaya-core-attention te needs Transformer Engine",
                                                           "--zaya-core-attention sdpa"],
     "Megatron's vocabulary flag": ["--vocab-size", "NullTokenizer", "--zaya-vocab-size N"],

@@ -48,7 +48,7 @@ def _uninterrupted(optimizer: str, root: Path, flags: list[str], env: dict) -> t
 
 @pytest.fixture(scope="module")
 def muon_run(tmp_path_factory):
-    """ZeRO-1 Muon with background saves (the writer reads the device copies while training goes on), a NaN
+    """ZeRO-1 Muon with background saves (staged through the host pool while training goes on), a NaN
     gradient on one rank at step 3 and the replica check every 5 steps: (checkpoint dir, console output)."""
     flags = ["--async-save", "--zaya-replica-check-interval", "5"]
     faults = with_faults(f"nan_grad@{NAN_STEP}@{GPUS - 1}")

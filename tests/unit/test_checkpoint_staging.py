@@ -4,7 +4,7 @@ CRC-32 read back, files split at their size limit, chunks span tensors and files
 the save call and reused by the next save (and, smaller than the part, by its later files); a snapshot holds the
 values of its moment when training changes the tensors as soon as :func:`wait_for_copies` returns, while the
 copies run in another thread (here plain host copies, the path a GPU takes with device copies on the pool's
-stream)."""
+stream); a background save's tensors land in one reused buffer of the pool, each in a storage of its own."""
 
 from __future__ import annotations
 
@@ -72,3 +72,23 @@ def test_a_snapshot_holds_its_moment_while_training_changes_the_tensors(tmp_path
     assert list(written) == ["t.000.bin"]
     assert all(torch.equal(a, b) for a, b in zip(read_tensors(tmp_path, "t", snapshot.specs), expected))
     assert snapshot.tensors == [] and staging._unfenced == []  # released once written; nothing left to wait for
+
+
+def test_a_background_save_lands_in_one_reused_buffer_of_the_pool(monkeypatch):
+    """``copy_to_host`` returns the tensors, exactly, each in a storage of its own size inside the pool's one
+    buffer (the data's size), the same buffer at the next save; a larger save takes a larger buffer."""
+    monkeypatch.setattr(staging, "_whole", [])
+    tensors = _tensors()
+    for attempt in ("first", "again"):
+        snapshot = Snapshot(tensors, chunk=7, pool=staging.whole_pool(tensors))
+        host = snapshot.copy_to_host()
+        wait_for_copies()
+        (buffer,) = staging._whole[0].segments
+        assert buffer.numel() == snapshot.end and (attempt == "first" or buffer.data_ptr() == first)
+        first = buffer.data_ptr()
+        for tensor, copy in zip(tensors, host, strict=True):
+            assert copy.dtype == tensor.dtype and copy.shape == tensor.shape and torch.equal(copy, tensor)
+            storage = copy.untyped_storage()
+            assert storage.nbytes() == tensor.nbytes and (
+                not tensor.nbytes or first <= storage.data_ptr() < first + buffer.numel())
+    assert staging.whole_pool(tensors + [torch.ones(1000)]).segment == -(-snapshot.end // 64) * 64 + 4000
