@@ -190,8 +190,10 @@ def background_request(request):
 def write_from_host(snapshot: Snapshot, write, rank: int, write_buckets: list, results_queue, written) -> None:
     """The background save's thread: copy the tensors into the pool, then run Megatron's ``torch_dist`` write
     (``write``, with the ``checkpointing.checksums_while_writing`` patch
-    :func:`~.format.write_recording_checksums`) from the pool's views; set ``written`` when done, failed or not
-    (a failed copy is handed to Megatron's finalization, which raises it on every rank, as a failed write)."""
+    :func:`~.format.write_recording_checksums`) from the pool; set ``written`` when done, failed or not (a failed
+    copy is handed to Megatron's finalization, which raises it on every rank, as a failed write). Megatron's write
+    pauses the process's automatic garbage collection while it runs; ``--zaya-gc-interval`` (on by default) has
+    it off anyway."""
     try:
         start = time.perf_counter()
         try:
