@@ -79,6 +79,7 @@ class HostPool:
 
 
 _pools: dict[int, HostPool] = {}  # the process's pools by segment size; one save at a time uses a pool
+_unfenced: list["Snapshot"] = []  # snapshots whose copies the training loop has not waited for yet
 _whole: list[HostPool] = []  # the pool of :func:`whole_pool`
 
 
@@ -90,7 +91,6 @@ def whole_pool(tensors: list[torch.Tensor]) -> HostPool:
     if not _whole or _whole[0].segment < end:
         _whole[:] = [HostPool(max(end, 1), most=1)]
     return _whole[0]
-_unfenced: list["Snapshot"] = []  # snapshots whose copies the training loop has not waited for yet
 
 
 def wait_for_copies() -> None:
@@ -208,7 +208,7 @@ class Snapshot:
         buffer that holds them all, :func:`whole_pool`), each a tensor of its own storage: ``torch.save``, which
         Megatron's writer calls for each tensor, writes a view's whole storage. The tensors are released once
         copied."""
-        if self.files > 1 or self.pool.most < self.files:
+        if self.files > 1:
             raise ValueError(f"{self.end} bytes of tensors do not fit one buffer of {self.pool.segment} bytes")
         try:
             self._copy()
