@@ -88,20 +88,20 @@ def checksums_while_writing() -> None:
     them, not read again after.
 
     Megatron writes every ``torch_dist`` save through the function ``FileSystemWriterAsync`` hands out
-    (``get_save_function_and_args``, filesystem_async.py:206): a synchronous save runs it in the training
-    process (``AsyncRequest.execute_sync``, async_utils.py:141), a background one in a thread of it
-    (``checkpointing.background_saves``) or else in Megatron's writer process. Its threads
-    open each data file with the builtin ``open`` and write the items into it (``write_preloaded_data``,
-    filesystem_async.py:403). Rank 0 then read every file back for ``zaya_checksums.json`` when the tracker was
-    written, and the background writer read its files back (11-21 s of a 45-60 s write of the 8-layer model
-    on one H200, docs/benchmarks.md). Megatron's writer process, started with ``forkserver`` on a GPU, does not
-    have this module's replacement of ``open``: there the records are made by reading the files once. Two replacements: the function handed out is wrapped in
+    (``get_save_function_and_args``, filesystem_async.py:206): a synchronous save runs it in the training process
+    (``AsyncRequest.execute_sync``, async_utils.py:141), a background one in a thread of it
+    (``checkpointing.background_saves``) or else in Megatron's writer process. Its threads open each data file with
+    the builtin ``open`` and write the items into it (``write_preloaded_data``, filesystem_async.py:403). Rank 0
+    then read every file back for ``zaya_checksums.json`` when the tracker was written, and the background writer
+    read its files back (11-21 s of a 45-60 s write of the 8-layer model on one H200, docs/benchmarks.md). Two
+    replacements: the function handed out is wrapped in
     :func:`~megatron_zaya.checkpoint.format.write_recording_checksums`, which records each rank's sizes and CRC-32
-    beside its files; and the name ``open`` in that module (which the function looks up before the builtins) is
-    set to :func:`~megatron_zaya.checkpoint.format.open_checksummed`: the builtin, except inside that wrapper,
-    where a file opened ``wb`` is wrapped so that each write also updates its CRC-32 (a file that seeks is left
-    to be hashed). The tracker's checksums take those records and hash only the files without one (``.metadata``,
-    ``metadata.json``) or whose size differs.
+    beside its files; and the name ``open`` in that module (which the function looks up before the builtins) is set
+    to :func:`~megatron_zaya.checkpoint.format.open_checksummed`: the builtin, except inside that wrapper, where a
+    file opened ``wb`` is wrapped so that each write also updates its CRC-32 (a file that seeks is left to be
+    hashed). The tracker's checksums take those records and hash only the files without one (``.metadata``,
+    ``metadata.json``) or whose size differs. Megatron's writer process, started with ``forkserver`` on a GPU, does
+    not have this module's replacement of ``open``: there the records are made by reading the files once.
     Off: leave ``checkpointing.checksums_while_writing`` out of ``--zaya-patches`` (rank 0 then reads every file
     again when the tracker is written).
     """
