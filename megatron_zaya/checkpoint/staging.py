@@ -8,7 +8,7 @@ forward and backward, while writer threads write the data files from the pool as
 bytes of each tensor one after the other, each aligned to :data:`ALIGN`, in files of at most
 :data:`FILE_BYTES`, :data:`THREADS` at a time), and returns their sizes and CRC-32 for the checksum record
 (:func:`~.format.write_checksums`). Without CUDA the same code copies with plain host copies.
-:func:`read_tensors` reads the files back. A background ``torch_dist`` save (:func:`~.tiers.background_request`)
+:func:`read_tensors` reads the files back. A background ``torch_dist`` save (:func:`background_request`)
 takes the same copies into a pool of one buffer that holds the whole part (:func:`whole_pool`) and hands the
 tensors, landed, to Megatron's writer (:meth:`Snapshot.copy_to_host`).
 
@@ -33,8 +33,10 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import contextlib
+import functools
 import os
 import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -271,3 +273,66 @@ def read_tensors(directory: Path, stem: str, specs: list[tuple[str, tuple[int, .
         raise ValueError(f"{directory}: {stem} files hold {offset} bytes, the tensors {buffer.numel()}")
     return [buffer[start:start + size].view(getattr(torch, dtype)).view(shape)
             for (dtype, shape), size, start in zip(specs, sizes, offsets, strict=True)]
+
+
+_writing: list[threading.Thread] = []  # the thread writing the background save in flight
+
+
+def background_request(request):
+    """A ``torch_dist`` background save (``FileSystemWriterAsync``'s request) staged through host memory: its
+    tensors are copied into the process's pool (:func:`whole_pool`, pinned on a GPU) by a thread of
+    the training process, on a CUDA stream of its own beside the next step (the training loop waits for those
+    copies only before it changes the tensors, :func:`wait_for_copies`), and Megatron's writer, in the
+    same thread, writes the files from the pool (:func:`write_from_host`). No copy of the state is made on the
+    device. Megatron's writer process gets a request that waits until that thread is done
+    (:func:`wait_until_written`), so that Megatron finalizes the save (``.metadata``, tracker) after its files.
+
+    The write runs in the training process, not in Megatron's writer process (``--use-persistent-ckpt-worker``,
+    started with ``forkserver``): handing it the pool would need the pool in shared memory and pinned there,
+    registered with CUDA, and the writer would wait for copies that run in another process; and Megatron's
+    writer process does not have the patches of this process (the files checksummed as written). The write
+    releases the GIL (file writes, CRC-32), as the local tier's does. A save first waits for the write before
+    it: the two share the pool."""
+    rank, buckets, results_queue = request.async_fn_args
+    for thread in _writing:
+        thread.join()
+    tensors = [tensor for _, _, (_, items) in buckets for _, tensor in items]
+    snapshot = Snapshot(tensors, pool=whole_pool(tensors))  # from here the next step waits for its copies
+    written = torch.zeros(1, dtype=torch.int8).share_memory_()
+    _writing[:] = [threading.Thread(target=write_from_host, name="zaya-background-save", daemon=True,
+                                    args=(snapshot, request.async_fn, rank, list(buckets), results_queue, written))]
+    _writing[0].start()
+    return request._replace(async_fn=functools.partial(wait_until_written, written), async_fn_args=(),
+                            preload_fn=None)
+
+
+def write_from_host(snapshot: Snapshot, write, rank: int, write_buckets: list, results_queue, written) -> None:
+    """The background save's thread: copy the tensors into the pool, then run Megatron's ``torch_dist`` write
+    (``write``, with the ``checkpointing.checksums_while_writing`` patch
+    :func:`~.format.write_recording_checksums`) from the pool; set ``written`` when done, failed or not (a failed
+    copy is handed to Megatron's finalization, which raises it on every rank, as a failed write). Megatron's write
+    pauses the process's automatic garbage collection while it runs; ``--zaya-gc-interval`` (on by default) has
+    it off anyway."""
+    try:
+        start = time.perf_counter()
+        try:
+            tensors = iter(snapshot.copy_to_host())
+        except Exception as error:
+            results_queue.put(error)
+            return
+        staged = time.perf_counter()
+        host = [(name, key, (raw, [(item, next(tensors)) for item, _ in items]))
+                for name, key, (raw, items) in write_buckets]
+        write(rank, host, results_queue)
+        if rank == 0:  # what sets the shortest save interval that does not wait for the previous write
+            print(f"[zaya] background save written in {time.perf_counter() - start:.1f} s: copied to host memory "
+                  f"{staged - start:.1f} s, written {time.perf_counter() - staged:.1f} s", flush=True)
+    finally:
+        written[0] = 1
+
+
+def wait_until_written(written: torch.Tensor) -> None:
+    """In Megatron's writer process: return once the training process's thread has written the save (or
+    failed), so that Megatron reports it done, and finalizes it, only then."""
+    while not written.item():
+        time.sleep(0.02)

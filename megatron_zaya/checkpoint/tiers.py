@@ -1,27 +1,18 @@
 """Background (``--async-save``), local-tier and in-memory checkpoint saves: the flags they imply, the combinations
-refused before training starts (an in-memory tier larger than the node's free host memory among them), and a
-background save staged through host memory and written by a thread while training goes on.
+refused before training starts (an in-memory tier larger than the node's free host memory among them). How a
+background save is staged through host memory and written: :mod:`.staging`.
 
 How the tiers behave on faults: ``docs/reliability.md``. The local and in-memory tiers: :mod:`.local_tier`.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
-import threading
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-import torch
 
 from ..errors import UsageError
 from ..memory_plan import GIB
-
-if TYPE_CHECKING:
-    from .staging import Snapshot
 
 # The flags --async-save implies, placed before the user's (an explicit one wins): --async-save alone gives a
 # background save. Megatron turns --async-save off without --use-persistent-ckpt-worker (arguments.py:1740), and its
@@ -152,68 +143,3 @@ def check_args(args) -> None:
     except OSError as error:
         raise UsageError(f"--non-persistent-local-ckpt-dir {root} is not writable ({error.strerror}); choose a "
                          "writable node-local directory") from error
-
-
-_writing: list[threading.Thread] = []  # the thread writing the background save in flight
-
-
-def background_request(request):
-    """A ``torch_dist`` background save (``FileSystemWriterAsync``'s request) staged through host memory: its
-    tensors are copied into the process's pool (:func:`~.staging.whole_pool`, pinned on a GPU) by a thread of
-    the training process, on a CUDA stream of its own beside the next step (the training loop waits for those
-    copies only before it changes the tensors, :func:`~.staging.wait_for_copies`), and Megatron's writer, in the
-    same thread, writes the files from the pool (:func:`write_from_host`). No copy of the state is made on the
-    device. Megatron's writer process gets a request that waits until that thread is done
-    (:func:`wait_until_written`), so that Megatron finalizes the save (``.metadata``, tracker) after its files.
-
-    The write runs in the training process, not in Megatron's writer process (``--use-persistent-ckpt-worker``,
-    started with ``forkserver``): handing it the pool would need the pool in shared memory and pinned there,
-    registered with CUDA, and the writer would wait for copies that run in another process; and Megatron's
-    writer process does not have the patches of this process (the files checksummed as written). The write
-    releases the GIL (file writes, CRC-32), as the local tier's does. A save first waits for the write before
-    it: the two share the pool."""
-    from .staging import Snapshot, whole_pool  # staging imports this module
-
-    rank, buckets, results_queue = request.async_fn_args
-    for thread in _writing:
-        thread.join()
-    tensors = [tensor for _, _, (_, items) in buckets for _, tensor in items]
-    snapshot = Snapshot(tensors, pool=whole_pool(tensors))  # from here the next step waits for its copies
-    written = torch.zeros(1, dtype=torch.int8).share_memory_()
-    _writing[:] = [threading.Thread(target=write_from_host, name="zaya-background-save", daemon=True,
-                                    args=(snapshot, request.async_fn, rank, list(buckets), results_queue, written))]
-    _writing[0].start()
-    return request._replace(async_fn=functools.partial(wait_until_written, written), async_fn_args=(),
-                            preload_fn=None)
-
-
-def write_from_host(snapshot: Snapshot, write, rank: int, write_buckets: list, results_queue, written) -> None:
-    """The background save's thread: copy the tensors into the pool, then run Megatron's ``torch_dist`` write
-    (``write``, with the ``checkpointing.checksums_while_writing`` patch
-    :func:`~.format.write_recording_checksums`) from the pool; set ``written`` when done, failed or not (a failed
-    copy is handed to Megatron's finalization, which raises it on every rank, as a failed write). Megatron's write
-    pauses the process's automatic garbage collection while it runs; ``--zaya-gc-interval`` (on by default) has
-    it off anyway."""
-    try:
-        start = time.perf_counter()
-        try:
-            tensors = iter(snapshot.copy_to_host())
-        except Exception as error:
-            results_queue.put(error)
-            return
-        staged = time.perf_counter()
-        host = [(name, key, (raw, [(item, next(tensors)) for item, _ in items]))
-                for name, key, (raw, items) in write_buckets]
-        write(rank, host, results_queue)
-        if rank == 0:  # what sets the shortest save interval that does not wait for the previous write
-            print(f"[zaya] background save written in {time.perf_counter() - start:.1f} s: copied to host memory "
-                  f"{staged - start:.1f} s, written {time.perf_counter() - staged:.1f} s", flush=True)
-    finally:
-        written[0] = 1
-
-
-def wait_until_written(written: torch.Tensor) -> None:
-    """In Megatron's writer process: return once the training process's thread has written the save (or
-    failed), so that Megatron reports it done, and finalizes it, only then."""
-    while not written.item():
-        time.sleep(0.02)

@@ -13,6 +13,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
@@ -138,11 +139,28 @@ def fused_cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, *, head_dim: int
     if not (kernel.runs_on(q0, k0, key_temperature) and kernel.takes_head_dim(head_dim)):
         return cca_qk(q0, k0, conv, key_temperature, rotary_pos_emb, head_dim=head_dim, qk_history=qk_history,
                       document_offsets=document_offsets)
-    angles = rotary_pos_emb[:, :, 0, :].float()  # [s, 1 or b, rot]
     return kernel.cca_qk(q0, k0, conv.q_depthwise_weight, conv.q_depthwise_bias,
                          conv.k_depthwise_weight, conv.k_depthwise_bias, conv.q_grouped_weight,
                          conv.q_grouped_bias, conv.k_grouped_weight, conv.k_grouped_bias, key_temperature,
-                         angles.cos(), angles.sin(), qk_history, document_offsets)
+                         *rope_cos_sin(rotary_pos_emb), qk_history, document_offsets)
+
+
+_COS_SIN = WeakIdKeyDictionary()  # Megatron's rotary table -> (its version, cos, sin)
+
+
+def rope_cos_sin(rotary_pos_emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos and sin of the angles of Megatron's rotary table ``[s, 1 or b, 1, rot]`` as ``[s, 1 or b, rot]``:
+    computed once per table and version, since every layer of a forward (and its recomputation) shares the table
+    and Megatron keeps it from step to step for one sequence length. Inside a CUDA-graph capture they are always
+    computed: a replay must recompute them from the graph's table, which is refilled in place."""
+    capturing = rotary_pos_emb.is_cuda and torch.cuda.is_current_stream_capturing()
+    cached = None if capturing else _COS_SIN.get(rotary_pos_emb)
+    if cached is None or cached[0] != rotary_pos_emb._version:
+        angles = rotary_pos_emb[:, :, 0, :].float()
+        cached = (rotary_pos_emb._version, angles.cos(), angles.sin())
+        if not capturing:
+            _COS_SIN[rotary_pos_emb] = cached
+    return cached[1:]
 
 
 def choose(config):

@@ -23,7 +23,7 @@ def background_saves() -> None:
     waits for it (``PersistentAsyncCaller.schedule_async_call`` joins its preload, async_utils.py:421): 21 s
     per save of the 8-layer model on one H200; copying them on the device first needs free device memory the
     size of the state. Wraps the name ``schedule_async_save`` that ``save_checkpoint`` calls
-    (checkpointing.py:1121) with :func:`~megatron_zaya.checkpoint.tiers.background_request` for a ``torch_dist``
+    (checkpointing.py:1121) with :func:`~megatron_zaya.checkpoint.staging.background_request` for a ``torch_dist``
     request (one whose preload is ``FileSystemWriterAsync.preload_tensors``): the copies and Megatron's write in
     a thread (why not in the writer process: that function's docstring), the writer process waiting for it.
     Other requests are unchanged. And ``setup_model_and_optimizer``, with ``--async-save``, makes the model
@@ -34,7 +34,7 @@ def background_saves() -> None:
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
     from megatron.training import checkpointing, get_args, training
 
-    from megatron_zaya.checkpoint.tiers import background_request
+    from megatron_zaya.checkpoint.staging import background_request
 
     original = checkpointing.schedule_async_save
 

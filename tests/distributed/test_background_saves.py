@@ -39,7 +39,6 @@ def _save_change_and_load(rank, world, root):
 
     from megatron_zaya.checkpoint import format as checkpoint_format
     from megatron_zaya.checkpoint import staging
-    from megatron_zaya.checkpoint import tiers as checkpoint_tiers
     from megatron_zaya.patches import apply_patches
 
     apply_patches("cpu,checkpointing.checksums_while_writing")
@@ -58,7 +57,7 @@ def _save_change_and_load(rank, world, root):
                              for _, _, (_, items) in write_buckets for _, t in items]
             return write(rank, write_buckets, results_queue)
 
-        request = checkpoint_tiers.background_request(request._replace(async_fn=noting_storages))
+        request = staging.background_request(request._replace(async_fn=noting_storages))
         assert request.preload_fn is None  # the loop waits for no copy
         staging.wait_for_copies()  # the next step's finalize_model_grads
         for value in training.values():

@@ -141,6 +141,20 @@ def test_rope_is_megatrons_bit_for_bit(dtype, per_sequence):
     assert torch.equal(cca.rope(x, freqs), expected)
 
 
+def test_rope_cos_sin_are_computed_once_per_table_and_again_after_it_changes():
+    """The kernels' cos and sin of Megatron's rotary table: one computation serves every later call with the same
+    table, and a table changed in place (a CUDA graph's, refilled each step) gets new ones, equal to float64's."""
+    freqs = torch.rand(7, 2, 1, 8, generator=torch.Generator().manual_seed(0)) * 50
+    first = cca.rope_cos_sin(freqs)
+    again = cca.rope_cos_sin(freqs)
+    assert all(a is b for a, b in zip(first, again))
+    freqs.mul_(0.5)
+    changed = cca.rope_cos_sin(freqs)
+    angles = freqs[:, :, 0, :].double()
+    for got, want in zip(changed, (angles.cos(), angles.sin())):
+        torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=1e-6)
+
+
 def test_fused_functions_compute_the_reference_where_no_kernel_runs():
     """CPU tensors, kernels compiled (not interpreted): each ``fused_*`` gives its reference's numbers exactly."""
     gen = torch.Generator().manual_seed(1)
