@@ -184,4 +184,4 @@ if any(kind in STEP_KINDS for kind, _, _ in _plan()):
 if any(kind in NODE_KINDS for kind, _, _ in _plan()):
     sys.meta_path.insert(0, _WrapOnImport("megatron_zaya.training.health", _wrap_self_test))
 if any(kind in WRITE_KINDS for kind, _, _ in _plan()):
-    sys.meta_path.insert(0, _WrapOnImport("megatron_zaya.checkpoint.tiers", _wrap_writer))
+    sys.meta_path.insert(0, _WrapOnImport("megatron_zaya.checkpoint.staging", _wrap_writer))
