@@ -172,4 +172,6 @@ class ZayaMoELayer(MoELayer):
 
 @functools.cache
 def _say_once(message: str) -> None:
-    logging.getLogger(__name__).warning(message)
+    """``message`` logged once per process, by the first rank only."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        logging.getLogger(__name__).warning(message)
