@@ -83,3 +83,11 @@ def test_moe_op_equals_the_kernels_op_by_op(recompute, skip_mode, one_op_calls):
 def test_moe_op_needs_its_pieces_named():
     with pytest.raises(ZayaConfigError, match="--zaya-kernels experts,moe,router,router_head"):
         zaya_config("test", kernels="experts,moe")
+
+
+def test_a_layer_the_op_does_not_take_keeps_one_op_per_kernel_and_says_so(caplog):
+    model = build_single_process_model(zaya_config("test", kernels=PER_KERNEL + ",moe", skip_class=False,
+                                                   use_cpu_initialization=True, params_dtype=torch.float32))
+    assert not any(layer.mlp.one_op for layer in model.decoder.layers)
+    said = [r.getMessage() for r in caplog.records if "moe op" in r.getMessage()]
+    assert said == ["the moe op needs the skip class and the grouped experts; one op per kernel instead"], said
