@@ -91,3 +91,38 @@ def test_a_layer_the_op_does_not_take_keeps_one_op_per_kernel_and_says_so(caplog
     assert not any(layer.mlp.one_op for layer in model.decoder.layers)
     said = [r.getMessage() for r in caplog.records if "moe op" in r.getMessage()]
     assert said == ["the moe op needs the skip class and the grouped experts; one op per kernel instead"], said
+
+
+def test_moe_op_on_torch_grouped_mm_equals_the_same_gemms_op_by_op(one_op_calls):
+    """The op with its grouped GEMMs on ``torch._grouped_mm`` (as a measured table may choose; fc2's weight gradient
+    left on the kernel) against the same GEMMs op by op: one MoE sublayer, with a router state in, bit for bit."""
+    import functools
+
+    from megatron_zaya.ops import experts as experts_ops
+    from megatron_zaya.ops.grouped_mm import Backends, available
+
+    if not available("cpu", torch.float32):
+        pytest.skip("this torch has no torch._grouped_mm on CPU")
+    backends = (Backends("torch", "torch", "torch"), Backends("torch", "torch", "triton"))
+    model = build_single_process_model(zaya_config("test", kernels=PER_KERNEL + ",moe", use_cpu_initialization=True,
+                                                   params_dtype=torch.float32))
+    mlp = model.decoder.layers[1].mlp.train()
+    mlp.experts.backends, mlp.experts.grouped = backends, functools.partial(experts_ops.fused_experts,
+                                                                            backends=backends)
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(9, 2, model.config.hidden_size, generator=gen)
+    state_in = torch.randn(9, 2, model.config.router_hidden_size, generator=gen)
+    grad_out, grad_state = torch.randn(hidden.shape, generator=gen), torch.randn(state_in.shape, generator=gen)
+
+    def run(one_op: bool):
+        mlp.one_op = one_op
+        leaves = [hidden.clone().requires_grad_(), state_in.clone().requires_grad_()]
+        out, state = mlp(*leaves)
+        params = [p for p in mlp.parameters() if p.requires_grad]
+        grads = torch.autograd.grad([out, state], leaves + params, [grad_out, grad_state])
+        return [out, state, *grads]
+
+    op_by_op, one_op = run(False), run(True)
+    assert one_op_calls == {"forward": 1, "backward": 1}
+    for i, (got, want) in enumerate(zip(one_op, op_by_op, strict=True)):
+        assert torch.equal(got, want), i
