@@ -1,6 +1,6 @@
 """The ``moe`` kernel op (ops/moe.py), the MoE sublayer as one autograd op over the router, router_head and experts
 kernels, against the same kernels run op by op: it adds no math, so the losses, the gradients (into Megatron's
-``main_grad`` as trained, over two micro-batches), the router state and the token counts are bit for bit the
+``main_grad`` as trained, accumulated over micro-batches), the router state and the token counts are bit for bit the
 same, whatever the layer recomputes. (The per-kernel path itself is checked against the torch references in
 test_zaya_kernel_glue.py, where ``moe`` is among the ops.) Kernels run in Triton's interpreter."""
 
@@ -41,8 +41,8 @@ def one_op_calls(interpreted, monkeypatch) -> Counter:
     return calls
 
 
-def _trained_step(kernels: str, recompute: tuple[str, ...], skip_mode: str, state: dict):
-    """Two micro-batches of the test model under Megatron's DDP (gradients accumulated into fp32 ``main_grad``)."""
+def _trained_step(kernels: str, recompute: tuple[str, ...], skip_mode: str, state: dict, micro_batches: int):
+    """Micro-batches of the test model under Megatron's DDP (gradients accumulated into fp32 ``main_grad``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     cfg = zaya_config("test", kernels=kernels, use_cpu_initialization=True, params_dtype=torch.float32,
@@ -52,7 +52,7 @@ def _trained_step(kernels: str, recompute: tuple[str, ...], skip_mode: str, stat
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model).train()
     generator = torch.Generator().manual_seed(0)
     losses = []
-    for _ in range(2):
+    for _ in range(micro_batches):
         ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=generator)
         loss = ddp(ids, labels=ids)
         loss.sum().backward()
@@ -62,22 +62,24 @@ def _trained_step(kernels: str, recompute: tuple[str, ...], skip_mode: str, stat
     return model, torch.stack(losses), grads, counts
 
 
-@pytest.mark.parametrize("recompute, skip_mode", [(("layernorm", "router"), "identity"), (("moe",), "zero")],
+@pytest.mark.parametrize("recompute, skip_mode, micro_batches", [(("layernorm", "router"), "identity", 2),
+                                                                 (("moe",), "zero", 1)],
                          ids=["recompute-router", "recompute-moe"])
-def test_moe_op_equals_the_kernels_op_by_op(recompute, skip_mode, one_op_calls):
+def test_moe_op_equals_the_kernels_op_by_op(recompute, skip_mode, micro_batches, one_op_calls):
     state = build_single_process_model(zaya_config("test", use_cpu_initialization=True,
                                                    params_dtype=torch.float32)).state_dict()
-    model, losses, grads, counts = _trained_step(PER_KERNEL, recompute, skip_mode, state)
+    model, losses, grads, counts = _trained_step(PER_KERNEL, recompute, skip_mode, state, micro_batches)
     assert not any(layer.mlp.one_op for layer in model.decoder.layers) and not one_op_calls
-    model, one_op_losses, one_op_grads, one_op_counts = _trained_step(PER_KERNEL + ",moe", recompute, skip_mode, state)
-    layers = len(model.decoder.layers)
-    assert one_op_calls == {"forward": 2 * layers, "backward": 2 * layers}  # the op ran in every layer, once each
+    model, one_op_losses, one_op_grads, one_op_counts = _trained_step(PER_KERNEL + ",moe", recompute, skip_mode, state,
+                                                                      micro_batches)
+    calls = micro_batches * len(model.decoder.layers)
+    assert one_op_calls == {"forward": calls, "backward": calls}  # the op ran in every layer, once each
     assert torch.equal(one_op_losses, losses)
     for name, grad in grads.items():
         assert torch.equal(one_op_grads[name], grad), name
     assert any(grad.abs().sum() > 0 for name, grad in one_op_grads.items() if ".router." in name)
     for counted, expected in zip(one_op_counts, counts):
-        assert torch.equal(counted, expected) and counted.sum() == 2 * 2 * 11  # every token once per micro-batch
+        assert torch.equal(counted, expected) and counted.sum() == micro_batches * 2 * 11  # each token once
 
 
 def test_moe_op_needs_its_pieces_named():
