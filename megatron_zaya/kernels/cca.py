@@ -551,12 +551,13 @@ class _CausalConvs(torch.autograd.Function):
             grad, x, history_or_x, offsets_or_x, w1, b1, partial_w, length, batch, channels, total, rows_per_program,
             T0=t0, T1=t1, HEAD_DIM=head_dim, BLOCK_ROWS=rows, HAS_HISTORY=history is not None, HAS_DOCS=has_docs,
             DOT_PRECISION=precision, num_warps=tuning["weight_warps"], num_stages=tuning["weight_stages"])  # fmt: skip
-        param_grads = [sums[1:].t(), grad_b1, partial_w.sum(0), sums[0]]  # fp32: d w1, d b1, d w2, d b2
+        param_grads = [g.reshape(p.shape) for g, p in zip((sums[1:].t(), grad_b1, partial_w.sum(0), sums[0]),
+                                                           ctx.params)]  # fp32: d w1, d b1, d w2, d b2
         targets = main_grad_targets(ctx.params)
         if targets is None:
-            param_grads = [g.reshape(p.shape).to(p.dtype) for g, p in zip(param_grads, ctx.params)]
+            param_grads = [g.to(p.dtype) for g, p in zip(param_grads, ctx.params)]
         else:  # into main_grad in fp32, one foreach addition
-            torch._foreach_add_(targets, [g.reshape(p.shape) for g, p in zip(param_grads, ctx.params)])
+            torch._foreach_add_(targets, param_grads)
             param_grads = added_to_main_grad(ctx.params)
         return grad_x, *param_grads, grad_history, None
 

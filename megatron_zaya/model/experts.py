@@ -28,8 +28,8 @@ class ZayaExperts(SequentialMLP):
         # the data-parallel group, so the gradients are reduced over the same ranks either way.)
         for param in self.parameters():
             param.allreduce = False
-        self.grouped = experts.choose(self.config, self.tp_group.size(), self.num_local_experts)  # None: the loop
-        self.backends = None if self.grouped is None else experts.choose_backends(self.config, self.num_local_experts)
+        self.backends = experts.choose_backends(self.config, self.num_local_experts)
+        self.grouped = experts.choose(self.config, self.tp_group.size(), self.backends)  # None: the loop
 
     def weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The local experts' fc1 ``[2F, D]`` and fc2 ``[D, F]`` weights, for the grouped GEMMs to read in place."""

@@ -135,23 +135,22 @@ def choose_sort(config):
     return fused_sort_by_expert if config.uses_kernel("experts") else sort_by_expert
 
 
-def choose(config, tensor_parallel_size: int, num_local_experts: int):
+def choose(config, tensor_parallel_size: int, backends: tuple[grouped_mm.Backends, grouped_mm.Backends]):
     """:func:`fused_experts` with the ``experts`` op, else None (Megatron's ``SequentialMLP`` loop). Expert tensor
-    parallelism, fp8/fp4, biases and probabilities applied on the input keep the loop. Each GEMM of fc1 and fc2
-    runs on the backend measured fastest for this GPU and shape (:func:`choose_backends`)."""
+    parallelism, fp8/fp4, biases and probabilities applied on the input keep the loop. ``backends``: those of fc1's
+    and fc2's GEMMs (:func:`choose_backends`)."""
     loop_only = (config.fp8 or config.fp4 or config.moe_apply_probs_on_input or tensor_parallel_size > 1
                  or config.add_bias_linear)
     if not config.uses_kernel("experts") or loop_only:
         return None
-    backends = choose_backends(config, num_local_experts)
     if all(chosen == grouped_mm.TRITON for chosen in backends):
         return fused_experts
     return functools.partial(fused_experts, backends=backends)
 
 
 def choose_backends(config, num_local_experts: int) -> tuple[grouped_mm.Backends, grouped_mm.Backends]:
-    """The backends of fc1's and fc2's grouped GEMMs (``ops/grouped_mm.py``): the Triton kernel where nothing was
-    measured."""
+    """The backends of fc1's and fc2's grouped GEMMs, measured fastest for this GPU and shape (``ops/grouped_mm.py``):
+    the Triton kernel where nothing was measured."""
     hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
     fc1, fc2 = grouped_mm.choose_backends(config.params_dtype, [(num_local_experts, 2 * ffn, hidden),
                                                                 (num_local_experts, hidden, ffn)])

@@ -23,7 +23,7 @@ in bf16; ROCm builds with CK on gfx942/gfx950): :func:`available` checks that.
 
 The choice. ``benchmarks/grouped_gemm_backends.py`` times both backends for each GEMM at a model's weight shapes
 on a GPU and writes the faster one into :data:`TABLE_PATH`, each entry with its GPU, torch and Triton versions,
-command and date. :func:`choose_backends` reads it when the model is built (``ops.experts.choose``). A GPU
+command and date. :func:`choose_backends` reads it when the model is built (``ops.experts.choose_backends``). A GPU
 without an entry, or a torch without ``_grouped_mm`` for the device and dtype (:func:`available`), keeps the
 Triton kernel for every GEMM.
 """

@@ -135,7 +135,7 @@ def test_the_model_takes_the_tables_choice_when_built(torch_has_it, monkeypatch)
     monkeypatch.setattr(grouped_mm, "available", lambda device_type, dtype: torch_has_it)
     monkeypatch.setattr(grouped_mm, "read_table", lambda: [ENTRY])
     config = zaya_config("zaya1-8b", kernels="experts", params_dtype=torch.bfloat16, bf16=True)
-    chosen = experts.choose(config, 1, 16)
+    chosen = experts.choose(config, 1, experts.choose_backends(config, 16))
     if torch_has_it:
         assert chosen.func is experts.fused_experts
         assert chosen.keywords["backends"] == (Backends("torch", "torch", "triton"), grouped_mm.TRITON)

@@ -175,8 +175,9 @@ def test_the_choice_reads_the_kernels_field():
     assert cca.choose(named) is cca.fused_cca_qk and cca.choose(none) is cca.cca_qk
     assert router.choose(named) == (router.fused_router_projection, router.fused_route_head)
     assert router.choose(none) == (router.router_projection, router.route_head)
-    assert experts.choose(named, 1, 4) is experts.fused_experts and experts.choose(none, 1, 4) is None
-    assert experts.choose(named, 2, 4) is None  # expert tensor parallelism keeps Megatron's loop
+    triton = (experts.grouped_mm.TRITON,) * 2
+    assert experts.choose(named, 1, triton) is experts.fused_experts and experts.choose(none, 1, triton) is None
+    assert experts.choose(named, 2, triton) is None  # expert tensor parallelism keeps Megatron's loop
     assert lm_head.choose(named, 1) is lm_head.fused_linear_cross_entropy and lm_head.choose(named, 2) is None
 
 
