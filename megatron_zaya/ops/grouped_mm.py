@@ -131,8 +131,18 @@ def runs_on(x: torch.Tensor, weights, backends: Backends) -> bool:
 def grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padded_rows: bool = False,
                  backends: Backends = TRITON) -> torch.Tensor:
     """``ops.experts.grouped_gemm`` with each GEMM by its backend in ``backends`` (check :func:`runs_on` first)."""
-    x, counts, padded_rows, table, *weights = _kernel().prepare(x, weight, tokens_per_expert, padded_rows)
-    return GroupedMM.apply(x, counts, padded_rows, table, backends, *weights)
+    function, arguments = autograd_call(x, weight, tokens_per_expert, padded_rows, backends)
+    return function.apply(*arguments)
+
+
+def autograd_call(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padded_rows: bool, backends: Backends):
+    """The autograd Function of :func:`grouped_gemm` and its arguments, checked (the kernel's ``prepare``): the
+    kernel's own where every GEMM is Triton's, else :class:`GroupedMM`. A composite op runs them itself."""
+    kernel = _kernel()
+    x, counts, padded_rows, table, *weights = kernel.prepare(x, weight, tokens_per_expert, padded_rows)
+    if backends == TRITON:
+        return kernel.GroupedGemm, (x, counts, padded_rows, table, *weights)
+    return GroupedMM, (x, counts, padded_rows, table, backends, *weights)
 
 
 def _kernel():

@@ -160,11 +160,8 @@ class _Forward:
 def _grouped_gemm(x, weights, per_expert, backends: grouped_mm.Backends) -> Piece:
     """The grouped GEMM over tokens sorted by expert (a zero tail), by the Triton kernel or ``torch._grouped_mm``
     as ``backends`` name."""
-    kernel = _kernels()[0]
-    x, counts, padded_rows, table, *prepared = kernel.prepare(x, weights, per_expert, True)
-    if backends == grouped_mm.TRITON:
-        return Piece(kernel.GroupedGemm, x, counts, padded_rows, table, *prepared)
-    return Piece(grouped_mm.GroupedMM, x, counts, padded_rows, table, backends, *prepared)
+    function, arguments = grouped_mm.autograd_call(x, weights, per_expert, True, backends)
+    return Piece(function, *arguments)
 
 
 def _grouped_gemm_backward(gemm: Piece, grad_out) -> tuple[torch.Tensor, list[torch.Tensor]]:
