@@ -34,7 +34,7 @@ from ..runtime import (START_LOG, end_data_workers_at_exit, end_helpers_with_thi
                        is_rank_0, relaunch_count, write_start_log)
 from . import health, reliability
 from .arguments import (ZAYA_FLAGS, add_zaya_args, check_args, check_data, early_flags, memory_plan_inputs,
-                        preset_flags, zaya_pretrain_parser)
+                        preset_flags, zaya_config_from_args, zaya_pretrain_parser)
 from .ledger import CRASH_LOOP_EXIT_CODE, LEDGER, LEDGER_FILE, failing_step, last_error_line
 from .loss_curve import LOSS_CURVE, curve_group, writes_curve
 from .steps import forward_step, model_provider, train_valid_test_datasets_provider
@@ -180,6 +180,7 @@ def _parse(argv: list[str], main_job: bool, planning: bool):
         raise UsageError(f"the tokenizer has {tokenizer_vocab} tokens but the model's vocabulary is {model_vocab}; "
                          "use a tokenizer that fits or raise --zaya-vocab-size")
     args.padded_vocab_size = model_vocab
+    zaya_config_from_args(args)  # the model config's own checks, before anything is written
     if args.zaya_memory_ckpt_interval and not planning:
         cfg, par, run = memory_plan_inputs(args)
         check_host_memory(args, memory_tier_host_bytes(memory_plan(cfg, par, run), run, args.world_size))
