@@ -136,7 +136,8 @@ def tier_for(args) -> "LocalTier":
     number kept) when ``--zaya-memory-ckpt-interval`` set it."""
     memory = bool(args.zaya_memory_ckpt_interval)
     keep = args.zaya_memory_ckpt_keep if memory else args.zaya_local_ckpt_keep
-    return LocalTier(args.non_persistent_local_ckpt_dir, keep, args.load, peer=memory)
+    return LocalTier(args.non_persistent_local_ckpt_dir, keep, args.load, peer=memory,
+                     timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
 
 
 def loading() -> int:
@@ -154,8 +155,10 @@ class LocalTier:
     ZAYA1's local tier; ``peer``: each part also copied to a rank on another node (the in-memory tier).
     ``find_latest`` is collective: every rank calls it, as Megatron does on load."""
 
-    def __init__(self, local_ckpt_dir: str, keep: int, persistent_dir: str | None, peer: bool = False):
+    def __init__(self, local_ckpt_dir: str, keep: int, persistent_dir: str | None, peer: bool = False,
+                 timeout: datetime.timedelta | None = None):
         self.local_ckpt_dir = local_ckpt_dir
+        self.timeout = timeout  # of the thread's collectives: Megatron's, not gloo's 30-minute default
         self.keep = keep
         self.persistent_dir = persistent_dir
         self.peer = peer
@@ -181,7 +184,7 @@ class LocalTier:
 
         self.finish()
         if self._group is None:  # collective: every rank saves the same iterations
-            self._group = torch.distributed.new_group(backend="gloo")
+            self._group = torch.distributed.new_group(backend="gloo", timeout=self.timeout)
         tensors = state.pop_tensors()
         rest = copy.deepcopy(state)  # the rest (the optimizer's step counts, ...) as of this step
         state.insert_tensors(tensors)

@@ -163,6 +163,46 @@ def test_a_save_keeps_the_state_of_its_step(tmp_path):
     assert loaded["sharded"] == [700.0, 701.0, 702.0, 703.0], loaded
 
 
+def _save_while_the_other_rank_is_gone(rank, world, root):
+    """Rank 1 stops taking part after the tier's group is made (as a rank that died would); rank 0 saves with
+    Megatron's collective timeout set to 3 s: the error of its save's collectives, raised by ``finish``."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+
+    from megatron_zaya.checkpoint.local_tier import tier_for
+    from megatron_zaya.patches import apply_patches
+
+    apply_patches("cpu,checkpointing.local_tier")
+    ps.initialize_model_parallel()
+    state, _ = MCoreTensorAwareStateDict.from_state_dict(  # collective
+        _sharded_state(1, rank, world), algo="fully_parallel", parallelization_group=ps.get_data_parallel_group())
+    result = None
+    if rank == 1:
+        torch.distributed.new_group(backend="gloo")  # collective: the tier's group, made in rank 0's first save
+    else:
+        args = SimpleNamespace(zaya_memory_ckpt_interval=0, zaya_local_ckpt_keep=2, non_persistent_local_ckpt_dir=root,
+                               load=None, distributed_timeout_minutes=0.05)
+        tier = tier_for(args)
+        tier.save(state, 1, is_async=False)
+        try:
+            tier.finish()
+            result = "finished"
+        except RuntimeError as error:
+            result = type(error).__name__
+    torch.distributed.barrier()  # the default group, untouched by the tier's failure
+    ps.destroy_model_parallel()
+    return result
+
+
+def test_a_save_whose_peer_is_gone_fails_within_the_collective_timeout(tmp_path):
+    """The tier's thread waits for the other ranks no longer than Megatron's ``--distributed-timeout-minutes``
+    (gloo's own default is 30 minutes): the training loop gets the error at its next save or at the end."""
+    result, _ = run_ranks(_save_while_the_other_rank_is_gone, 2, tmp_path, str(tmp_path / "local"))
+    assert result not in (None, "finished"), result
+
+
 def _memory_tier_on_nodes(rank, world, root, saves, flips, is_async):
     """Each rank a node of its own (``LOCAL_WORLD_SIZE`` 1) with its own directory ``root/node<rank>``: save
     ``saves`` (``is_async``: as with ``--async-save``) with copies on the other node (sent from the tier's
