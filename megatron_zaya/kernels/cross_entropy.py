@@ -176,10 +176,10 @@ def _tiles(tokens: int, vocab: int, token_chunk: int | None, vocab_chunk: int | 
     return _chunks(tokens, token_chunk), _chunks(vocab, vocab_chunk)
 
 
-def _recomputed_grads(hidden, weight, labels, lse, grad_loss, tiles, need_hidden: bool):
-    """(d hidden or None, d weight) from the saved inputs, recomputing each tile's logits."""
+def _recomputed_grads(hidden, weight, labels, lse, grad_loss, tiles):
+    """(d hidden, d weight) from the saved inputs, recomputing each tile's logits."""
     token_ranges, vocab_ranges = tiles
-    grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
+    grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     grad_weight = torch.empty_like(weight)
     one_token_chunk = len(token_ranges) == 1  # then d weight needs no fp32 accumulator: one GEMM per chunk
     for v0, v1 in vocab_ranges:
@@ -189,8 +189,7 @@ def _recomputed_grads(hidden, weight, labels, lse, grad_loss, tiles, need_hidden
             h = hidden[t0:t1]
             grad_logits = torch.empty((t1 - t0, v1 - v0), dtype=hidden.dtype, device=hidden.device)
             _softmax_grad(matmul_fp32(h, w.t()), labels[t0:t1], v0, lse[t0:t1], grad_loss[t0:t1], grad_logits)
-            if need_hidden:
-                matmul_fp32_into(grad_hidden[t0:t1], grad_logits, w, accumulate=True)
+            matmul_fp32_into(grad_hidden[t0:t1], grad_logits, w, accumulate=True)
             if one_token_chunk:
                 torch.mm(grad_logits.t(), h, out=grad_w)
             else:
@@ -246,7 +245,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden, weight, labels, lse, *unit_grads = ctx.saved_tensors  # unit_grads: saved by _forward_with_grads
         grad_loss = torch.where(labels == ctx.ignore_index, 0.0, grad_loss.float())
         if not unit_grads:
-            grad_hidden, grad_weight = _recomputed_grads(hidden, weight, labels, lse, grad_loss, ctx.tiles, True)
+            grad_hidden, grad_weight = _recomputed_grads(hidden, weight, labels, lse, grad_loss, ctx.tiles)
             return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None
         unit_grad_hidden, unit_grad_weight = unit_grads
         grad_hidden = (unit_grad_hidden * grad_loss[:, None]).to(hidden.dtype)
@@ -254,11 +253,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = torch.where(counted, grad_loss, float("-inf")).amax()
         scale = torch.where(scale.isfinite(), scale, 0.0)  # no counted token: every gradient is 0
         one_factor = torch.where(counted, grad_loss == scale, True).all()
-        # one host sync per call; shape-only tracing (meta tensors) has no values to compare
-        if grad_loss.is_meta or bool(one_factor):
-            grad_weight = (unit_grad_weight * scale).to(weight.dtype)
-        else:
-            _, grad_weight = _recomputed_grads(hidden, weight, labels, lse, grad_loss, ctx.tiles, False)
+        # Checked on the device, as a host sync would stall an eager step: any other loss gradient makes d weight
+        # NaN, which Megatron's check of the gradients stops, rather than silently wrong.
+        grad_weight = (unit_grad_weight * torch.where(one_factor, scale, float("nan"))).to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
@@ -275,7 +272,9 @@ def linear_cross_entropy(
 
     ``token_chunk`` x ``vocab_chunk`` is the logits tile (default: up to 8192 tokens, 2^28 elements).
     ``grad_in_forward`` (when gradients are needed) computes them in the forward over whole-vocabulary token
-    chunks (default about 2^28 / V tokens; ``vocab_chunk`` unused), saving the backward's recomputation.
+    chunks (default about 2^28 / V tokens; ``vocab_chunk`` unused), saving the backward's recomputation. The
+    weight's gradient then holds for a loss gradient that is one factor for every counted token (any mean or sum of
+    the losses, masked tokens given ``ignore_index`` as training does); another gets a NaN one.
     hidden and weight share a dtype (bf16 in training: the GEMMs take bf16 and accumulate and return fp32).
     """
     if hidden.shape[:-1] != labels.shape or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:

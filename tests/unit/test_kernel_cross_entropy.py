@@ -63,17 +63,17 @@ def test_linear_cross_entropy_forward_backward(dtype, chunks, grad_in_forward, g
     reference = _loss_and_grads(ops.linear_cross_entropy, [hidden, weight], labels, grad_loss)
     oracle = _loss_and_grads(ops.linear_cross_entropy, [hidden, weight], labels, grad_loss, torch.float64)
     assert kernel[0].dtype == torch.float32 and kernel[1].dtype == kernel[2].dtype == dtype
-    for name, k, r, o in zip(["loss", "d_hidden", "d_weight"], kernel, reference, oracle):
+    checked = ["loss", "d_hidden", "d_weight"]
+    if grad_in_forward and grad_kind == "per_token":  # d weight of the forward holds for one factor: NaN, not wrong
+        assert kernel[2].isnan().all()
+        checked = checked[:2]
+    for name, k, r, o in zip(checked, kernel, reference, oracle):
         assert_matches_oracle(name, k, o, r)
 
 
-def test_a_loss_mask_given_as_ignored_labels_keeps_the_gradients_of_the_forward(monkeypatch):
+def test_a_loss_mask_given_as_ignored_labels_keeps_the_gradients_of_the_forward():
     """What training/steps.py does with Megatron's loss mask: masked tokens become ignored labels, so the loss
-    gradient is one factor for every counted token and d weight needs no recomputation."""
-    def no_recomputation(*args):
-        raise AssertionError("d weight was recomputed")
-
-    monkeypatch.setattr(kernels, "_recomputed_grads", no_recomputation)
+    gradient is one factor for every counted token and d weight from the forward holds (not NaN)."""
     gen = torch.Generator().manual_seed(3)
     hidden, weight = torch.randn(12, 16, generator=gen), 0.5 * torch.randn(VOCAB, 16, generator=gen)
     labels = torch.randint(0, VOCAB, (12,), generator=gen)
