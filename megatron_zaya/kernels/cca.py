@@ -434,7 +434,9 @@ def _meta_params(n_q: int, n_kv: int, head_dim: int, rot: int) -> dict:
                 num_warps=4)  # fmt: skip
 
 
-class _QKEpilogue(torch.autograd.Function):
+class QKEpilogue(torch.autograd.Function):
+    """Steps 2-4 after the convolutions: one kernel each way, every head of a token in one program."""
+
     @staticmethod
     def forward(ctx, q_conv, k_conv, q0, k0, temp, cos, sin, head_dim):
         seq, batch = q0.shape[:2]
@@ -486,7 +488,7 @@ def _dot_precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored by bf16/fp16 dots
 
 
-class _CausalConvs(torch.autograd.Function):
+class CausalConvs(torch.autograd.Function):
     """``ops.cca.causal_convs`` by the convolution kernels: one launch forward, three backward, no padded copies."""
 
     @staticmethod
@@ -570,7 +572,7 @@ def causal_qk_convs_fused(x: torch.Tensor, depthwise_w, depthwise_b, grouped_w, 
     if not takes_head_dim(head_dim) or heads * head_dim != x.shape[-1]:
         raise ValueError(f"causal_qk_convs_fused: {heads} heads of {head_dim} channels (a power of two >= 16) "
                          f"for {x.shape[-1]} channels")
-    return _CausalConvs.apply(x, depthwise_w, depthwise_b, grouped_w, grouped_b, history, document_offsets)
+    return CausalConvs.apply(x, depthwise_w, depthwise_b, grouped_w, grouped_b, history, document_offsets)
 
 
 # ----------------------------------------------------------------------------------------- public API
@@ -621,5 +623,5 @@ def cca_qk(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, cos, sin, histo
     q_history, k_history = _split_history(history, q0.shape[-1])
     q_conv = causal_qk_convs_fused(q0, wq1, bq1, wq2, bq2, n_q, q_history, document_offsets)
     k_conv = causal_qk_convs_fused(k0, wk1, bk1, wk2, bk2, n_kv, k_history, document_offsets)
-    q, k = _QKEpilogue.apply(q_conv, k_conv, q0, k0, temp, cos, sin, head_dim)
+    q, k = QKEpilogue.apply(q_conv, k_conv, q0, k0, temp, cos, sin, head_dim)
     return q.view(seq, batch, n_q, head_dim), k.view(seq, batch, n_kv, head_dim)

@@ -271,7 +271,7 @@ def _launch_backward(grad_out, grad_new_residual, hidden, residual, vectors, wei
     return grad_hidden, grad_residual, outs if targets is None else added_to_main_grad(params)
 
 
-class _RMSNorm(torch.autograd.Function):
+class RMSNorm(torch.autograd.Function):
     """``weight * rmsnorm(x)``; with ``round_input``, of ``x.to(weight.dtype)`` (the gradient passes the cast)."""
 
     @staticmethod
@@ -353,14 +353,14 @@ def _check_residual_args(hidden, residual, vectors) -> None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * rmsnorm(x)``: x [..., D], weight [D] -> [..., D] in promote(x, weight) dtype."""
     _check_vector("weight", weight, x.shape[-1])
-    return _RMSNorm.apply(x, weight, eps, False)
+    return RMSNorm.apply(x, weight, eps, False)
 
 
 def residual_norm(residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * rmsnorm(residual.to(weight.dtype))`` in weight's dtype; same contract as
     ``ops.residual_norm.residual_norm``, without materialising the cast."""
     _check_vector("weight", weight, residual.shape[-1])
-    return _RMSNorm.apply(residual, weight, eps, True)
+    return RMSNorm.apply(residual, weight, eps, True)
 
 
 def residual_merge(hidden, residual, hidden_bias, hidden_scale, residual_bias, residual_scale) -> torch.Tensor:
