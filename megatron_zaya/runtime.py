@@ -1,11 +1,12 @@
 """Process set-up: a single process outside a training launcher (conversion, inference, tests), the master port
 of a single-node run, and a quiet start (warnings about optional packages in one line, the start-up record
-kept for the run directory)."""
+kept for the run directory, the first rank's notes once each)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -135,6 +136,14 @@ def print_rank_0(message: str, file=None) -> None:
     """``print`` on global rank 0 only (every process when torch.distributed is not initialised), flushed."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, file=file or sys.stdout, flush=True)
+
+
+@functools.cache
+def say_once(message: str) -> None:
+    """``message`` logged as a warning once per process, by the first rank only: a note that every layer would
+    repeat (a fused op that a layout does not take, say)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logging.getLogger(__name__).warning(message)
 
 
 # Warnings that Megatron (or torch, about Megatron's calls) raises in every run and that nobody running

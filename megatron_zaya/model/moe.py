@@ -21,9 +21,6 @@ expert's rank only) back to the token's rank. That moves EP× the tokens of an a
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import torch
 from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
@@ -35,6 +32,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 
 from ..ops import experts as experts_ops
 from ..ops import moe as moe_ops
+from ..runtime import say_once
 from .recompute import recomputes
 
 
@@ -89,10 +87,10 @@ class ZayaMoELayer(MoELayer):
     def _one_op_fits(self) -> bool:
         """Whether this layout takes the ``moe`` op; says once why not where it does not."""
         if not self._dispatches_locally():
-            _say_once("the moe op runs the MoE sublayer of one rank's experts (EP 1, TP 1, top-1); this layout keeps "
+            say_once("the moe op runs the MoE sublayer of one rank's experts (EP 1, TP 1, top-1); this layout keeps "
                       "one op per kernel")
         elif not self.config.skip_class or self.experts.grouped is None:
-            _say_once("the moe op needs the skip class and the grouped experts; one op per kernel instead")
+            say_once("the moe op needs the skip class and the grouped experts; one op per kernel instead")
         else:
             return True
         return False
@@ -169,9 +167,3 @@ class ZayaMoELayer(MoELayer):
             output = reduce_scatter_to_sequence_parallel_region(output, group=self.ep_group)
         return output.view(hidden_states.shape[:-1] + output.shape[-1:])
 
-
-@functools.cache
-def _say_once(message: str) -> None:
-    """``message`` logged once per process, by the first rank only."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        logging.getLogger(__name__).warning(message)
