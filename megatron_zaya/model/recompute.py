@@ -46,23 +46,9 @@ class Recompute:
     def drop_outputs(self, hook_tensor: torch.Tensor, which: Iterable[int] = (0,)) -> None:
         """Free outputs ``which`` now (their consumers have saved them); refill them from a recomputation when
         the gradient of ``hook_tensor`` arrives. Every consumer's backward must run after that."""
-        dropped = [self.outputs[i] for i in which]
-        for out in dropped:
-            out.untyped_storage().resize_(0)
-
-        def refill(grad):
-            leaves, outputs = self._recompute()
-            with torch.no_grad():
-                for out, i in zip(dropped, which):
-                    fresh = outputs[i]
-                    if out.stride() != fresh.stride() or out.storage_offset() != fresh.storage_offset():
-                        raise RuntimeError("a recomputed output changed its layout; it cannot refill its storage")
-                    # storage-level copy: no version bump on a tensor that autograd has saved
-                    out.untyped_storage().resize_(fresh.untyped_storage().nbytes())
-                    out.untyped_storage().copy_(fresh.untyped_storage())
-            return grad
-
-        hook_tensor.register_hook(refill)
+        which = list(which)
+        drop_until_gradient([self.outputs[i] for i in which], hook_tensor,
+                            lambda: [self._recompute()[1][i] for i in which])
 
     def _recompute(self):
         if self.recomputed is None:
@@ -72,6 +58,26 @@ class Recompute:
                 outputs = self.fn(*leaves)
             self.recomputed = (leaves, outputs if isinstance(outputs, tuple) else (outputs,))
         return self.recomputed
+
+
+def drop_until_gradient(outputs: list[torch.Tensor], hook_tensor: torch.Tensor,
+                        recompute: Callable[[], Iterable[torch.Tensor]]) -> None:
+    """Free ``outputs``' storage now (their consumers have saved them) and refill it with ``recompute()``'s tensors,
+    the same outputs computed again, when the gradient of ``hook_tensor`` arrives."""
+    for out in outputs:
+        out.untyped_storage().resize_(0)
+
+    def refill(grad):
+        with torch.no_grad():
+            for out, fresh in zip(outputs, recompute(), strict=True):
+                if out.stride() != fresh.stride() or out.storage_offset() != fresh.storage_offset():
+                    raise RuntimeError("a recomputed output changed its layout; it cannot refill its storage")
+                # storage-level copy: no version bump on a tensor that autograd has saved
+                out.untyped_storage().resize_(fresh.untyped_storage().nbytes())
+                out.untyped_storage().copy_(fresh.untyped_storage())
+        return grad
+
+    hook_tensor.register_hook(refill)
 
 
 class _Recomputed(torch.autograd.Function):
