@@ -23,9 +23,11 @@ ATTENTION_TYPES = ("global", "sliding")
 SKIP_MODES = ("zero", "identity")
 CORE_ATTENTIONS = ("sdpa", "te")  # CCA's softmax attention: torch's SDPA, or Transformer Engine's fused attention
 # The model's ops that have a Triton kernel (megatron_zaya/kernels) beside their torch reference (megatron_zaya/ops),
-# and ``moe``: the MoE sublayer as one op over the router, router_head and experts kernels (ops/moe.py).
-KERNEL_OPS = ("router", "router_head", "residual", "cca", "lm_head", "experts", "moe")
-MOE_OP_PIECES = ("router", "router_head", "experts")
+# and the sublayer ops, each one autograd op over some of those kernels (SUBLAYER_OPS: the kernel ops it composes):
+# ``moe``, the MoE sublayer (ops/moe.py), and ``cca_sublayer``, the CCA sublayer up to its attention
+# (ops/cca_sublayer.py).
+KERNEL_OPS = ("router", "router_head", "residual", "cca", "lm_head", "experts", "moe", "cca_sublayer")
+SUBLAYER_OPS = {"moe": ("router", "router_head", "experts"), "cca_sublayer": ("residual", "cca")}
 # ``--recompute-granularity selective --recompute-modules ...``: what each name recomputes in every ZAYA1 layer
 # (model/recompute.py). The default set is the cheap one: elementwise work and the small router MLP.
 RECOMPUTE_MODULES = {
@@ -203,9 +205,10 @@ class ZayaConfig(TransformerConfig):
             fail("--zaya-cuda-graphs with dropout (replays would reuse the captured random offsets)",
                  "set --hidden-dropout 0 --attention-dropout 0 or drop --zaya-cuda-graphs")
         named = kernel_selection(self.kernels)
-        if "moe" in named and not set(MOE_OP_PIECES) <= set(named):
-            fail("the moe kernel op composes the router, router_head and experts kernels",
-                 f"name them too: --zaya-kernels {','.join(dict.fromkeys((*named, *MOE_OP_PIECES)))}")
+        for op, pieces in SUBLAYER_OPS.items():
+            if op in named and not set(pieces) <= set(named):
+                fail(f"the {op} kernel op composes the {', '.join(pieces[:-1])} and {pieces[-1]} kernels",
+                     f"name them too: --zaya-kernels {','.join(dict.fromkeys((*named, *pieces)))}")
         if self.core_attention not in CORE_ATTENTIONS:
             fail(f"core_attention={self.core_attention!r} is unknown", f"use one of {CORE_ATTENTIONS}")
         if self.core_attention == "te" and "sliding" in (self.attention_types or ()):
@@ -226,12 +229,12 @@ class ZayaConfig(TransformerConfig):
         interpreter under ``TRITON_INTERPRET=1``). ``router_head``, the
         router after its projection as one kernel each way, saves launches at the cost of device time, so ``all``
         leaves it out under CUDA graphs, whose replays launch for free (``ops/router.py``'s ``choose``), and with it
-        ``moe``, which is built on it.
+        the sublayer ops, which save host time that replays do not spend (``moe`` is also built on it).
         """
         if op not in KERNEL_OPS:
             raise ValueError(f"unknown kernel op {op!r}; one of {KERNEL_OPS}")
         if self.kernels == "all":
-            return torch.cuda.is_available() and not (op in ("router_head", "moe") and self.cuda_graphs)
+            return torch.cuda.is_available() and not (op in ("router_head", *SUBLAYER_OPS) and self.cuda_graphs)
         return op in kernel_selection(self.kernels)
 
     @property

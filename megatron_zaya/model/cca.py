@@ -21,7 +21,9 @@ convolutions and the value delay the positions just before each of a rank's chun
 and values of the whole sequence (``context_parallel.py``). Packed documents (``documents.py``) stop all three
 mixings, and RoPE's positions, at each document's first token.
 
-Steps 2-6 are ``ops/cca.py``: the torch reference, and the Triton kernels with the ``cca`` kernel op.
+Steps 2-6 are ``ops/cca.py``: the torch reference, and the Triton kernels with the ``cca`` kernel op. With the
+``cca_sublayer`` op, the layer's input norm and steps 1-6 run as one autograd op over those kernels
+(``ops/cca_sublayer.py``), at TP = CP = 1; the modules and their parameters stay as they are.
 """
 
 from __future__ import annotations
@@ -42,11 +44,14 @@ from megatron.core.utils import divide
 from torch import nn
 
 from ..ops import cca as cca_ops
+from ..ops import cca_sublayer as cca_sublayer_ops
 from ..ops.cca import delay_channels
+from ..runtime import say_once
 from . import documents
 from .context_parallel import preceding_rows
 from .core_attention import SDPAttention
-from .recompute import Recompute, recomputes
+from .norm import residual_dtype
+from .recompute import Recompute, drop_until_gradient, recomputes
 
 
 class HeadShardedParameters(MegatronModule):
@@ -141,6 +146,8 @@ class CompressedConvAttention(MegatronModule):
             softmax_scale=1.0 / math.sqrt(d), pg_collection=pg_collection,
         )
         self.qk = cca_ops.choose(config)
+        self.one_op = config.uses_kernel("cca_sublayer") and self._one_op_fits()
+        self._one_op_runs: dict[torch.device, bool] = {}
         self.linear_proj = build_module(
             submodules.linear_proj, nq * d, config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=False, input_is_parallel=True,
@@ -163,35 +170,19 @@ class CompressedConvAttention(MegatronModule):
         )
         return (torch.cat([q_history, k_history], dim=-1) if halo else None), v_previous
 
-    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **unused):
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, input_norm=None, **unused):
         """``hidden_states [s(/tp), b, D]`` -> ``(out [s(/tp), b, D], None)``.
 
         ``attention_mask``: None (one causal sequence), or packed documents: the position ids of the whole
         sequence ``[S, b]`` (``documents.py``); ``rotary_pos_emb`` then holds each token's own angles.
+        ``input_norm``: the layer's input norm, when ``hidden_states`` is the residual stream, which the
+        ``cca_sublayer`` op normalises itself (where :meth:`runs_as_one_op`).
         """
-        q0, _ = self.linear_q(hidden_states)  # [s, b, nq·d / tp]; the sequence is gathered under SP
-        k0, _ = self.linear_k(hidden_states)
-        v, _ = self.linear_v(hidden_states)
-        s, b = q0.shape[:2]
-        qk_history, v_previous = self._context_parallel_halos(q0, k0, v)
-        offsets = document_ids = varlen = None
-        if attention_mask is not None:
-            packed = None
-            if not self.config.cuda_graphs:  # graphs warm up and capture the shape-stable block-masked path
-                packed = documents.varlen_documents(attention_mask, self.pg_collection.cp)
-            if packed is None:  # the block-masked path compares document ids
-                offsets = documents.tokens_before(attention_mask, self.pg_collection.cp)
-                document_ids = documents.document_ids(attention_mask)
-            else:
-                offsets, varlen = packed.tokens_before, packed.bounds
-        conv, qk_norm = self.conv(), self.qk_norm()
-        qk = partial(self._call_qk, conv=conv, rotary_pos_emb=rotary_pos_emb, head_dim=self.head_dim,
-                     document_offsets=offsets)
-        recompute_qk = recomputes(self.config, "cca_qk", self.training)
-        if recompute_qk:
-            qk = Recompute(qk, [*conv.parameters(), *qk_norm.parameters()])
-        q, k = qk(q0, k0, qk_norm.key_temperature, qk_history)
-        v = delay_channels(v, self.first_delayed_channel, v_previous, offsets).view(s, b, self.kv_heads, self.head_dim)
+        offsets, document_ids, varlen = self._documents(attention_mask)
+        if input_norm is None:
+            q, k, v, drop_qk = self._qkv(hidden_states, rotary_pos_emb, offsets)
+        else:
+            q, k, v, drop_qk = self._one_op_qkv(hidden_states, input_norm, rotary_pos_emb, offsets)
         dtype = v.dtype
         attend = partial(self.core_attention, attention_mask=document_ids, attn_mask_type=self.attn_mask_type,
                          packed_seq_params=varlen)
@@ -200,6 +191,93 @@ class CompressedConvAttention(MegatronModule):
             attend = Recompute(attend)
         context = attend(q.to(dtype), k.to(dtype), v)
         output = self.linear_proj(context)
-        for recomputed in [qk] * recompute_qk + [attend] * recompute_attention:
-            recomputed.drop_outputs(output[0], range(len(recomputed.outputs)))
+        if drop_qk is not None:
+            drop_qk(output[0])
+        if recompute_attention:
+            attend.drop_outputs(output[0])
         return output
+
+    def _documents(self, attention_mask):
+        """Packed documents' ``(tokens_before [s, b], document ids [S, b], varlen bounds)``: the conv kernels' and
+        the value delay's offsets, and the block-masked attention's ids or variable-length attention's bounds."""
+        if attention_mask is None:
+            return None, None, None
+        packed = None
+        if not self.config.cuda_graphs:  # graphs warm up and capture the shape-stable block-masked path
+            packed = documents.varlen_documents(attention_mask, self.pg_collection.cp)
+        if packed is None:  # the block-masked path compares document ids
+            return (documents.tokens_before(attention_mask, self.pg_collection.cp),
+                    documents.document_ids(attention_mask), None)
+        return packed.tokens_before, None, packed.bounds
+
+    def _qkv(self, hidden_states, rotary_pos_emb, offsets):
+        """q, k, v for the attention from the normalised ``hidden_states``, one op per kernel, and what frees q
+        and k until the backward under ``cca_qk`` recomputation (else None)."""
+        q0, _ = self.linear_q(hidden_states)  # [s, b, nq·d / tp]; the sequence is gathered under SP
+        k0, _ = self.linear_k(hidden_states)
+        v, _ = self.linear_v(hidden_states)
+        s, b = q0.shape[:2]
+        qk_history, v_previous = self._context_parallel_halos(q0, k0, v)
+        conv, qk_norm = self.conv(), self.qk_norm()
+        qk = partial(self._call_qk, conv=conv, rotary_pos_emb=rotary_pos_emb, head_dim=self.head_dim,
+                     document_offsets=offsets)
+        drop_qk = None
+        if recomputes(self.config, "cca_qk", self.training):
+            qk = Recompute(qk, [*conv.parameters(), *qk_norm.parameters()])
+            drop_qk = partial(qk.drop_outputs, which=(0, 1))
+        q, k = qk(q0, k0, qk_norm.key_temperature, qk_history)
+        v = delay_channels(v, self.first_delayed_channel, v_previous, offsets).view(s, b, self.kv_heads, self.head_dim)
+        return q, k, v, drop_qk
+
+    def _one_op_fits(self) -> bool:
+        """Whether this layout takes the ``cca_sublayer`` op; says once why not where it does not."""
+        cp_group = self.pg_collection.cp
+        if self.tp_group.size() > 1 or self.config.sequence_parallel or (cp_group is not None and cp_group.size() > 1):
+            say_once("the cca_sublayer op runs the CCA sublayer of one rank's heads and sequence (TP 1, CP 1, no "
+                     "sequence parallelism); this layout keeps one op per kernel")
+        elif residual_dtype(self.config) != torch.float32:
+            say_once("the cca_sublayer op normalises an fp32 residual stream; one op per kernel instead")
+        else:
+            return True
+        return False
+
+    def runs_as_one_op(self, residual: torch.Tensor, input_norm) -> bool:
+        """Whether :meth:`forward` takes the residual stream and the layer's ``input_norm`` and runs the input norm,
+        the projections, the convolutions, the epilogue and the value delay as the ``cca_sublayer`` op."""
+        if not self.one_op:
+            return False
+        if residual.device not in self._one_op_runs:
+            self._one_op_runs[residual.device] = cca_sublayer_ops.runs_on(
+                residual, self._one_op_weights(input_norm), self.head_dim)
+        return self._one_op_runs[residual.device]
+
+    def _one_op_weights(self, input_norm) -> cca_sublayer_ops.CCAWeights:
+        """The op's parameters, read in place (:meth:`_one_op_qkv` calls their modules first)."""
+        conv = self.conv
+        return cca_sublayer_ops.CCAWeights(
+            input_norm.weight, self.linear_q.weight, self.linear_k.weight, self.linear_v.weight,
+            conv.q_depthwise_weight, conv.q_depthwise_bias, conv.q_grouped_weight, conv.q_grouped_bias,
+            conv.k_depthwise_weight, conv.k_depthwise_bias, conv.k_grouped_weight, conv.k_grouped_bias,
+            self.qk_norm.key_temperature)
+
+    def _one_op_qkv(self, residual, input_norm, rotary_pos_emb, offsets):
+        """As :meth:`_qkv`, from the residual stream by the ``cca_sublayer`` op, its recomputation inside."""
+        for module in (input_norm, self.linear_q, self.linear_k, self.linear_v, self.conv, self.qk_norm):
+            _call_hooks(module)
+        recompute_qk = recomputes(self.config, "cca_qk", self.training)
+        settings = cca_sublayer_ops.Settings(input_norm.eps, self.head_dim, self.first_delayed_channel,
+                                             recomputes(self.config, "layernorm", self.training), recompute_qk)
+        q, k, v, run = cca_sublayer_ops.cca_sublayer(residual, self._one_op_weights(input_norm),
+                                                     *cca_ops.rope_cos_sin(rotary_pos_emb), offsets, settings)
+        return q, k, v, partial(drop_until_gradient, [q, k], recompute=run.qk_again) if recompute_qk else None
+
+
+def _call_hooks(module: torch.nn.Module) -> None:
+    """Call ``module`` for its hooks, without its forward: the ``cca_sublayer`` op reads the weights of modules that
+    keep their spec slots and checkpoint names but not their forward, and Megatron's DDP waits for
+    ``--overlap-param-gather``'s all-gather of a module's weights in its forward pre-hook."""
+    module.forward = lambda: None  # an instance attribute: hides the class's forward for this call
+    try:
+        module()
+    finally:
+        del module.forward

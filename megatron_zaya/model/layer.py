@@ -50,16 +50,11 @@ class ZayaTransformerLayer(TransformerLayer):
         dtype = self.config.params_dtype
         residual = hidden_states
         norms = recomputes(self.config, "layernorm", self.training)
-        input_norm = partial(self.input_layernorm, dtype=dtype)
+        attention_output = self._attention(residual, attention_mask, rotary_pos_emb, norms)
         pre_mlp_norm = partial(self.self_attn_bda, norm=self.pre_mlp_layernorm, dtype=dtype)
-        if norms:  # the norms' outputs are dropped until the backward reaches their sublayer
-            input_norm = Recompute(input_norm, self.input_layernorm.parameters())
+        if norms:  # the norm's output is dropped until the backward reaches the MoE sublayer
             pre_mlp_norm = Recompute(pre_mlp_norm, [*self.self_attn_bda.parameters(),
                                                     *self.pre_mlp_layernorm.parameters()])
-        attention_output, _ = self.self_attention(input_norm(residual), attention_mask=attention_mask,
-                                                  rotary_pos_emb=rotary_pos_emb)
-        if norms:
-            input_norm.drop_outputs(attention_output)
         mlp_input, residual = pre_mlp_norm(attention_output, residual)
         if recomputes(self.config, "moe", self.training) and not self.mlp.runs_as_one_op(mlp_input):
             mlp = Recompute(_count_tokens_once(self, lambda x, router_state: self.mlp(x, router_state=router_state)),
@@ -70,6 +65,23 @@ class ZayaTransformerLayer(TransformerLayer):
         if norms:
             pre_mlp_norm.drop_outputs(mlp_output)
         return self.mlp_bda(mlp_output, residual), router_state
+
+    def _attention(self, residual, attention_mask, rotary_pos_emb, norms: bool) -> torch.Tensor:
+        """The CCA sublayer's output from the residual stream: with the ``cca_sublayer`` op, which normalises the
+        stream itself (and recomputes the norm inside); else of the input norm's output, dropped until the backward
+        reaches the sublayer where ``norms`` are recomputed."""
+        attention = self.self_attention
+        if attention.runs_as_one_op(residual, self.input_layernorm):
+            output, _ = attention(residual, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                  input_norm=self.input_layernorm)
+            return output
+        input_norm = partial(self.input_layernorm, dtype=self.config.params_dtype)
+        if norms:
+            input_norm = Recompute(input_norm, self.input_layernorm.parameters())
+        output, _ = attention(input_norm(residual), attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+        if norms:
+            input_norm.drop_outputs(output)
+        return output
 
 
 def _count_tokens_once(layer, run):

@@ -7,6 +7,8 @@ One module per op (``KERNEL_OPS`` in ``config.py`` names them; ``--zaya-kernels`
 * ``cca``: CCA's convolutions and epilogue with RoPE, and the value delay (op ``cca``)
 * ``experts``: the grouped experts with SwiGLU (op ``experts``)
 * ``lm_head``: the LM head with the cross-entropy (op ``lm_head``)
+* ``moe``, ``cca_sublayer``: the MoE sublayer, and the CCA sublayer up to its attention, each as one autograd op
+  over the kernels above (``composite.py``; ops ``moe`` and ``cca_sublayer``)
 
 and Muon's op, set by the ``--zaya-muon-ns-*`` flags (``MuonConfig``), not by the kernels field:
 

@@ -1,0 +1,222 @@
+"""ZAYA1's CCA sublayer up to its softmax attention on one rank as one op (kernel op ``cca_sublayer``): the input
+RMSNorm, the q, k and v projections, CCA's convolutions and epilogue, and the value delay, forward and backward
+(docs/architecture.md §2-§3).
+
+    x      = RMSNorm(r.to(dtype))                     # the fp32 residual stream r [s, b, D]
+    q0, k0 = x Wqᵀ, x Wkᵀ                             # the plain matmuls of Megatron's linear layers at TP = 1
+    q, k   = epilogue(convs(q0), convs(k0), q0, k0)   # skip terms, QK-norm, key temperature, RoPE
+    v      = delay(x Wvᵀ)                             # its second half of channels one token later
+
+It adds no math: the norm, the convolutions and the epilogue are the kernels that the layer runs without it
+(ops ``residual`` and ``cca``), composed by :class:`~.composite.Piece`; the projections are the matmuls of
+Megatron's ``ColumnParallelLinear``, and the delay ``ops.cca.delay_channels`` written as a shift. Its backward is
+theirs in reverse order, the gradient of x summed in the order autograd sums it (v's, k's, then q's). What goes is
+autograd's work around a dozen ops (their graph nodes and saved-tensor bookkeeping, Megatron's TP = 1 mappings,
+the delay's pads and concatenations) and the re-entrant autograd pass of the layer's selective recomputation: here
+``recompute_norm`` (``layernorm``) keeps the residual stream but not x, and ``recompute_qk`` (``cca_qk``) keeps q0
+and k0 but not the convolutions' outputs; the backward runs those pieces again (or :meth:`Run.qk_again` did, for a
+layer that frees q and k until the backward, as it does without the op). The attention and the output projection
+stay outside, as their own ops.
+
+Every parameter's gradient goes into Megatron's ``main_grad`` in fp32 where its DDP keeps one (the kernels' own for
+theirs; the projections' as Megatron's gradient-accumulation fusion adds them), else autograd receives it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from .composite import Piece
+
+
+class CCAWeights(NamedTuple):
+    """The parameters the op reads: the input norm's, the projections' ``[out, D]``, each convolution's (as
+    ``model/cca.py`` holds them: depthwise ``[C, 1, t0]``, grouped ``[C, d, t1]``) and the key temperature."""
+
+    norm_weight: torch.Tensor
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    v_weight: torch.Tensor
+    q_depthwise_weight: torch.Tensor
+    q_depthwise_bias: torch.Tensor
+    q_grouped_weight: torch.Tensor
+    q_grouped_bias: torch.Tensor
+    k_depthwise_weight: torch.Tensor
+    k_depthwise_bias: torch.Tensor
+    k_grouped_weight: torch.Tensor
+    k_grouped_bias: torch.Tensor
+    key_temperature: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The op's arguments besides tensors: the norm's epsilon, the head size, the first value channel that comes
+    from the previous token, and what the backward recomputes (the norm's output; the convolutions' outputs)."""
+
+    eps: float
+    head_dim: int
+    first_delayed: int
+    recompute_norm: bool = False
+    recompute_qk: bool = False
+
+
+def _kernels():
+    from ..kernels import cca, residual_rmsnorm  # triton only where the op runs
+
+    return cca, residual_rmsnorm
+
+
+def runs_on(residual: torch.Tensor, weights: CCAWeights, head_dim: int) -> bool:
+    """Whether every piece runs as its kernel on these tensors: the norm on the fp32 stream, the convolutions on
+    heads of a size they take, the epilogue; every weight in one dtype, that of the norm's output."""
+    cca, norm = _kernels()
+    return (residual.dtype == torch.float32 and len({w.dtype for w in weights}) == 1
+            and residual.shape[-1] <= norm.MAX_HIDDEN and cca.takes_head_dim(head_dim)
+            and norm.runs_on(residual, *weights) and cca.runs_on(residual, *weights))
+
+
+def cca_sublayer(residual: torch.Tensor, weights: CCAWeights, cos: torch.Tensor, sin: torch.Tensor,
+                 document_offsets: torch.Tensor | None, settings: Settings):
+    """q, k and v for the attention from the residual stream ``residual [s, b, D]`` (fp32); ``cos, sin
+    [s, 1 or b, rot]`` of the RoPE angles (``ops.cca.rope_cos_sin``); ``document_offsets [s, b]`` int32 (packed
+    documents: see ``ops.cca.causal_convs``) or None. Check :func:`runs_on` first.
+
+    Returns: q ``[s, b, nq, d]``, k and v ``[s, b, nkv, d]`` in the weights' dtype, and the :class:`Run`, which
+    can compute q and k again before the backward (:meth:`Run.qk_again`).
+    """
+    run = Run(settings)
+    q, k, v = CCASublayer.apply(run, residual, cos, sin, document_offsets, *weights)
+    return q, k, v, run
+
+
+class CCASublayer(torch.autograd.Function):
+    """:func:`cca_sublayer`: ``(run, residual, cos, sin, document_offsets, *weights)``."""
+
+    @staticmethod
+    def forward(ctx, run: Run, residual, cos, sin, document_offsets, *weights):
+        ctx.run = run
+        ctx.set_materialize_grads(False)
+        return run.forward(residual, cos, sin, document_offsets, CCAWeights(*weights))
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k, grad_v):
+        run = ctx.run
+        del ctx.run  # its tensors go with it
+        grad_residual, grad_weights = run.backward(grad_q, grad_k, grad_v)
+        return None, grad_residual, None, None, None, *grad_weights
+
+
+class Run:
+    """One call of the op: its pieces, kept from the forward for the backward."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+
+    def forward(self, residual, cos, sin, offsets, weights: CCAWeights):
+        _, norm_kernel = _kernels()
+        settings = self.settings
+        self.weights, self.cos, self.sin, self.offsets = weights, cos, sin, offsets
+        self.norm = Piece(norm_kernel.RMSNorm, residual, weights.norm_weight, settings.eps, True)
+        x = self.norm.outputs.view(-1, residual.shape[-1])
+        seq, batch = residual.shape[:2]
+        self.q0, self.k0 = ((x @ w.t()).view(seq, batch, -1) for w in (weights.q_weight, weights.k_weight))
+        q, k = self._qk()
+        if settings.recompute_qk:  # the epilogue's first two saved tensors are the convolutions' outputs
+            self.epilogue.saved_tensors = (None, None, *self.epilogue.saved_tensors[2:])
+        self.keep = None if offsets is None else (offsets > 0).unsqueeze(-1).to(x.dtype)  # [s, b, 1]
+        v = self._delayed_values(x, weights.v_weight, seq, batch)
+        if settings.recompute_norm:
+            self.norm = None  # the residual stream is the op's input: the backward normalises it again
+            self.residual = residual
+        heads = settings.head_dim
+        return q.view(seq, batch, -1, heads), k.view(seq, batch, -1, heads), v.view(seq, batch, -1, heads)
+
+    def _qk(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The convolutions and the epilogue on q0 and k0: the pieces, and q, k ``[s, b, n·d]``."""
+        cca, _ = _kernels()
+        w = self.weights
+        self.q_convs = Piece(cca.CausalConvs, self.q0, *w[4:8], None, self.offsets)
+        self.k_convs = Piece(cca.CausalConvs, self.k0, *w[8:12], None, self.offsets)
+        self.epilogue = Piece(cca.QKEpilogue, self.q_convs.outputs, self.k_convs.outputs, self.q0, self.k0,
+                              w.key_temperature, self.cos, self.sin, self.settings.head_dim)
+        return self.epilogue.outputs
+
+    def qk_again(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k as the forward returned them, computed again, and the convolutions' outputs with them for the
+        backward: for a caller that frees q and k until the backward (the layer's ``cca_qk`` recomputation)."""
+        seq, batch = self.q0.shape[:2]
+        q, k = self._qk()
+        return q.view(seq, batch, -1, self.settings.head_dim), k.view(seq, batch, -1, self.settings.head_dim)
+
+    def _delayed_values(self, x, weight, seq: int, batch: int) -> torch.Tensor:
+        """v = x Wvᵀ delayed as ``ops.cca.delay_channels`` without context parallelism: channels
+        ``[first_delayed:]`` one token later, zeros at the sequence's and (with documents) each document's first
+        token. The GEMM writes its rows below a row of zeros, so that the delay is one concatenation."""
+        first = self.settings.first_delayed
+        rows = torch.empty(((seq + 1) * batch, weight.shape[0]), dtype=x.dtype, device=x.device)
+        rows[:batch].zero_()
+        torch.mm(x, weight.t(), out=rows[batch:])
+        v = torch.cat([rows[batch:, :first], rows[:-batch, first:]], dim=-1).view(seq, batch, -1)
+        if self.keep is not None:
+            v[..., first:] *= self.keep
+        return v
+
+    def _delay_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient of x Wvᵀ from that of :meth:`_delayed_values`, ``[s, b, C]`` contiguous."""
+        first = self.settings.first_delayed
+        out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+        out[..., :first] = grad[..., :first]
+        out[-1:, :, first:] = 0
+        if self.keep is None:
+            out[:-1, :, first:] = grad[1:, :, first:]
+        else:
+            torch.mul(grad[1:, :, first:], self.keep[1:], out=out[:-1, :, first:])
+        return out
+
+    def backward(self, grad_q, grad_k, grad_v):
+        """-> the residual stream's gradient and one per weight (placeholders where added into ``main_grad``)."""
+        _, norm_kernel = _kernels()
+        w, settings = self.weights, self.settings
+        if self.epilogue.saved_tensors[0] is None:  # recompute_qk, and no qk_again since the forward
+            self._qk()
+        seq, batch, width = self.q0.shape[0], self.q0.shape[1], w.norm_weight.shape[0]
+        grad_q, grad_k, grad_v = (_grad(grad, (seq, batch, weight.shape[0]), self.q0) for grad, weight in
+                                  ((grad_q, w.q_weight), (grad_k, w.k_weight), (grad_v, w.v_weight)))
+        grad_q_convs, grad_k_convs, grad_q0, grad_k0, d_temperature, *_ = self.epilogue.backward(grad_q, grad_k)
+        grad_k0_convs, *d_k_convs, _, _ = self.k_convs.backward(grad_k_convs)
+        grad_q0_convs, *d_q_convs, _, _ = self.q_convs.backward(grad_q_convs)
+        if self.norm is None:
+            self.norm = Piece(norm_kernel.RMSNorm, self.residual, w.norm_weight, settings.eps, True)
+        x = self.norm.outputs.view(-1, width)
+        # v's, k's, q's: the order in which autograd runs the projections and sums their gradients of x
+        grads = [g.reshape(-1, g.shape[-1]) for g in (self._delay_backward(grad_v), grad_k0 + grad_k0_convs,
+                                                      grad_q0 + grad_q0_convs)]
+        weights = (w.v_weight, w.k_weight, w.q_weight)
+        grad_x = grads[0] @ weights[0]
+        for grad, weight in zip(grads[1:], weights[1:]):
+            grad_x = grad_x + grad @ weight
+        d_v, d_k, d_q = _weight_grads(grads, x, weights)
+        grad_residual, d_norm, _, _ = self.norm.backward(grad_x.view(seq, batch, width))
+        return grad_residual, (d_norm, d_q, d_k, d_v, *d_q_convs, *d_k_convs, d_temperature)
+
+
+def _grad(grad: torch.Tensor | None, shape, like: torch.Tensor) -> torch.Tensor:
+    """An output's gradient as ``[s, b, n·d]``; zeros for an output that got none."""
+    return torch.zeros(shape, dtype=like.dtype, device=like.device) if grad is None else grad.reshape(shape)
+
+
+def _weight_grads(grads, x, weights) -> list[torch.Tensor]:
+    """The projections' weight gradients ``gradᵀ x``: added into each weight's ``main_grad`` in fp32 (placeholders
+    returned), as Megatron's gradient-accumulation fusion adds them, where its DDP keeps one; else as Megatron's
+    unfused linear layer returns them."""
+    from ..kernels.utils import added_to_main_grad, main_grad_targets, matmul_fp32_into
+
+    targets = main_grad_targets(weights)
+    if targets is None:
+        return [grad.t() @ x for grad in grads]
+    for target, grad in zip(targets, grads):
+        matmul_fp32_into(target, grad.t(), x, accumulate=True)
+    return added_to_main_grad(weights)
