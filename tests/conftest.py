@@ -47,3 +47,11 @@ def muon_run(tmp_path_factory) -> Path:
         (directory / "stdout.log").write_text(run.stdout)
 
     return once(tmp_path_factory, "muon-run", train)
+
+
+@pytest.fixture(scope="session")
+def model_kernels():
+    """The model's Triton kernel modules, loaded once, interpreted (``triton_interpreter.load_model_kernels``)."""
+    from triton_interpreter import load_model_kernels
+
+    return load_model_kernels()

@@ -6,12 +6,11 @@ test_zaya_kernel_glue.py, where ``moe`` is among the ops.) Kernels run in Triton
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 
 import pytest
 import torch
-from triton_interpreter import install_model_kernels, load_model_kernels
+from op_by_op import initial_state, interpret_and_count, trained_step
 
 from megatron_zaya.config import ZayaConfigError, zaya_config
 from megatron_zaya.ops import moe as moe_ops
@@ -20,54 +19,23 @@ from megatron_zaya.pretrained import build_single_process_model
 PER_KERNEL = "router,router_head,experts"  # the rest of the model runs its torch references
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    return load_model_kernels()
-
-
 @pytest.fixture
-def one_op_calls(interpreted, monkeypatch) -> Counter:
+def one_op_calls(model_kernels, monkeypatch) -> Counter:
     """The kernels interpreted; counts the ``moe`` op's forwards and backwards."""
-    install_model_kernels(monkeypatch, interpreted, lambda module, kernel: contextlib.nullcontext())
-    calls = Counter()
-    for name in ("forward", "backward"):
-        original = getattr(moe_ops.MoESublayer, name)
-
-        def counted(*args, _original=original, _name=name):
-            calls[_name] += 1
-            return _original(*args)
-
-        monkeypatch.setattr(moe_ops.MoESublayer, name, staticmethod(counted))
-    return calls
+    return interpret_and_count(monkeypatch, model_kernels, moe_ops.MoESublayer)
 
 
 def _trained_step(kernels: str, recompute: tuple[str, ...], skip_mode: str, state: dict, micro_batches: int):
-    """Micro-batches of the test model under Megatron's DDP (gradients accumulated into fp32 ``main_grad``)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    cfg = zaya_config("test", kernels=kernels, use_cpu_initialization=True, params_dtype=torch.float32,
-                      recompute_granularity="selective", recompute_modules=list(recompute), skip_mode=skip_mode)
-    model = build_single_process_model(cfg)
-    model.load_state_dict(state)
-    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model).train()
-    generator = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(micro_batches):
-        ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=generator)
-        loss = ddp(ids, labels=ids)
-        loss.sum().backward()
-        losses.append(loss.detach())
-    grads = {name: param.main_grad.clone() for name, param in model.named_parameters()}
-    counts = [layer.mlp.router.tokens_per_class.clone() for layer in model.decoder.layers]
-    return model, torch.stack(losses), grads, counts
+    """:func:`op_by_op.trained_step`, and each layer's router counts."""
+    model, losses, grads = trained_step(kernels, state, micro_batches, recompute, skip_mode=skip_mode)
+    return model, losses, grads, [layer.mlp.router.tokens_per_class.clone() for layer in model.decoder.layers]
 
 
 @pytest.mark.parametrize("recompute, skip_mode, micro_batches", [(("layernorm", "router"), "identity", 2),
                                                                  (("moe",), "zero", 1)],
                          ids=["recompute-router", "recompute-moe"])
 def test_moe_op_equals_the_kernels_op_by_op(recompute, skip_mode, micro_batches, one_op_calls):
-    state = build_single_process_model(zaya_config("test", use_cpu_initialization=True,
-                                                   params_dtype=torch.float32)).state_dict()
+    state = initial_state()
     model, losses, grads, counts = _trained_step(PER_KERNEL, recompute, skip_mode, state, micro_batches)
     assert not any(layer.mlp.one_op for layer in model.decoder.layers) and not one_op_calls
     model, one_op_losses, one_op_grads, one_op_counts = _trained_step(PER_KERNEL + ",moe", recompute, skip_mode, state,

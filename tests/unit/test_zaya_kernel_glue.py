@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
-from triton_interpreter import MODEL_KERNELS, install_model_kernels, load_model_kernels
+from triton_interpreter import MODEL_KERNELS, install_model_kernels
 
 from megatron_zaya.config import KERNEL_OPS, zaya_config
 from megatron_zaya.pretrained import build_single_process_model
@@ -16,13 +16,8 @@ from megatron_zaya.pretrained import build_single_process_model
 ALL_OPS = ",".join(KERNEL_OPS)  # named ops take their kernel functions on any device
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    return load_model_kernels()
-
-
 @pytest.fixture
-def launches(interpreted, monkeypatch) -> Counter:
+def launches(model_kernels, monkeypatch) -> Counter:
     """While the test runs, the model's ops import the interpreted kernel modules; counts the launches of each."""
     counts = Counter()
 
@@ -31,7 +26,7 @@ def launches(interpreted, monkeypatch) -> Counter:
         counts[module_name] += 1
         yield
 
-    install_model_kernels(monkeypatch, interpreted, count)
+    install_model_kernels(monkeypatch, model_kernels, count)
     return counts
 
 

@@ -1,0 +1,60 @@
+"""What the sublayer ops' tests share (test_moe_op.py, test_cca_sublayer_op.py): each op against its kernels run op
+by op, in the test model as trained, under Megatron's DDP, the kernels run by Triton's interpreter."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import torch
+from triton_interpreter import install_model_kernels
+
+from megatron_zaya.config import zaya_config
+from megatron_zaya.pretrained import build_single_process_model
+
+
+def interpret_and_count(monkeypatch, model_kernels, function: type[torch.autograd.Function]) -> Counter:
+    """While the test runs, the model's ops run their kernels interpreted (``model_kernels``); counts the forwards
+    and backwards of ``function``, a sublayer op."""
+    install_model_kernels(monkeypatch, model_kernels, lambda module, kernel: contextlib.nullcontext())
+    calls = Counter()
+    for name in ("forward", "backward"):
+        original = getattr(function, name)
+
+        def counted(*args, _original=original, _name=name):
+            calls[_name] += 1
+            return _original(*args)
+
+        monkeypatch.setattr(function, name, staticmethod(counted))
+    return calls
+
+
+def trained_step(kernels: str, state: dict, micro_batches: int, recompute: tuple[str, ...] = (),
+                 tokens: tuple[int, int] = (2, 11), position_ids: torch.Tensor | None = None, **overrides):
+    """Micro-batches of ``tokens`` (batch, sequence) through the test model with ``state``, under Megatron's DDP
+    (gradients accumulated into fp32 ``main_grad``), with selective recomputation of ``recompute`` (none where
+    empty) and packed documents where ``position_ids`` are given.
+
+    Returns: the model, the losses, every parameter's ``main_grad``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    cfg = zaya_config("test", kernels=kernels, use_cpu_initialization=True, params_dtype=torch.float32,
+                      recompute_granularity="selective" if recompute else None, recompute_modules=list(recompute),
+                      **overrides)
+    model = build_single_process_model(cfg)
+    model.load_state_dict(state)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model).train()
+    generator = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(micro_batches):
+        ids = torch.randint(0, cfg.vocab_size, tokens, generator=generator)
+        loss = ddp(ids, position_ids=position_ids, labels=ids)
+        loss.sum().backward()
+        losses.append(loss.detach())
+    return model, torch.stack(losses), {name: param.main_grad.clone() for name, param in model.named_parameters()}
+
+
+def initial_state(**overrides) -> dict:
+    """The test model's initial parameters and buffers, for both sides of a comparison."""
+    return build_single_process_model(zaya_config("test", use_cpu_initialization=True, params_dtype=torch.float32,
+                                                  **overrides)).state_dict()
