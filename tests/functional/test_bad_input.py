@@ -117,6 +117,7 @@ def results(tmp_path_factory):
                                                               "--reuse-grad-buf-for-mxfp8-param-ag"],
         "Transformer Engine attention without the package": [*mock, "--zaya-core-attention", "te"],
         "the moe op without its kernels": [*mock, "--save-interval", "5", "--zaya-kernels", "experts,moe"],
+        "the cca_sublayer op without its kernels": [*mock, "--save-interval", "5", "--zaya-kernels", "cca_sublayer"],
         "Megatron's vocabulary flag": [*mock, "--vocab-size", "4096"],
         "a save without an interval": mock,
     })
@@ -223,6 +224,8 @@ EXPECTED = {  # case -> words the one error line must hold
                                                           "--zaya-core-attention sdpa"],
     "the moe op without its kernels": ["the moe kernel op composes the router, router_head and experts kernels",
                                        "--zaya-kernels experts,moe,router,router_head"],
+    "the cca_sublayer op without its kernels": ["the cca_sublayer kernel op composes the residual and cca kernels",
+                                                "--zaya-kernels cca_sublayer,residual,cca"],
     "Megatron's vocabulary flag": ["--vocab-size", "NullTokenizer", "--zaya-vocab-size N"],
     "a save without an interval": ["--save needs --save-interval N"],
     "a --load that does not exist": ["--load missing-ckpt: no such directory", "drop --load to start afresh"],
