@@ -18,13 +18,13 @@ import pytest
 import torch
 from zaya_cli import QUICK, losses, pretrain
 
-from megatron_zaya.config import KERNEL_OPS
+from megatron_zaya.config import KERNEL_OPS, SUBLAYER_OPS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 
 GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?grad norm: ([0-9.E+-]+)")
 # What ``all`` takes under --zaya-cuda-graphs, named, so that the eager runs compute with the same kernels.
-GRAPHED_KERNELS = ",".join(op for op in KERNEL_OPS if op not in ("router_head", "moe"))
+GRAPHED_KERNELS = ",".join(op for op in KERNEL_OPS if op not in ("router_head", *SUBLAYER_OPS))
 # The tiny preset's 4 layers at the CLI tests' micro-batch: [sequence, micro-batch, hidden].
 CAPTURED = "[zaya] CUDA graphs: captured the forward and backward of 4 layers for input [64, 4, 128]"
 

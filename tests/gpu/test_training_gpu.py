@@ -1,7 +1,7 @@
 """On GPUs, through the CLI in bf16 under ``--deterministic-mode`` (GPU runs repeat bit for bit): exact resume with
 Megatron's distributed optimizer, Adam and Muon's ZeRO-1; a background save, written while training went on,
 resumed exactly; a NaN on one rank skipped on every rank; the fused weight gradients against the unfused ones; the
-MoE sublayer as one op against its kernels op by op.
+MoE sublayer and the CCA sublayer's part before its attention, each as one op, against their kernels op by op.
 
 Two uninterrupted runs (one per optimizer, module fixtures) serve every test of their optimizer: each is a
 reference that a test repeats from its checkpoint of step 5. Up to two GPUs (data parallel; the CLI relaunches
@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 from zaya_cli import QUICK, losses, pretrain, with_faults
+
+from megatron_zaya.config import KERNEL_OPS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 
@@ -113,15 +115,28 @@ def test_fused_weight_gradients_train_like_unfused(adam_run, tmp_path):
     assert any(abs(fused[s] - unfused[s]) > 1e-6 * abs(unfused[s]) for s in unfused), "the fusion did not run"
 
 
-@pytest.mark.xdist_group("adam")
-def test_moe_op_trains_like_its_kernels_op_by_op(adam_run, tmp_path):
-    """The ``moe`` op (on in eager runs under ``--zaya-kernels all``) against its kernels run op by op: the same
-    kernels in the same order, so under ``--deterministic-mode`` the same losses, bit for bit."""
+def _trains_like_op_by_op(adam_run, tmp_path, op: str) -> None:
+    """``op`` (on in eager runs under ``--zaya-kernels all``, as in ``adam_run``) against its kernels run op by op,
+    every other kernel op as ``all`` takes it: the same losses, bit for bit."""
     run_dir, _ = adam_run
     with_op = _loss_csv(run_dir / "loss.csv")
     plot = tmp_path / "op-by-op" / "loss.png"
-    run = pretrain(COMMON + OPTIMIZER["adam"] + ["--save", "", "--zaya-loss-plot", str(plot),
-                                                 "--zaya-kernels", "router,router_head,residual,cca,lm_head,experts"],
-                   cwd=tmp_path, extra_env=ENV)  # fmt: skip
+    kernels = ",".join(name for name in KERNEL_OPS if name != op)
+    run = pretrain(COMMON + OPTIMIZER["adam"] + ["--save", "", "--zaya-loss-plot", str(plot), "--zaya-kernels",
+                                                 kernels], cwd=tmp_path, extra_env=ENV)
     assert run.returncode == 0, run.stderr[-4000:]
     assert _loss_csv(plot.with_suffix(".csv")) == with_op
+
+
+@pytest.mark.xdist_group("adam")
+def test_moe_op_trains_like_its_kernels_op_by_op(adam_run, tmp_path):
+    """The ``moe`` op: the same kernels in the same order, so under ``--deterministic-mode`` the same losses."""
+    _trains_like_op_by_op(adam_run, tmp_path, "moe")
+
+
+@pytest.mark.xdist_group("adam")
+def test_cca_sublayer_op_trains_like_its_kernels_op_by_op(adam_run, tmp_path):
+    """The ``cca_sublayer`` op: the same kernels, and the projections' GEMMs as Megatron's linear layers run them
+    (their weight gradients added into the fp32 ``main_grad`` by the ``kernels.weight_gradient_accumulation``
+    stand-in's GEMM, which the op calls too), so under ``--deterministic-mode`` the same losses."""
+    _trains_like_op_by_op(adam_run, tmp_path, "cca_sublayer")
