@@ -93,7 +93,7 @@ PARTS = {
     "input_layernorm": "norms", "pre_mlp_layernorm": "norms",
     "self_attention.linear_q": "projections", "self_attention.linear_k": "projections",
     "self_attention.linear_v": "projections", "self_attention.linear_proj": "projections",
-    "self_attention": "cca convolutions, epilogue, value delay",
+    "self_attention": "cca convolutions, epilogue, value delay (with the cca_sublayer op: the input norm, projections)",
     "self_attention.core_attention": "attention",
     "self_attn_bda": "residual scaling", "mlp_bda": "residual scaling",
     "mlp.router": "router", "mlp.experts": "experts", "mlp": "dispatch, combine (with the moe op: the whole sublayer)",
