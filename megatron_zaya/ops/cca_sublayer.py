@@ -116,6 +116,7 @@ class Run:
         self.settings = settings
 
     def forward(self, residual, cos, sin, offsets, weights: CCAWeights):
+        """-> q, k, v as :func:`cca_sublayer` returns them, keeping what the backward needs and does not recompute."""
         _, norm_kernel = _kernels()
         settings = self.settings
         self.weights, self.cos, self.sin, self.offsets = weights, cos, sin, offsets
