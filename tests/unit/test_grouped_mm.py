@@ -125,7 +125,10 @@ def test_lookup_takes_the_measured_entry_and_triton_without_one():
     for other in [("NVIDIA H100", torch.bfloat16, (16, 4096, 2048)), ("NVIDIA H200", torch.float16, (16, 4096, 2048)),
                   ("NVIDIA H200", torch.bfloat16, (8, 4096, 2048))]:
         assert grouped_mm.lookup([ENTRY], *other) == grouped_mm.TRITON
-    assert grouped_mm.read_table() == []  # nothing measured yet: every GPU keeps the Triton kernel
+    for entry in grouped_mm.read_table():  # the committed table: each GEMM on the backend it measured faster
+        fastest = Backends(*(min(entry["ms"][gemm], key=entry["ms"][gemm].get) for gemm in Backends._fields))
+        dtype = getattr(torch, entry["dtype"])
+        assert grouped_mm.lookup(grouped_mm.read_table(), entry["device"], dtype, entry["weight"]) == fastest, entry
 
 
 @pytest.mark.parametrize("torch_has_it", [True, False])
