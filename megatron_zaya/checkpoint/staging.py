@@ -259,18 +259,31 @@ class Snapshot:
             return dict(zip(names, written, strict=True))
 
 
-def read_tensors(directory: Path, stem: str, specs: list[tuple[str, tuple[int, ...]]]) -> list[torch.Tensor]:
-    """The tensors :class:`Snapshot` wrote, as views of one host buffer filled from the files in order."""
+def read_tensors(directory: Path, stem: str, specs: list[tuple[str, tuple[int, ...]]],
+                 threads: int = THREADS) -> list[torch.Tensor]:
+    """The tensors :class:`Snapshot` wrote, as views of one host buffer filled from the files, ``threads`` files
+    at a time (reads release the GIL), each into its place."""
     sizes = [torch.Size(shape).numel() * getattr(torch, dtype).itemsize for dtype, shape in specs]
     offsets, end = _offsets(sizes)
+    paths = sorted(Path(directory).glob(f"{stem}.*.bin"))
+    starts = [0]
+    for path in paths:
+        starts.append(starts[-1] + path.stat().st_size)
+    if starts[-1] != end:
+        raise ValueError(f"{directory}: {stem} files hold {starts[-1]} bytes, the tensors {end}")
     buffer = torch.empty(end, dtype=torch.uint8)
-    view, offset = memoryview(buffer.numpy()), 0
-    for path in sorted(Path(directory).glob(f"{stem}.*.bin")):
-        with path.open("rb") as stream:
-            while got := stream.readinto(view[offset:]):
+    view = memoryview(buffer.numpy())
+
+    def read_file(index: int) -> None:
+        offset, stop = starts[index], starts[index + 1]
+        with paths[index].open("rb") as stream:
+            while offset < stop and (got := stream.readinto(view[offset:stop])):
                 offset += got
-    if offset != buffer.numel():
-        raise ValueError(f"{directory}: {stem} files hold {offset} bytes, the tensors {buffer.numel()}")
+        if offset != stop:
+            raise ValueError(f"{paths[index]} ended after {offset - starts[index]} of its {stop - starts[index]} bytes")
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(paths)))) as workers:
+        list(workers.map(read_file, range(len(paths))))
     return [buffer[start:start + size].view(getattr(torch, dtype)).view(shape)
             for (dtype, shape), size, start in zip(specs, sizes, offsets, strict=True)]
 

@@ -144,17 +144,17 @@ def test_faults_under_torchrun_restart_from_the_newest_checkpoint_and_the_ledger
     assert hang["seconds_lost"] <= allowance + 1.5 and start_up < 60, (hang, start_up)
     assert launches[2]["seconds_lost"] == pytest.approx(hang["seconds_lost"] + start_up, abs=0.2), launches[2]
     assert launches[2]["steps_lost"] == step - 7
-    # Rank 0's flight recorder: one collective never completed, the gradients' data-parallel all-reduce.
+    # Rank 0's flight recorder: the gradients' data-parallel all-reduce never completed.
     recorder = tmp_path / "ck" / "flight-recorder" / hang["launch"].replace("/", "+") / "rank_0"
     assert f"zaya-pretrain: rank 0's flight recorder (its last collectives): {recorder.relative_to(tmp_path)}; " \
         in output
     trace = pickle.loads(recorder.read_bytes())
-    ((group, status),) = [(int(pg), s) for pg, s in trace["pg_status"].items()
-                          if s["last_completed_collective"] < s["last_enqueued_collective"]]
-    (waiting,) = [e for e in trace["entries"]
-                  if e["pg_id"] == group and e["collective_seq_id"] == status["last_enqueued_collective"]]
-    assert waiting["process_group"][1].startswith("DATA_PARALLEL") and waiting["profiling_name"] == "gloo:all_reduce" \
-        and not waiting["retired"], waiting
+    # (Under load another group's collective may also be enqueued and not completed when the recorder dumps.)
+    pending = {int(pg): s["last_enqueued_collective"] for pg, s in trace["pg_status"].items()
+               if s["last_completed_collective"] < s["last_enqueued_collective"]}
+    waiting = [e for e in trace["entries"] if pending.get(e["pg_id"]) == e["collective_seq_id"]]
+    assert [e for e in waiting if e["process_group"][1].startswith("DATA_PARALLEL")
+            and e["profiling_name"] == "gloo:all_reduce" and not e["retired"]], waiting
     # Rank 1 killed leaves no line of its own: rank 0's collective fails at the next step and names the lost peer.
     assert launches[3]["cause"].startswith("crash on rank 0 (") and "remote worker" in launches[3]["cause"], launches[3]
     # The damage found at the restart: it resumes from 3, and its loss reaches back there (steps 4-7).
