@@ -29,11 +29,41 @@ def interpret_and_count(monkeypatch, model_kernels, function: type[torch.autogra
     return calls
 
 
+def ready_calls(monkeypatch) -> Counter:
+    """Megatron's DDP with each parameter's ready call (the ``training_loop.gradient_ready_calls`` patch) while the
+    test runs; counts the calls, which a sublayer op makes for each parameter it keeps off autograd's graph."""
+    from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+
+    from megatron_zaya.patches.training_loop import gradient_ready_calls
+
+    monkeypatch.setattr(DistributedDataParallel, "_make_backward_post_hook",
+                        DistributedDataParallel._make_backward_post_hook)  # restored after the test
+    gradient_ready_calls()
+    patched, calls = DistributedDataParallel._make_backward_post_hook, Counter()
+
+    def counting(self, param):
+        hook = patched(self, param)
+        ready = param.ddp_grad_ready
+
+        def counted():
+            calls["ready"] += 1
+            ready()
+
+        param.ddp_grad_ready = counted
+        return hook
+
+    monkeypatch.setattr(DistributedDataParallel, "_make_backward_post_hook", counting)
+    return calls
+
+
 def trained_step(kernels: str, state: dict, micro_batches: int, recompute: tuple[str, ...] = (),
-                 tokens: tuple[int, int] = (2, 11), position_ids: torch.Tensor | None = None, **overrides):
+                 tokens: tuple[int, int] = (2, 11), position_ids: torch.Tensor | None = None,
+                 on_the_graph: bool = False, **overrides):
     """Micro-batches of ``tokens`` (batch, sequence) through the test model with ``state``, under Megatron's DDP
     (gradients accumulated into fp32 ``main_grad``), with selective recomputation of ``recompute`` (none where
-    empty) and packed documents where ``position_ids`` are given.
+    empty) and packed documents where ``position_ids`` are given. ``on_the_graph``: the parameters without DDP's
+    ready call (as without the ``training_loop.gradient_ready_calls`` patch), so that a sublayer op returns their
+    gradients to autograd and DDP's hooks.
 
     Returns: the model, the losses, every parameter's ``main_grad``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -44,6 +74,8 @@ def trained_step(kernels: str, state: dict, micro_batches: int, recompute: tuple
     model = build_single_process_model(cfg)
     model.load_state_dict(state)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model).train()
+    for param in model.parameters() if on_the_graph else ():
+        del param.ddp_grad_ready
     generator = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(micro_batches):

@@ -19,7 +19,8 @@ layer that frees q and k until the backward, as it does without the op). The att
 stay outside, as their own ops.
 
 Every parameter's gradient goes into Megatron's ``main_grad`` in fp32 where its DDP keeps one (the kernels' own for
-theirs; the projections' as Megatron's gradient-accumulation fusion adds them), else autograd receives it.
+theirs; the projections' as Megatron's gradient-accumulation fusion adds them), the op handing its parameters to DDP
+itself, off autograd's graph (``composite.off_the_graph``); elsewhere autograd receives them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from .composite import Piece
+from .composite import Piece, hand_to_ddp, off_the_graph
 
 
 class CCAWeights(NamedTuple):
@@ -88,25 +89,31 @@ def cca_sublayer(residual: torch.Tensor, weights: CCAWeights, cos: torch.Tensor,
     can compute q and k again before the backward (:meth:`Run.qk_again`).
     """
     run = Run(settings)
-    q, k, v = CCASublayer.apply(run, residual, cos, sin, document_offsets, *weights)
+    off_graph = weights if off_the_graph(weights) else None
+    q, k, v = CCASublayer.apply(run, residual, cos, sin, document_offsets, off_graph, *(() if off_graph else weights))
     return q, k, v, run
 
 
 class CCASublayer(torch.autograd.Function):
-    """:func:`cca_sublayer`: ``(run, residual, cos, sin, document_offsets, *weights)``."""
+    """:func:`cca_sublayer`: ``(run, residual, cos, sin, document_offsets, off_graph, *weights)``, the weights either
+    in ``off_graph``, which autograd does not see (their gradients go to DDP from the backward:
+    :func:`~.composite.hand_to_ddp`), or as autograd's inputs."""
 
     @staticmethod
-    def forward(ctx, run: Run, residual, cos, sin, document_offsets, *weights):
-        ctx.run = run
+    def forward(ctx, run: Run, residual, cos, sin, document_offsets, off_graph, *weights):
+        ctx.run, ctx.off_graph = run, off_graph
         ctx.set_materialize_grads(False)
-        return run.forward(residual, cos, sin, document_offsets, CCAWeights(*weights))
+        return run.forward(residual, cos, sin, document_offsets, off_graph or CCAWeights(*weights))
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_v):
         run = ctx.run
         del ctx.run  # its tensors go with it
         grad_residual, grad_weights = run.backward(grad_q, grad_k, grad_v)
-        return None, grad_residual, None, None, None, *grad_weights
+        if ctx.off_graph is not None:
+            hand_to_ddp(ctx.off_graph, grad_weights)
+            grad_weights = ()
+        return None, grad_residual, None, None, None, None, *grad_weights
 
 
 class Run:

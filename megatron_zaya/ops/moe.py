@@ -15,8 +15,9 @@ re-entrant autograd pass of the router's selective recomputation: here the backw
 projection (``recompute="router"``: the fused head recomputes the rest in its backward kernel anyway) or the
 whole forward (``recompute="moe"``) by running the pieces again.
 
-The experts' weight gradients go into Megatron's ``main_grad`` from the grouped GEMM, as without the op; the
-router's are returned to autograd, whose DDP hooks add them.
+The parameters' gradients go into Megatron's ``main_grad``: the kernels add theirs (the experts', from the grouped
+GEMM), and under DDP the op hands its parameters to DDP itself, off autograd's graph (``composite.off_the_graph``);
+elsewhere autograd receives them.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from . import grouped_mm
-from .composite import Piece
+from .composite import Piece, hand_to_ddp, off_the_graph
 from .router import RouterWeights
 
 
@@ -71,16 +72,22 @@ def moe_sublayer(hidden: torch.Tensor, state_in: torch.Tensor | None, router: Ro
     Returns: the output ``[..., D]`` in hidden's dtype, the router state ``[..., R]`` fp32, the skip gate ``[T]``
     fp32 (p_skip where the skip class won, else 0) and the tokens per class ``[E + 1]`` (int64).
     """
-    out, state, skip_gate, counts = MoESublayer.apply(settings, len(fc1), hidden, state_in, biases, *router, *fc1,
-                                                      *fc2)
+    weights = (*router, *fc1, *fc2)
+    off_graph = off_the_graph([w for w in weights if w is not None])
+    out, state, skip_gate, counts = MoESublayer.apply(settings, len(fc1), hidden, state_in, biases,
+                                                      weights if off_graph else None, *(() if off_graph else weights))
     return out.view(hidden.shape), state.view(*hidden.shape[:-1], state.shape[-1]), skip_gate, counts
 
 
 class MoESublayer(torch.autograd.Function):
-    """:func:`moe_sublayer`: ``(settings, num_experts, hidden, state_in, biases, *router, *fc1, *fc2)``."""
+    """:func:`moe_sublayer`: ``(settings, num_experts, hidden, state_in, biases, off_graph, *weights)``, the weights
+    (``*router, *fc1, *fc2``) either in ``off_graph``, a tuple autograd does not see (their gradients go to DDP from
+    the backward: :func:`~.composite.hand_to_ddp`), or as autograd's inputs."""
 
     @staticmethod
-    def forward(ctx, settings: Settings, num_experts: int, hidden, state_in, biases, *weights):
+    def forward(ctx, settings: Settings, num_experts: int, hidden, state_in, biases, off_graph, *weights):
+        ctx.off_graph = off_graph
+        weights = off_graph or weights
         router = RouterWeights(*weights[: len(RouterWeights._fields)])
         fc1, fc2 = weights[len(router): len(router) + num_experts], weights[len(router) + num_experts:]
         run = _Forward(settings, hidden.reshape(-1, hidden.shape[-1]), state_in, biases, router, fc1, fc2)
@@ -109,8 +116,11 @@ class MoESublayer(torch.autograd.Function):
             grad_out.reshape(run.out.shape), grad_state, grad_skip)
         if grad_state_in is not None:
             grad_state_in = grad_state_in.view(ctx.state_shape)
-        return (None, None, grad_hidden.view(ctx.hidden_shape), grad_state_in, None, *grad_router, *grad_fc1,
-                *grad_fc2)
+        grads = (*grad_router, *grad_fc1, *grad_fc2)
+        if ctx.off_graph is not None:
+            hand_to_ddp(*zip(*[(w, g) for w, g in zip(ctx.off_graph, grads, strict=True) if w is not None]))
+            grads = ()
+        return (None, None, grad_hidden.view(ctx.hidden_shape), grad_state_in, None, None, *grads)
 
 
 class _Forward:

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 import torch
-from op_by_op import initial_state, interpret_and_count, trained_step
+from op_by_op import initial_state, interpret_and_count, ready_calls, trained_step
 
 from megatron_zaya.config import ZayaConfigError, zaya_config
 from megatron_zaya.ops import cca_sublayer as cca_sublayer_ops
@@ -46,12 +46,15 @@ def pieces(monkeypatch) -> Counter:
 
 @pytest.mark.parametrize("recompute, packed", [((), False), (("layernorm", "cca_qk", "core_attn"), True)],
                          ids=["one-sequence", "recomputed-packed-documents"])
-def test_cca_sublayer_op_equals_the_kernels_op_by_op(recompute, packed, one_op_calls, pieces):
+def test_cca_sublayer_op_equals_the_kernels_op_by_op(recompute, packed, one_op_calls, pieces, monkeypatch):
+    """With packed documents, off the graph: the op hands its parameters' gradients to DDP itself
+    (``training_loop.gradient_ready_calls``); on one sequence to autograd and DDP's hooks."""
+    ready = ready_calls(monkeypatch)
     state, positions = initial_state(), POSITIONS if packed else None
-    model, losses, grads = trained_step(PER_KERNEL, state, 2, recompute, TOKENS, positions)
+    model, losses, grads = trained_step(PER_KERNEL, state, 2, recompute, TOKENS, positions, on_the_graph=not packed)
     assert not any(layer.self_attention.one_op for layer in model.decoder.layers) and not one_op_calls
     model, one_op_losses, one_op_grads = trained_step(PER_KERNEL + ",cca_sublayer", state, 2, recompute, TOKENS,
-                                                      positions)
+                                                      positions, on_the_graph=not packed)
     calls = 2 * len(model.decoder.layers)
     assert one_op_calls == {"forward": calls, "backward": calls}  # the op ran in every layer, once each
     # recomputed inside the op: the norm under layernorm, the convolutions and the epilogue under cca_qk
@@ -62,6 +65,7 @@ def test_cca_sublayer_op_equals_the_kernels_op_by_op(recompute, packed, one_op_c
         assert torch.equal(one_op_grads[name], grad), name
     assert all(grad.abs().sum() > 0 for name, grad in one_op_grads.items()
                if "self_attention" in name or "input_layernorm" in name)
+    assert ready == ({"ready": calls * len(cca_sublayer_ops.CCAWeights._fields)} if packed else {}), ready
 
 
 def test_the_op_calls_the_module_of_every_parameter(one_op_calls):
@@ -102,3 +106,24 @@ def test_where_the_kernels_do_not_run_the_layer_keeps_one_op_per_kernel():
     layer = model.decoder.layers[0]
     assert layer.self_attention.one_op
     assert not layer.self_attention.runs_as_one_op(torch.zeros(*TOKENS, 64), layer.input_layernorm)
+
+
+def test_off_the_graph_the_op_tells_ddp_when_its_gradients_are_ready(one_op_calls, monkeypatch):
+    """Under ``--overlap-grad-reduce`` DDP reduces a bucket once every parameter's gradient of it is ready: two steps
+    (the first records how many ready calls each parameter gets, the second must repeat them) of the test model,
+    its layers' CCA parameters off autograd's graph, each step's reduction finished."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ready = ready_calls(monkeypatch)
+    cfg = zaya_config("test", kernels=PER_KERNEL + ",cca_sublayer", use_cpu_initialization=True,
+                      params_dtype=torch.float32)
+    model = build_single_process_model(cfg)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True)
+    ddp = DistributedDataParallel(cfg, ddp_config, model).train()
+    ids = torch.randint(0, cfg.vocab_size, TOKENS, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        ddp.zero_grad_buffer()
+        ddp(ids, labels=ids).sum().backward()
+        ddp.finish_grad_sync()  # fails where a bucket was never reduced or a parameter never said ready
+    assert one_op_calls["backward"] == 2 * len(model.decoder.layers)
+    assert ready == {"ready": 2 * len(model.decoder.layers) * len(cca_sublayer_ops.CCAWeights._fields)}, ready

@@ -12,7 +12,9 @@ torch's decompositions; lower it as launches are cut.
 
 The host's other work per op is autograd's: a graph node each, with its saved tensors. The nodes of the layer's
 graph (parameters' gradient accumulators left out) are counted too: 35 with the kernels op by op, 26 with the MoE
-sublayer as one op, 13 with the CCA sublayer's pre-attention part as one op too.
+sublayer as one op, 13 with the CCA sublayer's pre-attention part as one op too. So are the parameters left on
+the graph, each with a gradient accumulator node and a DDP hook: 11 of the layer's 40, since the sublayer ops
+hand theirs to DDP themselves (the ``training_loop.gradient_ready_calls`` patch).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from megatron_zaya.pretrained import build_single_process_model
 
 LAUNCH_BUDGET = 115
 NODE_BUDGET = 13
+ON_GRAPH_BUDGET = 11  # of the layer's 40 parameters: those whose gradients autograd hands to DDP's hooks
 # Ops that launch no kernel on a GPU: views, allocations, metadata.
 NO_LAUNCH = {"view", "_unsafe_view", "as_strided", "t", "transpose", "permute", "expand", "slice", "select",
              "unsqueeze", "squeeze", "detach", "alias", "split", "split_with_sizes", "chunk", "unbind", "narrow",
@@ -72,6 +75,7 @@ def test_one_layer_step_as_trained_launches_within_budget(monkeypatch, model_ker
     model = build_single_process_model(cfg).train()
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     layer = model.decoder.layers[0]
+    ddp_hooked = sum(1 for _ in layer.parameters())
     seq, batch = 32, 2
     rotary = model.rotary_pos_emb["global"](seq)
     x = torch.randn(seq, batch, cfg.hidden_size, generator=torch.Generator().manual_seed(0), requires_grad=True)
@@ -91,15 +95,16 @@ def test_one_layer_step_as_trained_launches_within_budget(monkeypatch, model_ker
     launches = sum(counter.ops.values()) + sum(triton_launches.values())
     assert ddp is not None  # its gradient hooks live as long as it does
     assert launches <= LAUNCH_BUDGET, (launches, counter.ops.most_common(), triton_launches)
-    assert sum(graph_nodes.values()) <= NODE_BUDGET, graph_nodes.most_common()
+    assert sum(graph_nodes.values()) - graph_nodes["AccumulateGrad"] <= NODE_BUDGET, graph_nodes.most_common()
+    assert graph_nodes["AccumulateGrad"] <= ON_GRAPH_BUDGET, (graph_nodes["AccumulateGrad"], ddp_hooked)
 
 
 def _graph_nodes(root) -> Counter:
-    """The autograd nodes reachable from ``root`` by kind, the parameters' ``AccumulateGrad`` left out."""
+    """The autograd nodes reachable from ``root`` by kind (a parameter on the graph: its ``AccumulateGrad``)."""
     seen, stack = set(), [root]
     while stack:
         node = stack.pop()
         if node is not None and node not in seen:
             seen.add(node)
             stack.extend(following for following, _ in node.next_functions)
-    return Counter(kind for kind in map(lambda node: type(node).__name__, seen) if kind != "AccumulateGrad")
+    return Counter(type(node).__name__ for node in seen)

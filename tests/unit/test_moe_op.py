@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-from op_by_op import initial_state, interpret_and_count, trained_step
+from op_by_op import initial_state, interpret_and_count, ready_calls, trained_step
 
 from megatron_zaya.config import ZayaConfigError, zaya_config
 from megatron_zaya.ops import moe as moe_ops
@@ -25,27 +25,37 @@ def one_op_calls(model_kernels, monkeypatch) -> Counter:
     return interpret_and_count(monkeypatch, model_kernels, moe_ops.MoESublayer)
 
 
-def _trained_step(kernels: str, recompute: tuple[str, ...], skip_mode: str, state: dict, micro_batches: int):
+def _trained_step(kernels: str, recompute: tuple[str, ...], skip_mode: str, state: dict, micro_batches: int,
+                  on_the_graph: bool):
     """:func:`op_by_op.trained_step`, and each layer's router counts."""
-    model, losses, grads = trained_step(kernels, state, micro_batches, recompute, skip_mode=skip_mode)
+    model, losses, grads = trained_step(kernels, state, micro_batches, recompute, on_the_graph=on_the_graph,
+                                        skip_mode=skip_mode)
     return model, losses, grads, [layer.mlp.router.tokens_per_class.clone() for layer in model.decoder.layers]
 
 
-@pytest.mark.parametrize("recompute, skip_mode, micro_batches", [(("layernorm", "router"), "identity", 2),
-                                                                 (("moe",), "zero", 1)],
-                         ids=["recompute-router", "recompute-moe"])
-def test_moe_op_equals_the_kernels_op_by_op(recompute, skip_mode, micro_batches, one_op_calls):
+@pytest.mark.parametrize("recompute, skip_mode, micro_batches, off_graph",
+                         [(("layernorm", "router"), "identity", 2, True), (("moe",), "zero", 1, False)],
+                         ids=["recompute-router-off-the-graph", "recompute-moe"])
+def test_moe_op_equals_the_kernels_op_by_op(recompute, skip_mode, micro_batches, off_graph, one_op_calls,
+                                            monkeypatch):
+    """Off the graph: the op hands its parameters' gradients to DDP itself (``training_loop.gradient_ready_calls``);
+    else to autograd and DDP's hooks."""
+    ready = ready_calls(monkeypatch)
     state = initial_state()
-    model, losses, grads, counts = _trained_step(PER_KERNEL, recompute, skip_mode, state, micro_batches)
+    model, losses, grads, counts = _trained_step(PER_KERNEL, recompute, skip_mode, state, micro_batches, not off_graph)
     assert not any(layer.mlp.one_op for layer in model.decoder.layers) and not one_op_calls
     model, one_op_losses, one_op_grads, one_op_counts = _trained_step(PER_KERNEL + ",moe", recompute, skip_mode, state,
-                                                                      micro_batches)
+                                                                      micro_batches, not off_graph)
     calls = micro_batches * len(model.decoder.layers)
     assert one_op_calls == {"forward": calls, "backward": calls}  # the op ran in every layer, once each
     assert torch.equal(one_op_losses, losses)
     for name, grad in grads.items():
         assert torch.equal(one_op_grads[name], grad), name
     assert any(grad.abs().sum() > 0 for name, grad in one_op_grads.items() if ".router." in name)
+    layer = model.decoder.layers[0]
+    params = [w for w in layer.mlp.router.weights() if w is not None] + [w for ws in layer.mlp.experts.weights()
+                                                                          for w in ws]
+    assert ready == ({"ready": calls * len(params)} if off_graph else {}), ready  # each parameter once per call
     for counted, expected in zip(one_op_counts, counts):
         assert torch.equal(counted, expected) and counted.sum() == micro_batches * 2 * 11  # each token once
 
