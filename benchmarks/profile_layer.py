@@ -4,6 +4,8 @@
     python -m benchmarks.profile_layer --cuda-graphs   # the layer as --zaya-cuda-graphs replays it
     python -m benchmarks.profile_layer --as-trained    # under Megatron's DDP, with selective recomputation
     python -m benchmarks.profile_layer --kernels router,residual,cca,lm_head,experts   # a kernel set (--zaya-kernels)
+    python -m benchmarks.profile_layer --as-trained --against router,router_head,residual,cca,lm_head,experts
+                                                       # and a baseline layer in the same process, timed in turns
     python -m benchmarks.profile_layer --smoke         # tiny widths on any device: checks the script
 
 Builds layer 0 of a one-layer ``zaya1-8b-shallow`` model as training builds it (the kernel patches that apply
@@ -13,6 +15,10 @@ Megatron's linears accumulating theirs there directly where the CLI would, and `
 selective``'s default pieces recomputed, as the 40-layer runs of docs/benchmarks.md train; without it the
 layer's gradients accumulate in ``.grad`` and nothing is recomputed)
 
+* with ``--against KERNELS`` or ``--against-on-the-graph``, a second layer, the baseline, built in the same process
+  with that kernel set, or with the sublayer ops' parameters left on autograd's graph (as without the
+  ``training_loop.gradient_ready_calls`` patch): both timed in alternating rounds, their median wall times and ratio
+  (what varies from process to process, clocks and the host's state, cancels out);
 * wall time per step (CUDA events, no profiler) and the device's busy time per step (the union of kernel
   intervals under ``torch.profiler``): wall well above busy means the step waits on the host (launches);
 * the kernels by device time per step, with their launch counts, and the torch ops that launched the most;
@@ -38,7 +44,7 @@ from .timing import call_times
 
 
 def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False, as_trained: bool = False,
-               kernels: str = "all", reference_sort: bool = False):
+               kernels: str = "all", reference_sort: bool = False, on_the_graph: bool = False):
     from megatron_zaya.pretrained import build_single_process_model
 
     setup_single_process()
@@ -55,6 +61,8 @@ def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False, as_
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+        for param in model.parameters() if on_the_graph else ():  # the sublayer ops return gradients to autograd
+            param.__dict__.pop("ddp_grad_ready", None)
     layer, rotary = model.decoder.layers[0], model.rotary_pos_emb["global"](seq)
     if reference_sort:  # the baseline of the sort-by-expert kernel, in a model otherwise as built
         from megatron_zaya.ops.experts import sort_by_expert
@@ -183,6 +191,10 @@ def main() -> None:
     parser.add_argument("--kernels", default="all", help="--zaya-kernels: all (as the CLI chooses) or a list of ops")
     parser.add_argument("--reference-sort", action="store_true",
                         help="the MoE dispatch's sort by expert as its torch reference, not its kernel")
+    parser.add_argument("--against", metavar="KERNELS", help="a baseline layer with this kernel set, same process")
+    parser.add_argument("--against-on-the-graph", action="store_true",
+                        help="a baseline layer whose sublayer ops leave their parameters on autograd's graph")
+    parser.add_argument("--rounds", type=int, default=6, help="alternating rounds of 10 steps with a baseline")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     if args.cuda_graphs and not GPU:
@@ -192,6 +204,13 @@ def main() -> None:
     seq, batch = (64, 2) if args.smoke else (args.seq, args.batch)
     step = layer_step(args.smoke, seq, batch, args.cuda_graphs, args.as_trained, args.kernels, args.reference_sort)
     wall = statistics.median(call_times(step, warmup=3, iters=10))
+    if args.against or args.against_on_the_graph:
+        baseline = layer_step(args.smoke, seq, batch, args.cuda_graphs, args.as_trained, args.against or args.kernels,
+                              args.reference_sort, args.against_on_the_graph)
+        wall, baseline_wall = in_turns(step, baseline, args.rounds)
+        print(f"same process, {args.rounds} alternating rounds of 10 steps: wall {wall:.3f} ms/step against the "
+              f"baseline's {baseline_wall:.3f} ({wall / baseline_wall:.3f}x; baseline: "
+              f"--kernels {args.against or args.kernels}{', on the graph' if args.against_on_the_graph else ''})")
 
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if GPU else [])
     with torch.profiler.profile(activities=activities) as prof:
@@ -220,6 +239,17 @@ def main() -> None:
         print(f"host: {sum(parts.values()):.3f} ms/step in the layer's parts and autograd nodes (wall {wall:.3f})")
         for name, ms in parts.items():
             print(f"{ms:9.3f}  {name}")
+
+
+def in_turns(step, baseline, rounds: int) -> tuple[float, float]:
+    """Median wall ms per step of ``step`` and of ``baseline``, timed in alternating rounds after a warm-up each."""
+    times = {step: [], baseline: []}
+    for fn in times:
+        call_times(fn, warmup=3, iters=0)
+    for _ in range(rounds):
+        for fn in (baseline, step):
+            times[fn] += call_times(fn, warmup=1, iters=10)
+    return statistics.median(times[step]), statistics.median(times[baseline])
 
 
 def host_profile(step, steps: int, top: int) -> None:
