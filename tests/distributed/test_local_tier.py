@@ -165,7 +165,7 @@ def test_a_save_keeps_the_state_of_its_step(tmp_path):
 
 def _save_while_the_other_rank_is_gone(rank, world, root):
     """Rank 1 stops taking part after the tier's group is made (as a rank that died would); rank 0 saves with
-    Megatron's collective timeout set to 3 s: the error of its save's collectives, raised by ``finish``."""
+    Megatron's collective timeout set to 1.2 s: the error of its save's collectives, raised by ``finish``."""
     from types import SimpleNamespace
 
     from megatron.core import parallel_state as ps
@@ -183,7 +183,7 @@ def _save_while_the_other_rank_is_gone(rank, world, root):
         torch.distributed.new_group(backend="gloo")  # collective: the tier's group, made in rank 0's first save
     else:
         args = SimpleNamespace(zaya_memory_ckpt_interval=0, zaya_local_ckpt_keep=2, non_persistent_local_ckpt_dir=root,
-                               load=None, distributed_timeout_minutes=0.05)
+                               load=None, distributed_timeout_minutes=0.02)
         tier = tier_for(args)
         tier.save(state, 1, is_async=False)
         try:

@@ -115,7 +115,7 @@ def test_off_the_graph_the_op_tells_ddp_when_its_gradients_are_ready(one_op_call
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ready = ready_calls(monkeypatch)
-    cfg = zaya_config("test", kernels=PER_KERNEL + ",cca_sublayer", use_cpu_initialization=True,
+    cfg = zaya_config("test", num_layers=1, kernels=PER_KERNEL + ",cca_sublayer", use_cpu_initialization=True,
                       params_dtype=torch.float32)
     model = build_single_process_model(cfg)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True)
