@@ -37,20 +37,22 @@ class Piece:
 
 
 def off_the_graph(params) -> bool:
-    """Whether a composite op keeps ``params`` off autograd's graph, handing their gradients to Megatron's DDP itself
-    (:func:`hand_to_ddp`): each is trained under DDP with its ready call (the ``training_loop.gradient_ready_calls``
-    patch), and kernels add gradients into ``main_grad``. Then no gradient accumulator node and no DDP hook runs
-    per parameter and micro-batch."""
+    """Whether a composite op keeps ``params`` (None for an absent one) off autograd's graph, handing their gradients
+    to Megatron's DDP itself (:func:`hand_to_ddp`): each is trained under DDP with its ready call (the
+    ``training_loop.gradient_ready_calls`` patch), and kernels add gradients into ``main_grad``. Then no gradient
+    accumulator node and no DDP hook runs per parameter and micro-batch."""
     from ..kernels.utils import ACCUMULATE_INTO_MAIN_GRAD  # triton only where the op runs
 
     return (ACCUMULATE_INTO_MAIN_GRAD["enabled"] and torch.is_grad_enabled()
-            and all(p.requires_grad and hasattr(p, "ddp_grad_ready") for p in params))
+            and all(p is None or p.requires_grad and hasattr(p, "ddp_grad_ready") for p in params))
 
 
 def hand_to_ddp(params, grads) -> None:
-    """What DDP's hook does for each of ``params`` off the graph, with the gradient its piece returned: add one that
-    its kernel did not add into ``main_grad`` itself, then tell DDP it is ready."""
+    """What DDP's hook does for each of ``params`` (None for an absent one) off the graph, with the gradient its
+    piece returned: add one that its kernel did not add into ``main_grad`` itself, then tell DDP it is ready."""
     for param, grad in zip(params, grads, strict=True):
+        if param is None:
+            continue
         if not param.grad_added_to_main_grad:
             param.main_grad.add_(grad)
         param.ddp_grad_ready()

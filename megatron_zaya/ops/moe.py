@@ -73,7 +73,7 @@ def moe_sublayer(hidden: torch.Tensor, state_in: torch.Tensor | None, router: Ro
     fp32 (p_skip where the skip class won, else 0) and the tokens per class ``[E + 1]`` (int64).
     """
     weights = (*router, *fc1, *fc2)
-    off_graph = off_the_graph([w for w in weights if w is not None])
+    off_graph = off_the_graph(weights)
     out, state, skip_gate, counts = MoESublayer.apply(settings, len(fc1), hidden, state_in, biases,
                                                       weights if off_graph else None, *(() if off_graph else weights))
     return out.view(hidden.shape), state.view(*hidden.shape[:-1], state.shape[-1]), skip_gate, counts
@@ -118,7 +118,7 @@ class MoESublayer(torch.autograd.Function):
             grad_state_in = grad_state_in.view(ctx.state_shape)
         grads = (*grad_router, *grad_fc1, *grad_fc2)
         if ctx.off_graph is not None:
-            hand_to_ddp(*zip(*[(w, g) for w, g in zip(ctx.off_graph, grads, strict=True) if w is not None]))
+            hand_to_ddp(ctx.off_graph, grads)
             grads = ()
         return (None, None, grad_hidden.view(ctx.hidden_shape), grad_state_in, None, None, *grads)
 
