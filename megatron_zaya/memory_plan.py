@@ -262,22 +262,25 @@ def plan(cfg, par: Parallel, run: Run, stage: int = 0) -> dict[str, float]:
     return out
 
 
-def background_save_host_bytes(result: dict[str, float], run: Run, world_size: int) -> float:
-    """Host memory per node that ``--async-save`` pins for its staging pool (checkpoint/staging.py): each GPU's
-    checkpoint state (weights, master weights, optimizer state; an upper bound: a rank stages only the tensors
-    it writes, and a fully parallel save spreads the replicated ones)."""
+def _node_checkpoint_state(result: dict[str, float], run: Run, world_size: int) -> float:
+    """The checkpoint state of a node's GPUs: weights, master weights and optimizer state (an upper bound: a rank
+    saves only the tensors it writes, and a fully parallel save spreads the replicated ones)."""
     state = result["weights"] + result["master weights"] + result["optimizer state"]
-    return run.async_save * state * min(run.gpus_per_node, world_size)
+    return state * min(run.gpus_per_node, world_size)
+
+
+def background_save_host_bytes(result: dict[str, float], run: Run, world_size: int) -> float:
+    """Host memory per node that ``--async-save`` pins for its staging pool (checkpoint/staging.py): the node's
+    checkpoint state."""
+    return run.async_save * _node_checkpoint_state(result, run, world_size)
 
 
 def memory_tier_host_bytes(result: dict[str, float], run: Run, world_size: int) -> float:
-    """Host memory per node that the in-memory tier takes (``--zaya-memory-ckpt-interval``): each GPU's
-    checkpoint state (weights, master weights, optimizer state; an upper bound, as for the background save's
-    pool) for the K parts kept and the one being written, twice when the node also keeps the copies of
-    another node's parts, and once more for the pool that a save is staged in (checkpoint/staging.py)."""
-    state = result["weights"] + result["master weights"] + result["optimizer state"]
+    """Host memory per node that the in-memory tier takes (``--zaya-memory-ckpt-interval``): the node's checkpoint
+    state for the K parts kept and the one being written, twice when the node also keeps the copies of another
+    node's parts, and once more for the pool that a save is staged in (checkpoint/staging.py)."""
     copies = 2 if world_size > run.gpus_per_node else 1
-    return state * min(run.gpus_per_node, world_size) * ((run.memory_ckpt_keep + 1) * copies + 1)
+    return _node_checkpoint_state(result, run, world_size) * ((run.memory_ckpt_keep + 1) * copies + 1)
 
 
 def largest_micro_batch(cfg, par: Parallel, run: Run, capacity_gib: float) -> int:
