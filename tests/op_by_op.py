@@ -35,7 +35,9 @@ def ready_calls(monkeypatch) -> Counter:
     from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 
     from megatron_zaya.patches.training_loop import gradient_ready_calls
+    from megatron_zaya.runtime import ensure_single_process_parallel_state
 
+    ensure_single_process_parallel_state()  # the selected patches first, so that the test's own undo keeps them
     monkeypatch.setattr(DistributedDataParallel, "_make_backward_post_hook",
                         DistributedDataParallel._make_backward_post_hook)  # restored after the test
     gradient_ready_calls()
