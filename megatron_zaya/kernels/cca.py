@@ -17,10 +17,11 @@ also holds the fallback and the choice. Two families of Triton kernels:
 
 * the convolutions (``causal_qk_convs_fused``): one forward kernel per q or k (both convs; a program holds a
   block of token rows of one head, the depthwise taps as fp32 multiply-adds, the grouped conv as one
-  tensor-core dot per tap); backward, an input-gradient kernel (which also sums the bias and depthwise-tap
-  gradients per program) and a grouped-weight-gradient kernel that recomputes the depthwise output. No padded
-  copy, window stack or layout transpose is materialised; the history of context-parallel chunks is read in
-  place;
+  tensor-core dot per tap); backward, the grouped and depthwise convs' input-gradient kernels (the second also
+  sums the bias and depthwise-tap gradients per program), a grouped-weight-gradient kernel that recomputes the
+  depthwise output, and one that finishes every parameter's gradient from those partial sums (straight into
+  Megatron's ``main_grad`` where there is one). No padded copy, window stack or layout transpose is
+  materialised; the history of context-parallel chunks is read in place;
 * the epilogue (steps 2-4), forward and backward: one read of conv(q0), conv(k0), q0, k0 and one write of q, k
   per token, with every head of a token in one program (the k skip term needs all g query heads of its group).
   In fp32 internally.
@@ -195,6 +196,26 @@ def _qk_epilogue_backward_kernel(
     _store_input_grads(*grads, dq_a, dk_a, q_base, k_base, q_rope, k_rope, GROUP)
     _store_input_grads(*grads, dq_b, dk_b, q_base + HALF, k_base + HALF, q_rope, k_rope, GROUP)
     _store_input_grads(*grads, dq_p, dk_p, q_base + 2 * HALF, k_base + 2 * HALF, q_pass, k_pass, GROUP)
+
+
+@triton.jit
+def _column_sums(partials_ptr, rows, row_length, cols, BLOCK_R: tl.constexpr):
+    """Sums over ``rows`` rows of fp32 partials [rows, row_length] at columns ``cols``, in a fixed order (the
+    same bits on every run); columns past a row's end sum to 0."""
+    total = tl.zeros(cols.shape, tl.float32)
+    for first in range(0, rows, BLOCK_R):
+        row = tl.cast(first + tl.arange(0, BLOCK_R), tl.int64)
+        mask = (row < rows)[:, None] & (cols < row_length)[None, :]
+        total += tl.sum(tl.load(partials_ptr + row[:, None] * row_length + cols[None, :], mask=mask, other=0.0), 0)
+    return total
+
+
+@triton.jit
+def _store_sum(out_ptrs, total, mask, ACCUMULATE: tl.constexpr):
+    """out (+)= total, cast on store: a parameter's gradient, or added into its main_grad."""
+    if ACCUMULATE:
+        total += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
 
 
 # ------------------------------------------------------------------------------ convolution kernels
@@ -418,6 +439,43 @@ def _conv_weight_grad_kernel(
     tl.store(partial_ptr + offsets, acc)
 
 
+@triton.jit
+def _conv_param_grads_kernel(
+    partial_ptr,  # [depthwise programs, 1 + T0, C] fp32 from _conv_depthwise_grad_kernel
+    partial_w_ptr,  # [weight programs along axis 2, C, D, T1] fp32 from _conv_weight_grad_kernel
+    w2_ptr,  # [C, D, T1]
+    w1_out_ptr, b1_out_ptr, w2_out_ptr, b2_out_ptr,  # [C, T0], [C], [C, D, T1], [C]: gradients or main_grads
+    blocks, splits, heads, channels,
+    T0: tl.constexpr, T1: tl.constexpr, HEAD_DIM: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """The parameters' gradients from the other kernels' partial sums, one launch for all four: programs
+    [0, heads) each sum one head's d b2 and d w1 and derive its d b1; the others each sum a block of d w2."""
+    program = tl.program_id(0)
+    if program < heads:
+        cols = program * HEAD_DIM + tl.arange(0, HEAD_DIM)
+        row_length = (1 + T0) * channels
+        grad_b2 = _column_sums(partial_ptr, blocks, row_length, cols, BLOCK_R)
+        _store_sum(b2_out_ptr + cols, grad_b2, cols < channels, ACCUMULATE)
+        for j in tl.static_range(T0):
+            grad_w1 = _column_sums(partial_ptr, blocks, row_length, (1 + j) * channels + cols, BLOCK_R)
+            _store_sum(w1_out_ptr + cols * T0 + j, grad_w1, cols < channels, ACCUMULATE)
+        # The depthwise bias reaches every output through every grouped tap (inside a document or as the padding's
+        # value), so its gradient is d b2 through the summed grouped taps: d b1[i] = sum_o,t w2[o, i, t] d b2[o].
+        for first in range(0, HEAD_DIM, BLOCK_I):
+            inputs = first + tl.arange(0, BLOCK_I)  # of the head's channels
+            grad_b1 = tl.zeros([BLOCK_I], tl.float32)
+            for tap in tl.static_range(T1):
+                w = tl.load(w2_ptr + cols[:, None] * (HEAD_DIM * T1) + inputs[None, :] * T1 + tap)  # [out, in]
+                grad_b1 += tl.sum(w.to(tl.float32) * grad_b2[:, None], axis=0)
+            _store_sum(b1_out_ptr + program * HEAD_DIM + inputs, grad_b1, inputs < HEAD_DIM, ACCUMULATE)
+    else:
+        size = channels * HEAD_DIM * T1
+        flat = (program - heads) * BLOCK_W + tl.arange(0, BLOCK_W)  # of d w2 [C, D, T1]
+        grad_w2 = _column_sums(partial_w_ptr, splits, size, flat, BLOCK_R)
+        _store_sum(w2_out_ptr + flat, grad_w2, flat < size, ACCUMULATE)
+
+
 # ----------------------------------------------------------------------------------------- autograd
 
 
@@ -489,7 +547,7 @@ def _dot_precision(x: torch.Tensor) -> str:
 
 
 class CausalConvs(torch.autograd.Function):
-    """``ops.cca.causal_convs`` by the convolution kernels: one launch forward, three backward, no padded copies."""
+    """``ops.cca.causal_convs`` by the convolution kernels: one launch forward, four backward, no padded copies."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, history, offsets):
@@ -538,11 +596,6 @@ class CausalConvs(torch.autograd.Function):
             grad, grad_y, x, history_or_x, w1, offsets_or_x, grad_x, grad_x if history is None else grad_history,
             partial, length, batch, channels, T0=t0, T1=t1, HEAD_DIM=head_dim, BLOCK_ROWS=tuning["depthwise_rows"],
             HAS_HISTORY=history is not None, HAS_DOCS=has_docs, num_warps=tuning["depthwise_warps"])  # fmt: skip
-        sums = partial.sum(0)  # [d b2, d w1[:, 0], ...]
-        # The depthwise bias reaches every output through every grouped tap (inside a document or as the padding's
-        # value), so its gradient is d b2 through the summed grouped taps.
-        grad_b1 = torch.einsum("hoit,ho->hi", w2.float().view(heads, head_dim, head_dim, t1),
-                               sums[0].view(heads, head_dim)).flatten()
 
         rows = tuning["weight_rows"]
         splits = triton.cdiv(persistent_programs(x.device, triton.cdiv(total, rows) * heads * t1), heads * t1)
@@ -553,14 +606,15 @@ class CausalConvs(torch.autograd.Function):
             grad, x, history_or_x, offsets_or_x, w1, b1, partial_w, length, batch, channels, total, rows_per_program,
             T0=t0, T1=t1, HEAD_DIM=head_dim, BLOCK_ROWS=rows, HAS_HISTORY=history is not None, HAS_DOCS=has_docs,
             DOT_PRECISION=precision, num_warps=tuning["weight_warps"], num_stages=tuning["weight_stages"])  # fmt: skip
-        param_grads = [g.reshape(p.shape) for g, p in zip((sums[1:].t(), grad_b1, partial_w.sum(0), sums[0]),
-                                                           ctx.params)]  # fp32: d w1, d b1, d w2, d b2
+
+        # d w1, d b1, d w2, d b2: summed in fp32, then added into main_grad or returned in the parameters' dtype
         targets = main_grad_targets(ctx.params)
-        if targets is None:
-            param_grads = [g.to(p.dtype) for g, p in zip(param_grads, ctx.params)]
-        else:  # into main_grad in fp32, one foreach addition
-            torch._foreach_add_(targets, param_grads)
-            param_grads = added_to_main_grad(ctx.params)
+        outs = targets or [torch.empty_like(p, memory_format=torch.contiguous_format) for p in ctx.params]
+        block_w = 128
+        _conv_param_grads_kernel[(heads + triton.cdiv(w2.numel(), block_w),)](
+            partial, partial_w, w2, *outs, blocks, splits, heads, channels, T0=t0, T1=t1, HEAD_DIM=head_dim,
+            ACCUMULATE=targets is not None, BLOCK_I=min(head_dim, 32), BLOCK_R=32, BLOCK_W=block_w)  # fmt: skip
+        param_grads = outs if targets is None else added_to_main_grad(ctx.params)
         return grad_x, *param_grads, grad_history, None
 
 

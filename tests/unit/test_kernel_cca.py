@@ -234,3 +234,36 @@ def test_convolution_kernels_with_documents_equal_the_reference(taps, with_histo
     oracle = run(ops.causal_convs, args)
     for name, ours, want in zip(names, kernel, oracle):
         assert_matches_oracle(name, ours, want)
+
+
+@pytest.mark.parametrize("into_main_grad", [False, True], ids=["returned", "into-main-grad"])
+def test_convolution_parameter_gradients_of_wide_heads(into_main_grad):
+    """Heads of 64 channels (d b1 is derived in two blocks of input channels), the parameters as the modules hold
+    them: their gradients returned, or (under Megatron's DDP: each ``main_grad`` a view into one fp32 buffer that
+    holds earlier micro-batches' gradients) added into ``main_grad`` and the parameters marked; against the
+    reference in float64."""
+    gen = torch.Generator().manual_seed(10)
+    seq, batch, heads, d, t0, t1 = 7, 2, 2, 64, 3, 2
+    channels = heads * d
+
+    def randn(*shape, scale=1.0):
+        return scale * torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    x, grad = randn(seq, batch, channels), randn(seq, batch, channels)
+    weights = [randn(channels, 1, t0).requires_grad_(), randn(channels, scale=0.1).requires_grad_(),
+               randn(channels, d, t1, scale=0.2).requires_grad_(), randn(channels, scale=0.1).requires_grad_()]
+    out = ops.causal_convs(x, weights[0].squeeze(1), *weights[1:], heads)
+    oracle = torch.autograd.grad(out, weights, grad)
+
+    params = [w.detach().float().requires_grad_() for w in weights]
+    buffer = torch.randn(sum(p.numel() for p in params), generator=gen)
+    before = buffer.clone().split([p.numel() for p in params])
+    if into_main_grad:
+        for param, main_grad in zip(params, buffer.split([p.numel() for p in params])):
+            param.main_grad, param.grad_added_to_main_grad = main_grad.view(param.shape), False
+    returned = torch.autograd.grad(kernels.causal_qk_convs_fused(x.float(), *params, heads), params, grad.float())
+    for name, param, held, got, want in zip(["d_dw", "d_db", "d_gw", "d_gb"], params, before, returned, oracle):
+        if into_main_grad:
+            assert param.grad_added_to_main_grad, name
+            got = param.main_grad - held.view(param.shape)
+        assert_matches_oracle(name, got, want)

@@ -63,7 +63,11 @@ def _cca(k):
     convs = [_meta(q_ch, 2), _meta(q_ch), _meta(k_ch, 2), _meta(k_ch), _meta(q_ch, d, 2), _meta(q_ch),
              _meta(k_ch, d, 2), _meta(k_ch)]  # fmt: skip
     cos = _meta(seq, rot, dtype=FP32).detach()
-    _backward(list(k.cca_qk(q0, k0, *convs, _meta(n_kv), cos, cos)))
+    temp = _meta(n_kv)
+    _backward(list(k.cca_qk(q0, k0, *convs, temp, cos, cos)))
+    for param in (*convs, temp):  # as under Megatron's DDP: the parameters' gradients go into main_grad
+        param.main_grad, param.grad_added_to_main_grad = torch.empty_like(param, dtype=FP32), False
+    _backward(list(k.cca_qk(q0, k0, *convs, temp, cos, cos)))
 
 
 def _grouped_gemm(k):
@@ -86,7 +90,8 @@ CASES = {
                          "_head_backward_kernel"}),
     "cross_entropy": (_cross_entropy, {"_logsumexp_kernel", "_cross_entropy_grad_kernel"}),
     "cca": (_cca, {"_qk_epilogue_forward_kernel", "_qk_epilogue_backward_kernel", "_conv_forward_kernel",
-                   "_conv_grouped_grad_kernel", "_conv_depthwise_grad_kernel", "_conv_weight_grad_kernel"}),
+                   "_conv_grouped_grad_kernel", "_conv_depthwise_grad_kernel", "_conv_weight_grad_kernel",
+                   "_conv_param_grads_kernel"}),
     "grouped_gemm": (_grouped_gemm, {"_row_tiles_kernel", "_grouped_matmul_kernel", "_grouped_weight_grad_kernel"}),
     "sort_by_expert": (_sort_by_expert, {"_sort_by_expert_kernel"}),
 }
