@@ -153,12 +153,19 @@ def _store_input_grads(grad_q_conv_ptr, grad_k_conv_ptr, grad_q0_ptr, grad_k0_pt
 
 
 @triton.jit
+def _strided(offsets, token, batch, width, stride_s, stride_b, stride_c):
+    """``offsets`` of a token's columns in a contiguous [T, width] as offsets into [S, B, width] of these strides."""
+    return (token // batch) * stride_s + (token % batch) * stride_b + (offsets - token * width) * stride_c
+
+
+@triton.jit
 def _qk_epilogue_backward_kernel(
-    grad_q_ptr, grad_k_ptr,  # [T, nq*d], [T, nkv*d]
+    grad_q_ptr, grad_k_ptr,  # [S, B, nq*d], [S, B, nkv*d] via strides
     q_conv_ptr, k_conv_ptr, q0_ptr, k0_ptr, temp_ptr, cos_ptr, sin_ptr,
     grad_q_conv_ptr, grad_k_conv_ptr, grad_q0_ptr, grad_k0_ptr,  # like the inputs
     grad_temp_ptr,  # [T, nkv] fp32 per-token partial sums
     batch, cos_stride_s, cos_stride_b, eps,
+    grad_q_stride_s, grad_q_stride_b, grad_q_stride_c, grad_k_stride_s, grad_k_stride_b, grad_k_stride_c,
     N_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_KV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
@@ -176,14 +183,17 @@ def _qk_epilogue_backward_kernel(
 
     cos_a, cos_b, sin_a, sin_b = _rope_angles(cos_ptr, sin_ptr, rope_base, rope_mask, HALF)
     # Rotation transposed: gradients w.r.t. the normalised (pre-RoPE) heads.
-    do_a = tl.load(grad_q_ptr + q_base, mask=q_rope, other=0.0).to(tl.float32)
-    do_b = tl.load(grad_q_ptr + q_base + HALF, mask=q_rope, other=0.0).to(tl.float32)
+    grad_q = _strided(q_base, token, batch, N_KV * GROUP * HEAD_DIM, grad_q_stride_s, grad_q_stride_b,
+                      grad_q_stride_c)  # fmt: skip
+    do_a = tl.load(grad_q_ptr + grad_q, mask=q_rope, other=0.0).to(tl.float32)
+    do_b = tl.load(grad_q_ptr + grad_q + HALF * grad_q_stride_c, mask=q_rope, other=0.0).to(tl.float32)
     gq_a, gq_b = do_a * cos_a + do_b * sin_b, do_b * cos_b - do_a * sin_a
-    gq_p = tl.load(grad_q_ptr + q_base + 2 * HALF, mask=q_pass, other=0.0).to(tl.float32)
-    do_a = tl.load(grad_k_ptr + k_base, mask=k_rope, other=0.0).to(tl.float32)
-    do_b = tl.load(grad_k_ptr + k_base + HALF, mask=k_rope, other=0.0).to(tl.float32)
+    gq_p = tl.load(grad_q_ptr + grad_q + 2 * HALF * grad_q_stride_c, mask=q_pass, other=0.0).to(tl.float32)
+    grad_k = _strided(k_base, token, batch, N_KV * HEAD_DIM, grad_k_stride_s, grad_k_stride_b, grad_k_stride_c)
+    do_a = tl.load(grad_k_ptr + grad_k, mask=k_rope, other=0.0).to(tl.float32)
+    do_b = tl.load(grad_k_ptr + grad_k + HALF * grad_k_stride_c, mask=k_rope, other=0.0).to(tl.float32)
     gk_a, gk_b = do_a * cos_a + do_b * sin_b, do_b * cos_b - do_a * sin_a
-    gk_p = tl.load(grad_k_ptr + k_base + 2 * HALF, mask=k_pass, other=0.0).to(tl.float32)
+    gk_p = tl.load(grad_k_ptr + grad_k + 2 * HALF * grad_k_stride_c, mask=k_pass, other=0.0).to(tl.float32)
 
     # k_out = temp * k * k_scale: temperature gradient, then through the norm.
     grad_temp = tl.sum(tl.sum(gk_a * k_a + gk_b * k_b + gk_p * k_p, axis=2) * k_head_scale, axis=1)
@@ -216,6 +226,14 @@ def _store_sum(out_ptrs, total, mask, ACCUMULATE: tl.constexpr):
     if ACCUMULATE:
         total += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_rows_kernel(partials_ptr, out_ptr, rows, n_cols, ACCUMULATE: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_C: tl.constexpr):  # fmt: skip
+    """out (+)= the sum over rows of fp32 partials [rows, n_cols]: the key temperature's gradient."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    _store_sum(out_ptr + cols, _column_sums(partials_ptr, rows, n_cols, cols, BLOCK_R), cols < n_cols, ACCUMULATE)
 
 
 # ------------------------------------------------------------------------------ convolution kernels
@@ -518,14 +536,18 @@ class QKEpilogue(torch.autograd.Function):
         grads = [torch.empty_like(t) for t in (q_conv, k_conv, q0, k0)]
         grad_temp = torch.empty((seq * batch, n_kv), dtype=torch.float32, device=q0.device)
         _qk_epilogue_backward_kernel[(seq * batch,)](
-            grad_q.contiguous(), grad_k.contiguous(), q_conv, k_conv, q0, k0, temp, cos, sin, *grads, grad_temp,
-            batch, *_rope_strides(cos, batch), torch.finfo(torch.float32).eps,
+            grad_q, grad_k, q_conv, k_conv, q0, k0, temp, cos, sin, *grads, grad_temp,
+            batch, *_rope_strides(cos, batch), torch.finfo(torch.float32).eps, *grad_q.stride(), *grad_k.stride(),
             **_meta_params(n_q, n_kv, ctx.head_dim, rot),
         )  # fmt: skip
+        # the temperature's gradient: summed in fp32, then added into main_grad or returned in its dtype
         targets = main_grad_targets([temp])
+        out = torch.empty_like(temp) if targets is None else targets[0]
+        block_c = triton.next_power_of_2(n_kv)
+        _sum_rows_kernel[(1,)](grad_temp, out, seq * batch, n_kv, ACCUMULATE=targets is not None,
+                               BLOCK_R=max(1, 4096 // block_c), BLOCK_C=block_c)  # fmt: skip
         if targets is None:
-            return *grads, grad_temp.sum(0).to(temp.dtype), None, None, None
-        targets[0].add_(grad_temp.sum(0))  # into main_grad in fp32
+            return *grads, out, None, None, None
         return *grads, *added_to_main_grad([temp]), None, None, None
 
 

@@ -42,7 +42,8 @@ NAMES = ["q", "k", "d_q0", "d_k0", "d_wq1", "d_bq1", "d_wk1", "d_bk1", "d_wq2", 
 def test_cca_qk_forward_backward(dtype, rope_per_batch):
     gen = torch.Generator().manual_seed(0)
     tensors, angles = _inputs(dtype, rope_per_batch, gen)
-    grads = [torch.randn(SEQ, BATCH, heads, HEAD_DIM, generator=gen) for heads in (N_Q, N_KV)]
+    # strided as the attention's backward gives them: [S, B] views of batch-major gradients
+    grads = [torch.randn(BATCH, SEQ, heads, HEAD_DIM, generator=gen).transpose(0, 1) for heads in (N_Q, N_KV)]
 
     ours = _run(kernel, tensors, angles, grads)
     model = _run(reference, tensors, angles, grads)

@@ -91,7 +91,7 @@ CASES = {
     "cross_entropy": (_cross_entropy, {"_logsumexp_kernel", "_cross_entropy_grad_kernel"}),
     "cca": (_cca, {"_qk_epilogue_forward_kernel", "_qk_epilogue_backward_kernel", "_conv_forward_kernel",
                    "_conv_grouped_grad_kernel", "_conv_depthwise_grad_kernel", "_conv_weight_grad_kernel",
-                   "_conv_param_grads_kernel"}),
+                   "_conv_param_grads_kernel", "_sum_rows_kernel"}),
     "grouped_gemm": (_grouped_gemm, {"_row_tiles_kernel", "_grouped_matmul_kernel", "_grouped_weight_grad_kernel"}),
     "sort_by_expert": (_sort_by_expert, {"_sort_by_expert_kernel"}),
 }
