@@ -85,10 +85,11 @@ def _route_top1_block(
 def _route_top1_grad(
     logits,  # [BLOCK_T, BLOCK_C] fp32; columns from n_classes on are ignored
     rows, cols, n_tokens, n_classes,
-    grad_probs_ptr, grad_skip_ptr, choice_ptr,
+    grad_probs_ptr, token_stride, expert_stride, grad_skip_ptr, choice_ptr,
     HAS_GRAD_SKIP: tl.constexpr,
 ):
-    """d loss / d logits [BLOCK_T, BLOCK_C] fp32 of one block of tokens, through the gate only."""
+    """d loss / d logits [BLOCK_T, BLOCK_C] fp32 of one block of tokens, through the gate only. ``grad_probs``
+    is read through its (token, expert) strides: a gradient broadcast over the experts is not copied."""
     row_mask = rows < n_tokens
     rows64 = tl.cast(rows, tl.int64)
     logits = tl.where((cols < n_classes)[None, :], logits, float("-inf"))
@@ -96,8 +97,8 @@ def _route_top1_grad(
     probs = exp / tl.sum(exp, axis=1)[:, None]
     choice = tl.load(choice_ptr + rows, mask=row_mask, other=0)
     n_experts = n_classes - 1
-    grad_gate = tl.load(grad_probs_ptr + rows64 * n_experts + choice, mask=row_mask & (choice < n_experts),
-                        other=0.0).to(tl.float32)  # fmt: skip
+    grad_gate = tl.load(grad_probs_ptr + rows64 * token_stride + choice * expert_stride,
+                        mask=row_mask & (choice < n_experts), other=0.0).to(tl.float32)  # fmt: skip
     if HAS_GRAD_SKIP:
         grad_gate += tl.load(grad_skip_ptr + rows, mask=row_mask & (choice == n_experts), other=0.0).to(tl.float32)
     chosen = cols[None, :] == choice[:, None]
@@ -137,7 +138,8 @@ def _router_forward_kernel(
 
 @triton.jit
 def _router_backward_kernel(
-    grad_probs_ptr,  # [T, E]
+    grad_probs_ptr,  # [T, E], by its strides
+    token_stride, expert_stride,
     grad_skip_ptr,  # [T]
     logits_ptr,  # [T, C]
     choice_ptr,  # [T] int32
@@ -148,8 +150,8 @@ def _router_backward_kernel(
     BLOCK_C: tl.constexpr,
 ):
     rows, cols, offsets, mask, logits = _logits_block(logits_ptr, n_tokens, n_classes, BLOCK_T, BLOCK_C)
-    grad_logits = _route_top1_grad(logits, rows, cols, n_tokens, n_classes, grad_probs_ptr, grad_skip_ptr,
-                                   choice_ptr, HAS_GRAD_SKIP=True)  # fmt: skip
+    grad_logits = _route_top1_grad(logits, rows, cols, n_tokens, n_classes, grad_probs_ptr, token_stride,
+                                   expert_stride, grad_skip_ptr, choice_ptr, HAS_GRAD_SKIP=True)  # fmt: skip
     tl.store(grad_logits_ptr + offsets, grad_logits.to(grad_logits_ptr.dtype.element_ty), mask=mask)
 
 
@@ -187,8 +189,8 @@ class _RouteTop1(torch.autograd.Function):
         grad_logits = torch.empty_like(logits2d)
         grid, launch = _launch(logits2d.device, n_tokens, n_classes, backward=True)
         _router_backward_kernel[grid](
-            grad_probs.contiguous(), grad_skip.contiguous(), logits2d, choice, grad_logits, n_tokens, n_classes,
-            **launch,
+            grad_probs, *grad_probs.stride(), grad_skip.contiguous(), logits2d, choice, grad_logits, n_tokens,
+            n_classes, **launch,
         )  # fmt: skip
         return grad_logits, None
 
@@ -238,9 +240,13 @@ def _gelu_grad(x):
 
 
 @triton.jit
-def _router_state(u_ptr, state_in_ptr, eda_ptr, offsets, mask, k, k_mask, HAS_STATE: tl.constexpr):
-    """r = u + state_in * eda_scale (EDA; r = u without an incoming state) of one block, fp32."""
+def _router_state(u_ptr, state_in_ptr, eda_ptr, bias_ptr, offsets, mask, k, k_mask, HAS_STATE: tl.constexpr,
+                  HAS_BIAS: tl.constexpr):
+    """r = u + state_in * eda_scale (EDA; r = u without an incoming state) of one block, fp32; with ``HAS_BIAS``,
+    u is the projection without its bias, added here first (as the projection adds it)."""
     r = tl.load(u_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        r += tl.load(bias_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_STATE:
         eda = tl.load(eda_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
         r += tl.load(state_in_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * eda[None, :]
@@ -268,15 +274,15 @@ def _fc2_chunk(w2_ptr, c0, width, k, k_mask, CHUNK: tl.constexpr):
 
 @triton.jit
 def _head_forward_kernel(
-    u_ptr, state_in_ptr, eda_ptr,  # [T, R] fp32, [T, R] (or unused), [R]
+    u_ptr, state_in_ptr, eda_ptr, bias_ptr,  # [T, R] fp32, [T, R] (or unused), [R], [R] (or unused)
     norm_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, w3_ptr,  # [R], [R, R], [R], [R, R], [R], [C, R]: any float dtype
     biases_ptr,  # [C] fp32
     state_ptr,  # [T, R] fp32: r
     probs_ptr, routing_map_ptr, skip_gate_ptr, choice_ptr, counts_ptr,  # as _router_forward_kernel's
     n_tokens, eps,
     width: tl.constexpr, n_classes: tl.constexpr,  # model constants: folded into the address arithmetic
-    HAS_STATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     k = tl.arange(0, BLOCK_R)
@@ -285,7 +291,7 @@ def _head_forward_kernel(
     offsets = tl.cast(rows, tl.int64)[:, None] * width + k[None, :]
     mask = row_mask[:, None] & k_mask[None, :]
 
-    r = _router_state(u_ptr, state_in_ptr, eda_ptr, offsets, mask, k, k_mask, HAS_STATE)
+    r = _router_state(u_ptr, state_in_ptr, eda_ptr, bias_ptr, offsets, mask, k, k_mask, HAS_STATE, HAS_BIAS)
     tl.store(state_ptr + offsets, r, mask=mask)
     rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=1) / width + eps)
     z0 = tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :] * (r * rstd[:, None])
@@ -304,9 +310,10 @@ def _head_forward_kernel(
 
 @triton.jit
 def _head_backward_kernel(
-    u_ptr, state_in_ptr, eda_ptr, norm_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, w3_ptr,  # as the forward's
+    u_ptr, state_in_ptr, eda_ptr, bias_ptr, norm_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, w3_ptr,  # as the forward's
     choice_ptr,  # [T] int32 from the forward
     grad_probs_ptr, grad_skip_ptr, grad_state_ptr,  # [T, E], [T] (or unused), [T, R] (or unused)
+    token_stride, expert_stride,  # grad_probs's: a gradient broadcast over the experts is not copied
     acts_ptr,  # [3, T, R] fp32: z0 (fc1's input), h1 (fc2's), h2 (out_proj's), for the weight gradients
     grads_ptr,  # [4, T, R] fp32: d a1, d a2 (fc1's, fc2's pre-activations), d u, d state_in (with a state)
     grad_logits_ptr,  # [T, C] fp32
@@ -314,8 +321,8 @@ def _head_backward_kernel(
     n_tokens, eps,
     plane,  # T * R: the stride of acts' and grads' slices
     width: tl.constexpr, n_classes: tl.constexpr,
-    HAS_STATE: tl.constexpr, HAS_GRAD_SKIP: tl.constexpr, HAS_GRAD_STATE: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GRAD_SKIP: tl.constexpr, HAS_GRAD_STATE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -328,7 +335,7 @@ def _head_backward_kernel(
     partials_ptr += pid * 4 * width
 
     # The forward again, keeping what the weight gradients need.
-    r = _router_state(u_ptr, state_in_ptr, eda_ptr, offsets, mask, k, k_mask, HAS_STATE)
+    r = _router_state(u_ptr, state_in_ptr, eda_ptr, bias_ptr, offsets, mask, k, k_mask, HAS_STATE, HAS_BIAS)
     rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=1) / width + eps)
     norm = tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
     z0 = norm[None, :] * (r * rstd[:, None])
@@ -349,8 +356,8 @@ def _head_backward_kernel(
     logits = tl.dot(h2, tl.trans(w3), input_precision=PRECISION)
 
     # Backward: logits, out_proj, GELU, fc2, GELU, fc1 (by chunks again), RMSNorm, EDA.
-    grad_logits = _route_top1_grad(logits, rows, cols, n_tokens, n_classes, grad_probs_ptr, grad_skip_ptr,
-                                   choice_ptr, HAS_GRAD_SKIP)  # fmt: skip
+    grad_logits = _route_top1_grad(logits, rows, cols, n_tokens, n_classes, grad_probs_ptr, token_stride,
+                                   expert_stride, grad_skip_ptr, choice_ptr, HAS_GRAD_SKIP)  # fmt: skip
     tl.store(grad_logits_ptr + rows64[:, None] * n_classes + cols[None, :], grad_logits,
              mask=row_mask[:, None] & col_mask[None, :])  # fmt: skip
     grad_a2 = tl.dot(grad_logits, w3, input_precision=PRECISION) * _gelu_grad(a2)
@@ -367,7 +374,8 @@ def _head_backward_kernel(
         tl.store(partials_ptr + 2 * width + c, tl.sum(grad_a1, axis=0), mask=c < width)
         grad_z0 = tl.dot(grad_a1, w1, grad_z0, input_precision=PRECISION)
     # r again from memory: holding it through both loops costs registers
-    normed = _router_state(u_ptr, state_in_ptr, eda_ptr, offsets, mask, k, k_mask, HAS_STATE) * rstd[:, None]
+    normed = _router_state(u_ptr, state_in_ptr, eda_ptr, bias_ptr, offsets, mask, k, k_mask, HAS_STATE,
+                           HAS_BIAS) * rstd[:, None]
     tl.store(partials_ptr + k, tl.sum(grad_z0 * normed, axis=0), mask=k_mask)
     grad_normed = grad_z0 * norm[None, :]
     grad_r = rstd[:, None] * (grad_normed - normed * (tl.sum(grad_normed * normed, axis=1) / width)[:, None])
@@ -396,10 +404,11 @@ def _head_launch(device: torch.device, n_tokens: int, width: int, n_classes: int
 
 class RouteHead(torch.autograd.Function):
     """:func:`route_head` by one kernel forward; backward one kernel (which recomputes the forward) and the
-    weight gradients' GEMMs over its [T, R] intermediates."""
+    weight gradients' GEMMs over its [T, R] intermediates. Given ``down_bias``, the projection's bias, ``u2d`` is
+    the projection without it: the kernels add it, saving the projection's separate addition (and its cast)."""
 
     @staticmethod
-    def forward(ctx, u2d, state_in2d, eda_scale, norm_weight, w1, b1, w2, b2, w3, biases, eps):
+    def forward(ctx, u2d, state_in2d, eda_scale, norm_weight, w1, b1, w2, b2, w3, biases, eps, down_bias=None):
         n_tokens, width = u2d.shape
         n_classes, device = w3.shape[0], u2d.device
         state = torch.empty((n_tokens, width), dtype=torch.float32, device=device)
@@ -411,11 +420,12 @@ class RouteHead(torch.autograd.Function):
         has_state = state_in2d is not None
         grid, launch = _head_launch(device, n_tokens, width, n_classes, backward=False)
         _head_forward_kernel[grid](
-            u2d, state_in2d if has_state else u2d, eda_scale if has_state else norm_weight, norm_weight, w1, b1, w2,
-            b2, w3, biases, state, probs, routing_map.view(torch.uint8), skip_gate, choice, counts,
-            n_tokens, eps, width, n_classes, HAS_STATE=has_state, **launch,
+            u2d, state_in2d if has_state else u2d, eda_scale if has_state else norm_weight,
+            norm_weight if down_bias is None else down_bias, norm_weight, w1, b1, w2, b2, w3, biases, state, probs,
+            routing_map.view(torch.uint8), skip_gate, choice, counts, n_tokens, eps, width, n_classes,
+            HAS_STATE=has_state, HAS_BIAS=down_bias is not None, **launch,
         )  # fmt: skip
-        ctx.save_for_backward(u2d, state_in2d, eda_scale, norm_weight, w1, b1, w2, b2, w3, choice)
+        ctx.save_for_backward(u2d, state_in2d, eda_scale, norm_weight, w1, b1, w2, b2, w3, choice, down_bias)
         ctx.eps = eps
         ctx.mark_non_differentiable(routing_map, counts)
         ctx.set_materialize_grads(False)
@@ -423,7 +433,7 @@ class RouteHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_probs, _grad_map, grad_state, grad_skip, _grad_counts):
-        u2d, state_in2d, eda_scale, norm_weight, w1, b1, w2, b2, w3, choice = ctx.saved_tensors
+        u2d, state_in2d, eda_scale, norm_weight, w1, b1, w2, b2, w3, choice, down_bias = ctx.saved_tensors
         n_tokens, width = u2d.shape
         n_classes, device, has_state = w3.shape[0], u2d.device, state_in2d is not None
         if grad_probs is None:
@@ -434,18 +444,22 @@ class RouteHead(torch.autograd.Function):
         grid, launch = _head_launch(device, n_tokens, width, n_classes, backward=True)
         partials = torch.empty((grid[0], 4, width), **fp32)
         _head_backward_kernel[grid](
-            u2d, state_in2d if has_state else u2d, eda_scale if has_state else norm_weight, norm_weight, w1, b1, w2,
-            b2, w3, choice, grad_probs.contiguous(), grads if grad_skip is None else grad_skip.contiguous(),
-            grads if grad_state is None else grad_state.contiguous(), acts, grads, grad_logits, partials,
-            n_tokens, ctx.eps, n_tokens * width, width, n_classes, HAS_STATE=has_state,
+            u2d, state_in2d if has_state else u2d, eda_scale if has_state else norm_weight,
+            norm_weight if down_bias is None else down_bias, norm_weight, w1, b1, w2, b2, w3, choice, grad_probs, grads if grad_skip is None else grad_skip.contiguous(),
+            grads if grad_state is None else grad_state.contiguous(), *grad_probs.stride(), acts, grads, grad_logits,
+            partials,
+            n_tokens, ctx.eps, n_tokens * width, width, n_classes, HAS_STATE=has_state, HAS_BIAS=down_bias is not None,
             HAS_GRAD_SKIP=grad_skip is not None, HAS_GRAD_STATE=grad_state is not None, **launch,
         )  # fmt: skip
         grad_state_in = grads[3].to(state_in2d.dtype) if has_state else None
-        vectors, vector_sums = (norm_weight, eda_scale, b1, b2), partials.sum(0)  # d norm, d eda, d b1, d b2
+        # d norm, d eda, d b1, d b2; and the projection's d bias as RouterProjection sums it, the same bits
+        vectors, vector_sums = (norm_weight, eda_scale, b1, b2, down_bias), [*partials.sum(0), None]
+        if down_bias is not None:
+            vector_sums[-1] = grads[2].sum(0)
         params = [p for p in (*vectors, w1, w2, w3) if p is not None]
         targets = main_grad_targets(params)
         if targets is None:  # the parameters share one dtype: one cast for the vectors, one for d W1 and d W2
-            d_norm, d_eda, d_b1, d_b2 = vector_sums.to(norm_weight.dtype)
+            d_norm, d_eda, d_b1, d_b2, d_bias = (None if p is None else v.to(p.dtype) for v, p in zip(vector_sums, vectors))
             d_w1, d_w2 = torch.bmm(grads[:2].transpose(1, 2), acts[:2]).to(w1.dtype)  # d a1ᵀ z0, d a2ᵀ h1
             d_w3 = (grad_logits.t() @ acts[2]).to(w3.dtype)
         else:  # added into main_grad in fp32: one foreach addition for the vectors, one GEMM for each matrix
@@ -454,10 +468,10 @@ class RouteHead(torch.autograd.Function):
             for target, operand_grad, operand in ((w1_target, grads[0], acts[0]), (w2_target, grads[1], acts[1]),
                                                   (w3_target, grad_logits, acts[2])):
                 matmul_fp32_into(target, operand_grad.t(), operand, accumulate=True)
-            d_norm, d_eda, d_b1, d_b2, d_w1, d_w2, d_w3 = _with_placeholders((*vectors, w1, w2, w3),
-                                                                             added_to_main_grad(params))
+            d_norm, d_eda, d_b1, d_b2, d_bias, d_w1, d_w2, d_w3 = _with_placeholders(
+                (*vectors, w1, w2, w3), added_to_main_grad(params))
         return (grads[2].to(u2d.dtype), grad_state_in, d_eda if eda_scale is not None else None, d_norm, d_w1, d_b1,
-                d_w2, d_b2, d_w3, None, None)  # fmt: skip
+                d_w2, d_b2, d_w3, None, None, d_bias)  # fmt: skip
 
 
 def _with_placeholders(params, placeholders) -> list:
@@ -476,8 +490,9 @@ def route_head(u, state_in, eda_scale, norm_weight, fc1_weight, fc1_bias, fc2_we
 
 
 def route_head_arguments(u, state_in, eda_scale, norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight,
-                         biases, eps: float, num_experts: int) -> tuple:
-    """:class:`RouteHead`'s arguments for :func:`route_head`'s, checked: the tokens as rows, everything contiguous."""
+                         biases, eps: float, num_experts: int, down_bias: torch.Tensor | None = None) -> tuple:
+    """:class:`RouteHead`'s arguments for :func:`route_head`'s, checked: the tokens as rows, everything contiguous;
+    with ``down_bias``, the projection's bias that ``u`` lacks."""
     n_classes, width = out_weight.shape
     if n_classes != num_experts + 1:
         raise ValueError(
@@ -491,16 +506,20 @@ def route_head_arguments(u, state_in, eda_scale, norm_weight, fc1_weight, fc1_bi
     params = [norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight]
     with_state = state_in is not None and eda_scale is not None
     return (u.reshape(-1, width).contiguous(), state_in.reshape(-1, width).contiguous() if with_state else None,
-            eda_scale, *(p.contiguous() for p in params), biases.detach().float().contiguous(), float(eps))
+            eda_scale, *(p.contiguous() for p in params), biases.detach().float().contiguous(), float(eps),
+            None if down_bias is None else down_bias.contiguous())
 
 
 class RouterProjection(torch.autograd.Function):
+    """:func:`router_projection`; with ``bias`` None the GEMM alone (the fused head adds the bias)."""
+
     @staticmethod
     def forward(ctx, x, weight, bias):
         x2d = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x2d, weight)
-        ctx.params = (weight, bias)
-        return (matmul_fp32(x2d, weight.t()) + bias.float()).view(*x.shape[:-1], weight.shape[0])
+        ctx.params = (weight,) if bias is None else (weight, bias)
+        u = matmul_fp32(x2d, weight.t())
+        return (u if bias is None else u + bias.float()).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -508,12 +527,14 @@ class RouterProjection(torch.autograd.Function):
         grad32 = grad_out.reshape(-1, weight.shape[0])
         grad = grad32.to(x2d.dtype)
         grad_x = (grad @ weight).view(*grad_out.shape[:-1], x2d.shape[-1])
-        targets = main_grad_targets(ctx.params)
+        targets, has_bias = main_grad_targets(ctx.params), len(ctx.params) == 2
         if targets is None:
-            return grad_x, matmul_fp32(grad.t(), x2d).to(weight.dtype), grad32.sum(0).to(ctx.params[1].dtype)
+            d_bias = grad32.sum(0).to(ctx.params[1].dtype) if has_bias else None
+            return grad_x, matmul_fp32(grad.t(), x2d).to(weight.dtype), d_bias
         matmul_fp32_into(targets[0], grad.t(), x2d, accumulate=True)  # added into main_grad in fp32
-        targets[1].add_(grad32.sum(0))
-        return grad_x, *added_to_main_grad(ctx.params)
+        if has_bias:
+            targets[1].add_(grad32.sum(0))
+        return grad_x, *added_to_main_grad(ctx.params), *(() if has_bias else (None,))
 
 
 def router_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

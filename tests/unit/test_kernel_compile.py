@@ -48,6 +48,10 @@ def _router(k):
               _meta(EXPERTS + 1, ROUTER)]  # fmt: skip
     probs, _, state, skip_gate, _ = k.route_head(u, state_in, *params, biases, 1e-5, EXPERTS)
     _backward([probs, state, skip_gate])
+    # the projection's bias added by the head (the moe op's call)
+    arguments = k.route_head_arguments(u, state_in, *params, biases, 1e-5, EXPERTS, _meta(ROUTER))
+    probs, _, state, skip_gate, _ = k.RouteHead.apply(*arguments)
+    _backward([probs, state, skip_gate])
 
 
 def _cross_entropy(k):

@@ -190,10 +190,17 @@ def test_fused_head_in_the_model_equals_the_reference(recompute):
         torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-6, msg=key)
 
 
-def test_router_adds_parameter_gradients_into_main_grad():
+def _bias_in_head(x, down_weight, down_bias, state_in, *rest):
+    """The projection without its bias, which the head adds (as the ``moe`` op calls them)."""
+    u = kernels.router_projection(x, down_weight, None)
+    return kernels.RouteHead.apply(*kernels.route_head_arguments(u, state_in, *rest, down_bias))
+
+
+@pytest.mark.parametrize("bias_in_head", [False, True], ids=["bias-in-projection", "bias-in-head"])
+def test_router_adds_parameter_gradients_into_main_grad(bias_in_head):
     """Under Megatron's DDP (bf16 parameters, each with an fp32 ``main_grad`` holding earlier micro-batches'
     gradients), the projection's and the head's backwards add the parameters' gradients into ``main_grad`` in fp32
-    and mark the parameters, for DDP's hooks to add nothing."""
+    and mark the parameters, for DDP's hooks to add nothing; the projection's bias added by the head too."""
     _, state_in, params, biases = _head_inputs(40, 32, torch.bfloat16, with_state=True)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, 20, 64, generator=gen).to(torch.bfloat16)
@@ -201,19 +208,23 @@ def test_router_adds_parameter_gradients_into_main_grad():
     grad_probs, grad_skip = torch.randn(40, HEAD_EXPERTS, generator=gen), torch.randn(40, generator=gen)
     before = [torch.randn(p.shape, generator=gen) for p in (*down, *params)]
 
-    def run(projection, head, cast=None, main_grads=()):
+    def separate(projection, head):
+        return lambda x, down_weight, down_bias, *rest: head(projection(x, down_weight, down_bias), *rest)
+
+    def run(route, cast=None, main_grads=()):
         leaves = [t.detach().to(cast or t.dtype).requires_grad_() for t in (*down, *params)]
         for leaf, held in zip(leaves, main_grads):
             leaf.main_grad, leaf.grad_added_to_main_grad = held.clone(), False
         state = state_in.to(cast or state_in.dtype)
-        u = projection(x.to(cast or x.dtype), *leaves[:2])
-        probs, _, _, skip_gate, _ = head(u, state, *leaves[2:], biases.to(cast or biases.dtype), 1e-5, HEAD_EXPERTS)
+        probs, _, _, skip_gate, _ = route(x.to(cast or x.dtype), *leaves[:2], state, *leaves[2:],
+                                          biases.to(cast or biases.dtype), 1e-5, HEAD_EXPERTS)
         return leaves, torch.autograd.grad([probs, skip_gate], leaves, [grad_probs.to(probs.dtype),
                                                                         grad_skip.to(probs.dtype)])
 
-    leaves, _ = run(kernels.router_projection, kernels.route_head, main_grads=before)
-    _, reference = run(ops.router_projection, ops.route_head)
-    _, oracle = run(ops.router_projection, ops.route_head, torch.float64)
+    kernel_route = _bias_in_head if bias_in_head else separate(kernels.router_projection, kernels.route_head)
+    leaves, _ = run(kernel_route, main_grads=before)
+    _, reference = run(separate(ops.router_projection, ops.route_head))
+    _, oracle = run(separate(ops.router_projection, ops.route_head), torch.float64)
     names = ["down_weight", "down_bias", "eda_scale", "norm_weight", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias",
              "out_weight"]
     for name, leaf, held, r, o in zip(names, leaves, before, reference, oracle, strict=True):
