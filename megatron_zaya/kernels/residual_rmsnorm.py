@@ -291,7 +291,9 @@ class RMSNorm(torch.autograd.Function):
         return grad_x.view(grad_out.shape), grads[0], None, None
 
 
-class _ResidualRMSNorm(torch.autograd.Function):
+class ResidualRMSNorm(torch.autograd.Function):
+    """:func:`residual_rms_norm`: the merge and the norm in one pass each way (the merge recomputed backward)."""
+
     @staticmethod
     def forward(ctx, hidden, residual, hidden_bias, hidden_scale, residual_bias, residual_scale, weight, eps):
         vectors = (hidden_bias, hidden_scale, residual_bias, residual_scale)
@@ -384,4 +386,4 @@ def residual_rms_norm(
     (normed in weight's dtype, new fp32 residual)."""
     vectors = (hidden_bias, hidden_scale, residual_bias, residual_scale, weight)
     _check_residual_args(hidden, residual, vectors)
-    return _ResidualRMSNorm.apply(hidden, residual, *vectors, eps)
+    return ResidualRMSNorm.apply(hidden, residual, *vectors, eps)

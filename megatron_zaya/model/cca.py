@@ -263,7 +263,7 @@ class CompressedConvAttention(MegatronModule):
     def _one_op_qkv(self, residual, input_norm, rotary_pos_emb, offsets):
         """As :meth:`_qkv`, from the residual stream by the ``cca_sublayer`` op, its recomputation inside."""
         for module in (input_norm, self.linear_q, self.linear_k, self.linear_v, self.conv, self.qk_norm):
-            _call_hooks(module)
+            call_module_hooks(module)
         recompute_qk = recomputes(self.config, "cca_qk", self.training)
         settings = cca_sublayer_ops.Settings(input_norm.eps, self.head_dim, self.first_delayed_channel,
                                              recomputes(self.config, "layernorm", self.training), recompute_qk)
@@ -272,9 +272,9 @@ class CompressedConvAttention(MegatronModule):
         return q, k, v, partial(drop_until_gradient, [q, k], recompute=run.qk_again) if recompute_qk else None
 
 
-def _call_hooks(module: torch.nn.Module) -> None:
-    """Call ``module`` for its hooks, without its forward: the ``cca_sublayer`` op reads the weights of modules that
-    keep their spec slots and checkpoint names but not their forward, and Megatron's DDP waits for
+def call_module_hooks(module: torch.nn.Module) -> None:
+    """Call ``module`` for its hooks, without its forward: the sublayer ops read the weights of modules that keep
+    their spec slots and checkpoint names but not their forward, and Megatron's DDP waits for
     ``--overlap-param-gather``'s all-gather of a module's weights in its forward pre-hook."""
     module.forward = lambda: None  # an instance attribute: hides the class's forward for this call
     try:

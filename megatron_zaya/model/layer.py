@@ -51,6 +51,10 @@ class ZayaTransformerLayer(TransformerLayer):
         residual = hidden_states
         norms = recomputes(self.config, "layernorm", self.training)
         attention_output = self._attention(residual, attention_mask, rotary_pos_emb, norms)
+        if self.mlp.takes_the_stream(attention_output, residual, self.self_attn_bda, self.pre_mlp_layernorm):
+            mlp_output, residual, router_state = self.mlp.forward_from_stream(
+                attention_output, residual, self.self_attn_bda, self.pre_mlp_layernorm, router_state)
+            return self.mlp_bda(mlp_output, residual), router_state
         pre_mlp_norm = partial(self.self_attn_bda, norm=self.pre_mlp_layernorm, dtype=dtype)
         if norms:  # the norm's output is dropped until the backward reaches the MoE sublayer
             pre_mlp_norm = Recompute(pre_mlp_norm, [*self.self_attn_bda.parameters(),

@@ -33,6 +33,8 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 from ..ops import experts as experts_ops
 from ..ops import moe as moe_ops
 from ..runtime import say_once
+from .cca import call_module_hooks
+from .norm import ResidualScaling, RMSNorm
 from .recompute import recomputes
 
 
@@ -95,18 +97,41 @@ class ZayaMoELayer(MoELayer):
             return True
         return False
 
-    def runs_as_one_op(self, hidden_states: torch.Tensor) -> bool:
-        """Whether :meth:`forward` runs the sublayer as the ``moe`` op (recomputation included) on these inputs."""
+    def runs_as_one_op(self, hidden_states: torch.Tensor, merge: moe_ops.MergeAndNorm | None = None) -> bool:
+        """Whether :meth:`forward` runs the sublayer as the ``moe`` op (recomputation included) on these inputs; with
+        ``merge``, whether :meth:`forward_from_stream` does."""
         if not self.one_op:
             return False
-        if hidden_states.device not in self._one_op_runs:
-            self._one_op_runs[hidden_states.device] = moe_ops.runs_on(
-                hidden_states, self.router.weights(), *self.experts.weights(), self.experts.backends)
-        return self._one_op_runs[hidden_states.device]
+        key = (hidden_states.device, merge is not None)
+        if key not in self._one_op_runs:
+            self._one_op_runs[key] = moe_ops.runs_on(
+                hidden_states, self.router.weights(), *self.experts.weights(), self.experts.backends, merge)
+        return self._one_op_runs[key]
+
+    def takes_the_stream(self, attention_output: torch.Tensor, residual: torch.Tensor, merge, norm) -> bool:
+        """Whether :meth:`forward_from_stream` runs: the ``moe`` op with ZAYA1's residual scaling and RMSNorm by their
+        kernel (op ``residual``) on an fp32 stream, a skipped token giving 0 (``identity`` reads the norm's output
+        outside the op)."""
+        if not (self.one_op and self.config.uses_kernel("residual") and isinstance(merge, ResidualScaling)
+                and isinstance(norm, RMSNorm) and self.config.skip_mode == "zero"):
+            return False
+        return self.runs_as_one_op(attention_output, _merge_and_norm(residual, merge, norm))
+
+    def forward_from_stream(self, attention_output: torch.Tensor, residual: torch.Tensor, merge: ResidualScaling,
+                            norm: RMSNorm, router_state: torch.Tensor | None = None):
+        """The sublayer from the attention's output and the residual stream ``residual`` (fp32): the ``moe`` op merges
+        the output into the stream (``merge``, the layer's ``self_attn_bda``) and normalises it (``norm``, its
+        ``pre_mlp_layernorm``) first -> (output, the new stream, the next router state). Where
+        :meth:`takes_the_stream`."""
+        for module in (merge, norm):
+            call_module_hooks(module)
+        output, next_state, _, new_residual = self._one_op_forward(
+            attention_output, router_state, _merge_and_norm(residual, merge, norm), norm.eps)
+        return output, new_residual, next_state
 
     def forward(self, hidden_states: torch.Tensor, router_state: torch.Tensor | None = None):
         if self.runs_as_one_op(hidden_states):
-            output, next_state, skip_gate = self._one_op_forward(hidden_states, router_state)
+            output, next_state, skip_gate, _ = self._one_op_forward(hidden_states, router_state)
         else:
             self.router.state_in = router_state
             if self._sorts_without_host_sync():
@@ -123,15 +148,17 @@ class ZayaMoELayer(MoELayer):
             )
         return output, next_state
 
-    def _one_op_forward(self, hidden_states: torch.Tensor, router_state: torch.Tensor | None):
+    def _one_op_forward(self, hidden_states: torch.Tensor, router_state: torch.Tensor | None,
+                        merge: moe_ops.MergeAndNorm | None = None, norm_eps: float = 0.0):
         cfg = self.config
         recompute = next((name for name in ("moe", "router") if recomputes(cfg, name, self.training)), None)
-        settings = moe_ops.Settings(cfg.layernorm_epsilon, self.num_local_experts, self.experts.backends, recompute)
-        output, next_state, skip_gate, counts = moe_ops.moe_sublayer(
+        settings = moe_ops.Settings(cfg.layernorm_epsilon, self.num_local_experts, self.experts.backends, recompute,
+                                    norm_eps, recomputes(cfg, "layernorm", self.training))
+        output, next_state, skip_gate, counts, new_residual = moe_ops.moe_sublayer(
             hidden_states, router_state, self.router.weights(), *self.experts.weights(), self.router.balancing_biases,
-            settings)
+            settings, merge)
         self.router.count(counts)
-        return output, next_state, skip_gate
+        return output, next_state, skip_gate, new_residual
 
     def _sorts_without_host_sync(self) -> bool:
         """Top-1, no tensor parallelism, no shared experts; every expert here, or the allgather dispatcher."""
@@ -167,3 +194,6 @@ class ZayaMoELayer(MoELayer):
             output = reduce_scatter_to_sequence_parallel_region(output, group=self.ep_group)
         return output.view(hidden_states.shape[:-1] + output.shape[-1:])
 
+
+def _merge_and_norm(residual: torch.Tensor, merge: ResidualScaling, norm: RMSNorm) -> moe_ops.MergeAndNorm:
+    return moe_ops.MergeAndNorm(residual, *merge.vectors, norm.weight)

@@ -34,18 +34,20 @@ def _trained_step(kernels: str, recompute: tuple[str, ...], skip_mode: str, stat
     return model, losses, grads, [layer.mlp.router.tokens_per_class.clone() for layer in model.decoder.layers]
 
 
-@pytest.mark.parametrize("recompute, skip_mode, micro_batches, off_graph",
-                         [(("layernorm", "router"), "identity", 2, True), (("moe",), "zero", 1, False)],
-                         ids=["recompute-router-off-the-graph", "recompute-moe"])
-def test_moe_op_equals_the_kernels_op_by_op(recompute, skip_mode, micro_batches, off_graph, one_op_calls,
+@pytest.mark.parametrize("recompute, skip_mode, micro_batches, off_graph, norm", [
+    (("layernorm", "router"), "zero", 2, True, True), (("layernorm", "router"), "identity", 1, True, False),
+    (("moe",), "zero", 1, False, True)], ids=["norm-recomputed-off-the-graph", "identity-skip", "recompute-moe"])
+def test_moe_op_equals_the_kernels_op_by_op(recompute, skip_mode, micro_batches, off_graph, norm, one_op_calls,
                                             monkeypatch):
     """Off the graph: the op hands its parameters' gradients to DDP itself (``training_loop.gradient_ready_calls``);
-    else to autograd and DDP's hooks."""
+    else to autograd and DDP's hooks. With the ``residual`` kernel (``norm``) and a skipped token giving 0, the op
+    also merges the attention's output into the stream and normalises it."""
     ready = ready_calls(monkeypatch)
     state = initial_state()
-    model, losses, grads, counts = _trained_step(PER_KERNEL, recompute, skip_mode, state, micro_batches, not off_graph)
+    kernels = PER_KERNEL + (",residual" if norm else "")
+    model, losses, grads, counts = _trained_step(kernels, recompute, skip_mode, state, micro_batches, not off_graph)
     assert not any(layer.mlp.one_op for layer in model.decoder.layers) and not one_op_calls
-    model, one_op_losses, one_op_grads, one_op_counts = _trained_step(PER_KERNEL + ",moe", recompute, skip_mode, state,
+    model, one_op_losses, one_op_grads, one_op_counts = _trained_step(kernels + ",moe", recompute, skip_mode, state,
                                                                       micro_batches, not off_graph)
     calls = micro_batches * len(model.decoder.layers)
     assert one_op_calls == {"forward": calls, "backward": calls}  # the op ran in every layer, once each
@@ -56,6 +58,8 @@ def test_moe_op_equals_the_kernels_op_by_op(recompute, skip_mode, micro_batches,
     layer = model.decoder.layers[0]
     params = [w for w in layer.mlp.router.weights() if w is not None] + [w for ws in layer.mlp.experts.weights()
                                                                           for w in ws]
+    if norm and skip_mode == "zero":
+        params += [*layer.self_attn_bda.vectors, layer.pre_mlp_layernorm.weight]
     assert ready == ({"ready": calls * len(params)} if off_graph else {}), ready  # each parameter once per call
     for counted, expected in zip(one_op_counts, counts):
         assert torch.equal(counted, expected) and counted.sum() == micro_batches * TOKENS[0] * TOKENS[1]  # once each
