@@ -4,7 +4,9 @@ Reads the routing map ``[T, ≥ first + E]`` (bool, at most one chosen column pe
 ``first``) and writes the sorted order (token indices by expert, then by token; tokens of none of the E last),
 its inverse (each token's sorted position) and the tokens per expert. One program makes two passes over the
 tokens in blocks: the first counts each class, the second places each token at its class's running offset plus
-its rank within the block. It stands for a dozen launches of the torch reference (the chosen column, a
+its rank within the block. Given the gates ``[T, ≥ first + E]`` (fp32, the chosen expert's probability in its
+column), it also writes each token's gate in sorted order (0 for tokens of none), what the experts scale their
+outputs by. It stands for a dozen launches of the torch reference (the chosen column, a
 multi-pass radix sort, the inverse's scatter, the counts), which dominate a host-bound MoE dispatch. The
 reference, the fallback and the choice live in ``ops/experts.py``.
 """
@@ -26,18 +28,24 @@ SORT_TUNING = {
 
 
 @triton.jit
-def _one_hot_classes(map_ptr, rows, n_tokens, stride_t, stride_e, first, n_experts, cols):
-    """[BLOCK, CLASSES] int32: 1 at each token's class (its expert among the E, else E); 0 for rows past the end."""
-    in_range = rows < n_tokens
+def _token_classes(map_ptr, rows, n_tokens, stride_t, stride_e, first, n_experts, cols):
+    """Each token's class [BLOCK] int32: its expert among the E, else E."""
     chosen = tl.load(map_ptr + rows[:, None] * stride_t + (first + cols)[None, :] * stride_e,
-                     mask=in_range[:, None] & (cols < n_experts)[None, :], other=0).to(tl.int32)
-    expert = tl.where(tl.sum(chosen, axis=1) > 0, tl.sum(chosen * cols[None, :], axis=1), n_experts)
-    return ((expert[:, None] == cols[None, :]) & in_range[:, None]).to(tl.int32)
+                     mask=(rows < n_tokens)[:, None] & (cols < n_experts)[None, :], other=0).to(tl.int32)
+    return tl.where(tl.sum(chosen, axis=1) > 0, tl.sum(chosen * cols[None, :], axis=1), n_experts)
 
 
 @triton.jit
-def _sort_by_expert_kernel(map_ptr, order_ptr, inverse_ptr, counts_ptr, n_tokens, stride_t, stride_e, first,
-                           n_experts, CLASSES: tl.constexpr, BLOCK: tl.constexpr):
+def _one_hot_classes(map_ptr, rows, n_tokens, stride_t, stride_e, first, n_experts, cols):
+    """[BLOCK, CLASSES] int32: 1 at each token's class (its expert among the E, else E); 0 for rows past the end."""
+    expert = _token_classes(map_ptr, rows, n_tokens, stride_t, stride_e, first, n_experts, cols)
+    return ((expert[:, None] == cols[None, :]) & (rows < n_tokens)[:, None]).to(tl.int32)
+
+
+@triton.jit
+def _sort_by_expert_kernel(map_ptr, order_ptr, inverse_ptr, counts_ptr, gates_ptr, sorted_gates_ptr, n_tokens,
+                           stride_t, stride_e, gate_stride_t, gate_stride_e, first, n_experts, CLASSES: tl.constexpr,
+                           BLOCK: tl.constexpr, HAS_GATES: tl.constexpr):
     cols = tl.arange(0, CLASSES)
     totals = tl.zeros([CLASSES], dtype=tl.int32)
     for start in range(0, n_tokens, BLOCK):
@@ -53,11 +61,17 @@ def _sort_by_expert_kernel(map_ptr, order_ptr, inverse_ptr, counts_ptr, n_tokens
         in_range = rows < n_tokens
         tl.store(order_ptr + position, rows.to(tl.int64), mask=in_range)
         tl.store(inverse_ptr + rows, position.to(tl.int64), mask=in_range)
+        if HAS_GATES:
+            expert = _token_classes(map_ptr, rows, n_tokens, stride_t, stride_e, first, n_experts, cols)
+            gate = tl.load(gates_ptr + rows * gate_stride_t + (first + expert) * gate_stride_e,
+                           mask=in_range & (expert < n_experts), other=0.0)
+            tl.store(sorted_gates_ptr + position, gate, mask=in_range)
         running += tl.sum(one_hot, 0)
 
 
-def sort_by_expert(routing_map: torch.Tensor, first: int, num_experts: int):
-    """Same contract as ``ops.experts.sort_by_expert``."""
+def sort_by_expert(routing_map: torch.Tensor, first: int, num_experts: int, gates: torch.Tensor | None = None):
+    """Same contract as ``ops.experts.sort_by_expert``; given ``gates`` (fp32, shaped as the routing map), the
+    tokens' gates in sorted order too, a fourth output: ``(gates * routing_map).sum(-1)[order]`` over the E."""
     if routing_map.dim() != 2 or routing_map.dtype != torch.bool:
         raise ValueError(f"sort_by_expert takes a bool routing map [tokens, classes], got {routing_map.dtype} "
                          f"{list(routing_map.shape)}")
@@ -68,11 +82,15 @@ def sort_by_expert(routing_map: torch.Tensor, first: int, num_experts: int):
     order = torch.empty(n_tokens, dtype=torch.int64, device=device)
     inverse = torch.empty_like(order)
     counts = torch.empty(num_experts, dtype=torch.int64, device=device)
+    sorted_gates = None if gates is None else torch.empty(n_tokens, dtype=torch.float32, device=device)
     tuning = SORT_TUNING[platform(device)]
-    _sort_by_expert_kernel[(1,)](routing_map, order, inverse, counts, n_tokens, *routing_map.stride(), first,
-                                 num_experts, CLASSES=triton.next_power_of_2(num_experts + 1), BLOCK=tuning["block"],
-                                 num_warps=tuning["warps"])
-    return order, inverse, counts
+    _sort_by_expert_kernel[(1,)](
+        routing_map, order, inverse, counts, routing_map if gates is None else gates,
+        order if gates is None else sorted_gates, n_tokens, *routing_map.stride(),
+        *(routing_map if gates is None else gates).stride(), first, num_experts,
+        CLASSES=triton.next_power_of_2(num_experts + 1), BLOCK=tuning["block"], HAS_GATES=gates is not None,
+        num_warps=tuning["warps"])  # fmt: skip
+    return (order, inverse, counts) if gates is None else (order, inverse, counts, sorted_gates)
 
 
 def runs_on(*tensors: torch.Tensor) -> bool:

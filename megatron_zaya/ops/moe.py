@@ -180,9 +180,10 @@ class _Forward:
         if settings.recompute == "router":  # u, the head's first saved tensor, is dropped and recomputed
             assert self.head.saved_tensors[0] is head_arguments[0]
             self.head.saved_tensors = (None, *self.head.saved_tensors[1:])
-        self.order, self.inverse, per_expert = sort_kernel.sort_by_expert(routing_map, 0, settings.num_experts)
+        # each token's gate (the one entry of its probs that is not 0; op by op, their sum) in sorted order
+        self.order, self.inverse, per_expert, prob = sort_kernel.sort_by_expert(routing_map, 0, settings.num_experts,
+                                                                                 probs)
         self.fc1 = _grouped_gemm(hidden2d.index_select(0, self.order), fc1, per_expert, settings.backends[0])
-        prob = probs.sum(dim=-1).index_select(0, self.order)
         self.swiglu = Piece(swiglu.SwiGLU, self.fc1.outputs, prob.unsqueeze(-1), None)
         self.fc2 = _grouped_gemm(self.swiglu.outputs, fc2, per_expert, settings.backends[1])
         self.out = self.fc2.outputs.index_select(0, self.inverse)

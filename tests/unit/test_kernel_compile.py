@@ -83,7 +83,9 @@ def _grouped_gemm(k):
 
 
 def _sort_by_expert(k):
-    k.sort_by_expert(torch.empty(TOKENS, EXPERTS + 1, dtype=torch.bool, device="meta"), 0, EXPERTS)
+    routing_map = torch.empty(TOKENS, EXPERTS, dtype=torch.bool, device="meta")
+    k.sort_by_expert(routing_map, 0, EXPERTS)
+    k.sort_by_expert(routing_map, 0, EXPERTS, _meta(TOKENS, EXPERTS, dtype=FP32).detach())  # the gates sorted too
 
 
 # module: (run forward+backward on meta tensors, the kernels that must have been compiled)

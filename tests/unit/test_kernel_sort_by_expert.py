@@ -45,6 +45,12 @@ def test_the_kernel_sorts_as_the_reference_and_as_python(tokens, classes, first,
         got = fn(routing_map, first, num_experts)
         for name, g, e in zip(("order", "inverse", "counts"), got, expected):
             assert g.dtype == torch.int64 and torch.equal(g, e), (fn.__module__, name, g, e)
+    # with the gates (nonzero in every column, the chosen one's and the others'): each token's chosen gate, sorted
+    gates = torch.rand(tokens, classes, generator=gen) + 0.5
+    *got, sorted_gates = kernels.sort_by_expert(routing_map, first, num_experts, gates)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    chosen = (gates * routing_map)[:, first:first + num_experts].sum(-1)
+    assert torch.equal(sorted_gates, chosen[expected[0]]), (sorted_gates, chosen[expected[0]])
 
 
 def test_a_strided_map_is_read_in_place():
