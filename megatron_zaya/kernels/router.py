@@ -78,7 +78,7 @@ def _route_top1_block(
     tl.store(skip_gate_ptr + rows, tl.where(choice == n_experts, gate, 0.0), mask=row_mask)
     tl.store(choice_ptr + rows, choice.to(tl.int32), mask=row_mask)
     counts = tl.sum((chosen & row_mask[:, None]).to(tl.int64), axis=0)
-    tl.atomic_add(counts_ptr + cols, counts, mask=col_mask)
+    tl.atomic_add(counts_ptr + cols, counts.to(counts_ptr.dtype.element_ty), mask=col_mask)  # integers: exact
 
 
 @triton.jit
@@ -405,10 +405,13 @@ def _head_launch(device: torch.device, n_tokens: int, width: int, n_classes: int
 class RouteHead(torch.autograd.Function):
     """:func:`route_head` by one kernel forward; backward one kernel (which recomputes the forward) and the
     weight gradients' GEMMs over its [T, R] intermediates. Given ``down_bias``, the projection's bias, ``u2d`` is
-    the projection without it: the kernels add it, saving the projection's separate addition (and its cast)."""
+    the projection without it: the kernels add it, saving the projection's separate addition (and its cast). Given
+    ``counts_into`` (a step's tokens per class, fp32 or int64), the counts are added into it, and it is returned
+    as the counts, instead of a fresh zeroed tensor that the caller adds."""
 
     @staticmethod
-    def forward(ctx, u2d, state_in2d, eda_scale, norm_weight, w1, b1, w2, b2, w3, biases, eps, down_bias=None):
+    def forward(ctx, u2d, state_in2d, eda_scale, norm_weight, w1, b1, w2, b2, w3, biases, eps, down_bias=None,
+                counts_into=None):
         n_tokens, width = u2d.shape
         n_classes, device = w3.shape[0], u2d.device
         state = torch.empty((n_tokens, width), dtype=torch.float32, device=device)
@@ -416,7 +419,7 @@ class RouteHead(torch.autograd.Function):
         routing_map = torch.empty((n_tokens, n_classes - 1), dtype=torch.bool, device=device)
         skip_gate = torch.empty(n_tokens, dtype=torch.float32, device=device)
         choice = torch.empty(n_tokens, dtype=torch.int32, device=device)
-        counts = torch.zeros(n_classes, dtype=torch.int64, device=device)
+        counts = torch.zeros(n_classes, dtype=torch.int64, device=device) if counts_into is None else counts_into
         has_state = state_in2d is not None
         grid, launch = _head_launch(device, n_tokens, width, n_classes, backward=False)
         _head_forward_kernel[grid](
@@ -471,7 +474,7 @@ class RouteHead(torch.autograd.Function):
             d_norm, d_eda, d_b1, d_b2, d_bias, d_w1, d_w2, d_w3 = _with_placeholders(
                 (*vectors, w1, w2, w3), added_to_main_grad(params))
         return (grads[2].to(u2d.dtype), grad_state_in, d_eda if eda_scale is not None else None, d_norm, d_w1, d_b1,
-                d_w2, d_b2, d_w3, None, None, d_bias)  # fmt: skip
+                d_w2, d_b2, d_w3, None, None, d_bias, None)  # fmt: skip
 
 
 def _with_placeholders(params, placeholders) -> list:
@@ -490,9 +493,10 @@ def route_head(u, state_in, eda_scale, norm_weight, fc1_weight, fc1_bias, fc2_we
 
 
 def route_head_arguments(u, state_in, eda_scale, norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight,
-                         biases, eps: float, num_experts: int, down_bias: torch.Tensor | None = None) -> tuple:
+                         biases, eps: float, num_experts: int, down_bias: torch.Tensor | None = None,
+                         counts_into: torch.Tensor | None = None) -> tuple:
     """:class:`RouteHead`'s arguments for :func:`route_head`'s, checked: the tokens as rows, everything contiguous;
-    with ``down_bias``, the projection's bias that ``u`` lacks."""
+    with ``down_bias``, the projection's bias that ``u`` lacks, and ``counts_into`` (see :class:`RouteHead`)."""
     n_classes, width = out_weight.shape
     if n_classes != num_experts + 1:
         raise ValueError(
@@ -507,7 +511,7 @@ def route_head_arguments(u, state_in, eda_scale, norm_weight, fc1_weight, fc1_bi
     with_state = state_in is not None and eda_scale is not None
     return (u.reshape(-1, width).contiguous(), state_in.reshape(-1, width).contiguous() if with_state else None,
             eda_scale, *(p.contiguous() for p in params), biases.detach().float().contiguous(), float(eps),
-            None if down_bias is None else down_bias.contiguous())
+            None if down_bias is None else down_bias.contiguous(), counts_into)
 
 
 class RouterProjection(torch.autograd.Function):

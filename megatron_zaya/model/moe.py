@@ -154,10 +154,9 @@ class ZayaMoELayer(MoELayer):
         recompute = next((name for name in ("moe", "router") if recomputes(cfg, name, self.training)), None)
         settings = moe_ops.Settings(cfg.layernorm_epsilon, self.num_local_experts, self.experts.backends, recompute,
                                     norm_eps, recomputes(cfg, "layernorm", self.training))
-        output, next_state, skip_gate, counts, new_residual = moe_ops.moe_sublayer(
+        output, next_state, skip_gate, _, new_residual = moe_ops.moe_sublayer(
             hidden_states, router_state, self.router.weights(), *self.experts.weights(), self.router.balancing_biases,
-            settings, merge)
-        self.router.count(counts)
+            settings, merge, self.router.tokens_per_class if self.router.counting() else None)
         return output, next_state, skip_gate, new_residual
 
     def _sorts_without_host_sync(self) -> bool:

@@ -105,9 +105,13 @@ class ZayaRouter(MegatronModule):
         self.count(counts)
         return probs, routing_map
 
+    def counting(self) -> bool:
+        """Whether a forward adds its tokens per class to the step's: in training, not in a recomputation."""
+        return self.training and self.count_tokens
+
     def count(self, counts: torch.Tensor) -> None:
-        """Add a micro-batch's tokens per class ``[C]`` to the step's, in training and not in a recomputation."""
-        if self.training and self.count_tokens:
+        """Add a micro-batch's tokens per class ``[C]`` to the step's, where :meth:`counting`."""
+        if self.counting():
             self.tokens_per_class += counts
 
     def weights(self) -> router_ops.RouterWeights:

@@ -91,40 +91,45 @@ def runs_on(hidden: torch.Tensor, router: RouterWeights, fc1, fc2, backends, mer
 
 
 def moe_sublayer(hidden: torch.Tensor, state_in: torch.Tensor | None, router: RouterWeights, fc1, fc2,
-                 biases: torch.Tensor, settings: Settings, merge: MergeAndNorm | None = None):
+                 biases: torch.Tensor, settings: Settings, merge: MergeAndNorm | None = None,
+                 counts_into: torch.Tensor | None = None):
     """The MoE sublayer on ``hidden [..., D]``, with the previous MoE layer's router state ``state_in [..., R]`` (None
     on the first), the router's weights, the experts' ``fc1`` and ``fc2`` (lists of ``[2F, D]`` and ``[D, F]``) and
     the balancing ``biases [E + 1]``; given ``merge``, ``hidden`` is the attention's output, merged into the stream
-    and normalised first. Check :func:`runs_on` first.
+    and normalised first; given ``counts_into`` (the step's tokens per class), the forward adds its counts into it
+    (a recomputation does not). Check :func:`runs_on` first.
 
     Returns: the output ``[..., D]`` in hidden's dtype, the router state ``[..., R]`` fp32, the skip gate ``[T]``
-    fp32 (p_skip where the skip class won, else 0), the tokens per class ``[E + 1]`` (int64), and the new residual
+    fp32 (p_skip where the skip class won, else 0), the tokens per class ``[E + 1]`` (int64; ``counts_into`` where
+    given), and the new residual
     stream, shaped as ``hidden`` (None without ``merge``).
     """
     weights = (*router, *fc1, *fc2) if merge is None else (*merge[1:], *router, *fc1, *fc2)
     off_graph = off_the_graph(weights)
     residual = None if merge is None else merge.residual
     out, state, skip_gate, counts, new_residual = MoESublayer.apply(
-        settings, len(fc1), hidden, residual, state_in, biases, weights if off_graph else None,
+        settings, len(fc1), hidden, residual, state_in, biases, counts_into, weights if off_graph else None,
         *(() if off_graph else weights))
     return out.view(hidden.shape), state.view(*hidden.shape[:-1], state.shape[-1]), skip_gate, counts, new_residual
 
 
 class MoESublayer(torch.autograd.Function):
-    """:func:`moe_sublayer`: ``(settings, num_experts, hidden, residual, state_in, biases, off_graph, *weights)``, the
+    """:func:`moe_sublayer`: ``(settings, num_experts, hidden, residual, state_in, biases, counts_into, off_graph,
+    *weights)``, the
     weights (``*merge[1:]`` where the residual stream is given, ``*router, *fc1, *fc2``) either in ``off_graph``, a
     tuple autograd does not see (their gradients go to DDP from the backward: :func:`~.composite.hand_to_ddp`), or
     as autograd's inputs."""
 
     @staticmethod
-    def forward(ctx, settings: Settings, num_experts: int, hidden, residual, state_in, biases, off_graph, *weights):
+    def forward(ctx, settings: Settings, num_experts: int, hidden, residual, state_in, biases, counts_into, off_graph,
+                *weights):
         ctx.off_graph = off_graph
         weights = off_graph or weights
         merged = 0 if residual is None else len(MergeAndNorm._fields) - 1
         merge, weights = weights[:merged], weights[merged:]
         router = RouterWeights(*weights[: len(RouterWeights._fields)])
         fc1, fc2 = weights[len(router): len(router) + num_experts], weights[len(router) + num_experts:]
-        run = _Forward(settings, hidden, residual, merge, state_in, biases, router, fc1, fc2)
+        run = _Forward(settings, hidden, residual, merge, state_in, biases, router, fc1, fc2, counts_into)
         ctx.hidden_shape, ctx.state_shape = hidden.shape, None if state_in is None else state_in.shape
         if settings.recompute == "moe":
             ctx.save_for_backward(hidden, residual, state_in, biases)
@@ -154,14 +159,15 @@ class MoESublayer(torch.autograd.Function):
         if ctx.off_graph is not None:
             hand_to_ddp(ctx.off_graph, grads)
             grads = ()
-        return (None, None, grad_hidden.view(ctx.hidden_shape), grad_residual, grad_state_in, None, None, *grads)
+        return (None, None, grad_hidden.view(ctx.hidden_shape), grad_residual, grad_state_in, None, None, None,
+                *grads)
 
 
 class _Forward:
     """One forward's pieces, kept for its backward."""
 
     def __init__(self, settings: Settings, hidden, residual, merge, state_in, biases, router: RouterWeights, fc1,
-                 fc2):
+                 fc2, counts_into=None):
         _, router_kernel, sort_kernel, swiglu, norm_kernel = _kernels()
         self.router, self.new_residual, self.norm = router, None, None
         if residual is not None:
@@ -174,7 +180,7 @@ class _Forward:
         head_arguments = router_kernel.route_head_arguments(
             self.projection.outputs, state_in, router.eda_scale, router.norm_weight, router.fc1_weight,
             router.fc1_bias, router.fc2_weight, router.fc2_bias, router.out_weight, biases, settings.eps,
-            settings.num_experts, router.down_bias)
+            settings.num_experts, router.down_bias, counts_into)
         self.head = Piece(router_kernel.RouteHead, *head_arguments)
         probs, routing_map, self.state, self.skip_gate, self.counts = self.head.outputs
         if settings.recompute == "router":  # u, the head's first saved tensor, is dropped and recomputed
@@ -210,7 +216,7 @@ class _Forward:
         n_tokens, n_experts = self.head.outputs[0].shape
         # broadcast over the experts, as autograd hands the gates' sum its gradient; the head reads it by strides
         grad_probs = grad_prob.view(-1).index_select(0, self.inverse).unsqueeze(-1).expand(n_tokens, n_experts)
-        grad_u, grad_state_in, d_eda, d_norm, d_w1, d_b1, d_w2, d_b2, d_w3, _, _, d_down_bias = self.head.backward(
+        grad_u, grad_state_in, d_eda, d_norm, d_w1, d_b1, d_w2, d_b2, d_w3, _, _, d_down_bias, _ = self.head.backward(
             grad_probs, None, grad_state, grad_skip, None)
         grad_hidden, d_down_weight, _ = self.projection.backward(grad_u)
         grad_hidden = grad_hidden + grad_sorted.index_select(0, self.inverse)

@@ -48,8 +48,9 @@ def _router(k):
               _meta(EXPERTS + 1, ROUTER)]  # fmt: skip
     probs, _, state, skip_gate, _ = k.route_head(u, state_in, *params, biases, 1e-5, EXPERTS)
     _backward([probs, state, skip_gate])
-    # the projection's bias added by the head (the moe op's call)
-    arguments = k.route_head_arguments(u, state_in, *params, biases, 1e-5, EXPERTS, _meta(ROUTER))
+    # the projection's bias added by the head, the counts added into the step's (the moe op's call)
+    counts_into = torch.empty(EXPERTS + 1, dtype=FP32, device="meta")
+    arguments = k.route_head_arguments(u, state_in, *params, biases, 1e-5, EXPERTS, _meta(ROUTER), counts_into)
     probs, _, state, skip_gate, _ = k.RouteHead.apply(*arguments)
     _backward([probs, state, skip_gate])
 
