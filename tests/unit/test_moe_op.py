@@ -35,8 +35,9 @@ def _trained_step(kernels: str, recompute: tuple[str, ...], skip_mode: str, stat
 
 
 @pytest.mark.parametrize("recompute, skip_mode, micro_batches, off_graph, norm", [
-    (("layernorm", "router"), "zero", 2, True, True), (("layernorm", "router"), "identity", 1, True, False),
-    (("moe",), "zero", 1, False, True)], ids=["norm-recomputed-off-the-graph", "identity-skip", "recompute-moe"])
+    (("layernorm", "router"), "zero", 2, True, True), (("moe",), "identity", 1, False, False),
+    (("moe",), "zero", 1, False, True)], ids=["norm-recomputed-off-the-graph", "identity-skip-recompute-moe",
+                                              "norm-in-the-op-recompute-moe"])
 def test_moe_op_equals_the_kernels_op_by_op(recompute, skip_mode, micro_batches, off_graph, norm, one_op_calls,
                                             monkeypatch):
     """Off the graph: the op hands its parameters' gradients to DDP itself (``training_loop.gradient_ready_calls``);
