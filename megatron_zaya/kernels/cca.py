@@ -26,7 +26,9 @@ also holds the fallback and the choice. Two families of Triton kernels:
   per token, with every head of a token in one program (the k skip term needs all g query heads of its group).
   In fp32 internally.
 
-The value time-delay is a GEMM plus a one-token shift of 128 channels: plain torch in ``ops/cca.py``, no kernel.
+The value time-delay (``ops/cca.py``'s ``delay_channels``) is a GEMM plus a one-token shift of some channels: one
+kernel each way (``DelayChannels``, without context parallelism), which the ``cca_sublayer`` op runs; the layer op
+by op shifts in torch.
 """
 
 from __future__ import annotations
@@ -494,6 +496,35 @@ def _conv_param_grads_kernel(
         _store_sum(w2_out_ptr + flat, grad_w2, flat < size, ACCUMULATE)
 
 
+@triton.jit
+def _delay_kernel(
+    src_ptr,  # [S, B, C] through its strides
+    dst_ptr,  # [S, B, C] contiguous
+    offsets_ptr,  # [S, B] int32 when HAS_DOCS: tokens before each one in its document
+    seq, batch, channels, first,
+    stride_s, stride_b, stride_c,
+    SHIFT: tl.constexpr,  # -1: channels [first, C) from the token before (forward); +1: from the token after
+    HAS_DOCS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Channels [0, first) as they are; the others shifted by one token, 0 where the pair's later token starts the
+    sequence or (with documents) its document: multiplied by 1 or 0, as the reference multiplies."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # t * B + b
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    t, b = rows // batch, rows % batch
+    in_range = (rows < seq * batch)[:, None] & (cols < channels)[None, :]
+    delayed = (cols >= first)[None, :]
+    source = t[:, None] + tl.where(delayed, SHIFT, 0)  # [rows, cols]
+    inside = in_range & (source >= 0) & (source < seq)
+    value = tl.load(src_ptr + tl.cast(source, tl.int64) * stride_s + b[:, None] * stride_b + cols[None, :] * stride_c,
+                    mask=inside, other=0.0)  # fmt: skip
+    later = t + (SHIFT + 1) // 2  # the pair's later token: this one (forward) or the next (backward)
+    keep = later < seq
+    if HAS_DOCS:
+        keep = keep & (tl.load(offsets_ptr + later * batch + b, mask=keep & (rows < seq * batch), other=0) > 0)
+    value = tl.where(delayed, value * keep[:, None].to(value.dtype), value)
+    tl.store(dst_ptr + tl.cast(rows, tl.int64)[:, None] * channels + cols[None, :], value, mask=in_range)
+
+
 # ----------------------------------------------------------------------------------------- autograd
 
 
@@ -562,6 +593,30 @@ CONV_TUNING = {
     "cpu": {"rows": 16, "warps": 4, "grouped_rows": 16, "grouped_warps": 4, "depthwise_rows": 16,
             "depthwise_warps": 4, "weight_rows": 16, "weight_warps": 4, "weight_stages": 1},  # the interpreter
 }  # fmt: skip
+
+
+def _delay(src: torch.Tensor, first: int, offsets: torch.Tensor | None, shift: int) -> torch.Tensor:
+    seq, batch, channels = src.shape
+    dst = torch.empty((seq, batch, channels), dtype=src.dtype, device=src.device)
+    rows, block_c = 32, min(128, triton.next_power_of_2(channels))
+    _delay_kernel[(triton.cdiv(seq * batch, rows), triton.cdiv(channels, block_c))](
+        src, dst, src if offsets is None else offsets, seq, batch, channels, first, *src.stride(), SHIFT=shift,
+        HAS_DOCS=offsets is not None, BLOCK_ROWS=rows, BLOCK_C=block_c)  # fmt: skip
+    return dst
+
+
+class DelayChannels(torch.autograd.Function):
+    """``ops.cca.delay_channels(v, first, None, offsets)`` (no context parallelism) by one kernel each way:
+    ``v [S, B, C]`` (any strides), ``offsets [S, B]`` int32 or None -> ``[S, B, C]`` contiguous."""
+
+    @staticmethod
+    def forward(ctx, v, first, offsets):
+        ctx.first, ctx.offsets = first, None if offsets is None else offsets.to(torch.int32).contiguous()
+        return _delay(v, first, ctx.offsets, shift=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _delay(grad, ctx.first, ctx.offsets, shift=1), None, None
 
 
 def _dot_precision(x: torch.Tensor) -> str:

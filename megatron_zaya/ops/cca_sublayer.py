@@ -9,14 +9,14 @@ RMSNorm, the q, k and v projections, CCA's convolutions and epilogue, and the va
 
 It adds no math: the norm, the convolutions and the epilogue are the kernels that the layer runs without it
 (ops ``residual`` and ``cca``), composed by :class:`~.composite.Piece`; the projections are the matmuls of
-Megatron's ``ColumnParallelLinear``, and the delay ``ops.cca.delay_channels`` written as a shift. Its backward is
-theirs in reverse order, the gradient of x summed in the order autograd sums it (v's, k's, then q's). What goes is
-autograd's work around a dozen ops (their graph nodes and saved-tensor bookkeeping, Megatron's TP = 1 mappings,
-the delay's pads and concatenations) and the re-entrant autograd pass of the layer's selective recomputation: here
-``recompute_norm`` (``layernorm``) keeps the residual stream but not x, and ``recompute_qk`` (``cca_qk``) keeps q0
-and k0 but not the convolutions' outputs; the backward runs those pieces again (or :meth:`Run.qk_again` did, for a
-layer that frees q and k until the backward, as it does without the op). The attention and the output projection
-stay outside, as their own ops.
+Megatron's ``ColumnParallelLinear``, and the delay ``ops.cca.delay_channels`` by its kernel (a shift, one launch
+each way). Its backward is theirs in reverse order, the gradient of x summed in the order autograd sums it (v's,
+k's, then q's). What goes is autograd's work around a dozen ops (their graph nodes and saved-tensor bookkeeping,
+Megatron's TP = 1 mappings, the delay's pads and concatenations) and the re-entrant autograd pass of the layer's
+selective recomputation: here ``recompute_norm`` (``layernorm``) keeps the residual stream but not x, and
+``recompute_qk`` (``cca_qk``) keeps q0 and k0 but not the convolutions' outputs; the backward runs those pieces
+again (or :meth:`Run.qk_again` did, for a layer that frees q and k until the backward, as it does without the op).
+The attention and the output projection stay outside, as their own ops.
 
 Every parameter's gradient goes into Megatron's ``main_grad`` in fp32 where its DDP keeps one (the kernels' own for
 theirs; the projections' as Megatron's gradient-accumulation fusion adds them), the op handing its parameters to DDP
@@ -134,8 +134,10 @@ class Run:
         q, k = self._qk()
         if settings.recompute_qk:  # the epilogue's first two saved tensors are the convolutions' outputs
             self.epilogue.saved_tensors = (None, None, *self.epilogue.saved_tensors[2:])
-        self.keep = None if offsets is None else (offsets > 0).unsqueeze(-1).to(x.dtype)  # [s, b, 1]
-        v = self._delayed_values(x, weights.v_weight, seq, batch)
+        cca, _ = _kernels()
+        v0 = (x @ weights.v_weight.t()).view(seq, batch, -1)
+        self.delay = Piece(cca.DelayChannels, v0, settings.first_delayed, offsets)
+        v = self.delay.outputs
         if settings.recompute_norm:
             self.norm = None  # the residual stream is the op's input: the backward normalises it again
             self.residual = residual
@@ -159,31 +161,6 @@ class Run:
         q, k = self._qk()
         return q.view(seq, batch, -1, self.settings.head_dim), k.view(seq, batch, -1, self.settings.head_dim)
 
-    def _delayed_values(self, x, weight, seq: int, batch: int) -> torch.Tensor:
-        """v = x Wvᵀ delayed as ``ops.cca.delay_channels`` without context parallelism: channels
-        ``[first_delayed:]`` one token later, zeros at the sequence's and (with documents) each document's first
-        token. The GEMM writes its rows below a row of zeros, so that the delay is one concatenation."""
-        first = self.settings.first_delayed
-        rows = torch.empty(((seq + 1) * batch, weight.shape[0]), dtype=x.dtype, device=x.device)
-        rows[:batch].zero_()
-        torch.mm(x, weight.t(), out=rows[batch:])
-        v = torch.cat([rows[batch:, :first], rows[:-batch, first:]], dim=-1).view(seq, batch, -1)
-        if self.keep is not None:
-            v[..., first:] *= self.keep
-        return v
-
-    def _delay_backward(self, grad: torch.Tensor) -> torch.Tensor:
-        """The gradient of x Wvᵀ from that of :meth:`_delayed_values`, ``[s, b, C]`` contiguous."""
-        first = self.settings.first_delayed
-        out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-        out[..., :first] = grad[..., :first]
-        out[-1:, :, first:] = 0
-        if self.keep is None:
-            out[:-1, :, first:] = grad[1:, :, first:]
-        else:
-            torch.mul(grad[1:, :, first:], self.keep[1:], out=out[:-1, :, first:])
-        return out
-
     def backward(self, grad_q, grad_k, grad_v):
         """-> the residual stream's gradient and one per weight (placeholders where added into ``main_grad``)."""
         _, norm_kernel = _kernels()
@@ -200,7 +177,7 @@ class Run:
             self.norm = Piece(norm_kernel.RMSNorm, self.residual, w.norm_weight, settings.eps, True)
         x = self.norm.outputs.view(-1, width)
         # v's, k's, q's: the order in which autograd runs the projections and sums their gradients of x
-        grads = [g.reshape(-1, g.shape[-1]) for g in (self._delay_backward(grad_v), grad_k0 + grad_k0_convs,
+        grads = [g.reshape(-1, g.shape[-1]) for g in (self.delay.backward(grad_v)[0], grad_k0 + grad_k0_convs,
                                                       grad_q0 + grad_q0_convs)]
         weights = (w.v_weight, w.k_weight, w.q_weight)
         grad_x = grads[0] @ weights[0]

@@ -59,7 +59,8 @@ def test_cca_sublayer_op_equals_the_kernels_op_by_op(recompute, packed, one_op_c
     assert one_op_calls == {"forward": calls, "backward": calls}  # the op ran in every layer, once each
     # recomputed inside the op: the norm under layernorm, the convolutions and the epilogue under cca_qk
     again = 2 if recompute else 1
-    assert pieces == {"RMSNorm": again * calls, "CausalConvs": again * 2 * calls, "QKEpilogue": again * calls}
+    assert pieces == {"RMSNorm": again * calls, "CausalConvs": again * 2 * calls, "QKEpilogue": again * calls,
+                      "DelayChannels": calls}
     assert torch.equal(one_op_losses, losses)
     for name, grad in grads.items():
         assert torch.equal(one_op_grads[name], grad), name

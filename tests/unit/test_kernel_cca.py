@@ -122,6 +122,27 @@ def test_value_time_delay_shifts_the_second_half_by_one_token():
     assert (v[0, :, 3:] == 0).all()
 
 
+@pytest.mark.parametrize("documents", [False, True], ids=["one-sequence", "packed-documents"])
+def test_value_time_delay_kernel_equals_the_reference(documents):
+    """The delay kernel, forward and backward (its gradient read through the strides autograd hands it), equals
+    ``delay_channels``: a shift, so exactly, zeros at each document's first token too."""
+    gen = torch.Generator().manual_seed(5)
+    seq, batch, channels, first = 11, 3, 40, 17
+    v = torch.randn(seq, batch, channels, generator=gen)
+    offsets = None
+    if documents:  # tokens before each one in its document: documents of 4, 1, 6 tokens; another cut per sequence
+        offsets = torch.tensor([0, 1, 2, 3, 0, 0, 1, 2, 3, 4, 5], dtype=torch.int32)[:, None].repeat(1, batch)
+        offsets[7:, 1] = torch.arange(4, dtype=torch.int32)
+    grad = torch.randn(batch, seq, channels, generator=gen).transpose(0, 1)  # strided, as from the attention
+    leaf, reference_leaf = v.clone().requires_grad_(), v.clone().requires_grad_()
+    out = kernels.DelayChannels.apply(leaf, first, offsets)
+    expected = delay_channels(reference_leaf, first, None, offsets)
+    assert torch.equal(out, expected)
+    out.backward(grad)
+    expected.backward(grad)
+    assert torch.equal(leaf.grad, reference_leaf.grad)
+
+
 def test_bad_shapes_raise_clear_errors():
     gen = torch.Generator().manual_seed(0)
     tensors, angles = _inputs(torch.float32, False, gen)

@@ -73,6 +73,8 @@ def _cca(k):
     for param in (*convs, temp):  # as under Megatron's DDP: the parameters' gradients go into main_grad
         param.main_grad, param.grad_added_to_main_grad = torch.empty_like(param, dtype=FP32), False
     _backward(list(k.cca_qk(q0, k0, *convs, temp, cos, cos)))
+    for offsets in (None, torch.empty(seq, batch, dtype=torch.int32, device="meta")):  # the value delay
+        _backward([k.DelayChannels.apply(_meta(seq, batch, k_ch), k_ch // 2, offsets)])
 
 
 def _grouped_gemm(k):
@@ -98,7 +100,7 @@ CASES = {
     "cross_entropy": (_cross_entropy, {"_logsumexp_kernel", "_cross_entropy_grad_kernel"}),
     "cca": (_cca, {"_qk_epilogue_forward_kernel", "_qk_epilogue_backward_kernel", "_conv_forward_kernel",
                    "_conv_grouped_grad_kernel", "_conv_depthwise_grad_kernel", "_conv_weight_grad_kernel",
-                   "_conv_param_grads_kernel", "_sum_rows_kernel"}),
+                   "_conv_param_grads_kernel", "_sum_rows_kernel", "_delay_kernel"}),
     "grouped_gemm": (_grouped_gemm, {"_row_tiles_kernel", "_grouped_matmul_kernel", "_grouped_weight_grad_kernel"}),
     "sort_by_expert": (_sort_by_expert, {"_sort_by_expert_kernel"}),
 }
