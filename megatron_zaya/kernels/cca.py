@@ -542,14 +542,18 @@ def _meta_params(n_q: int, n_kv: int, head_dim: int, rot: int) -> dict:
 
 
 class QKEpilogue(torch.autograd.Function):
-    """Steps 2-4 after the convolutions: one kernel each way, every head of a token in one program."""
+    """Steps 2-4 after the convolutions: one kernel each way, every head of a token in one program. ``out``: q and k
+    written into these contiguous tensors (shaped as q0 and k0 or as their heads) instead of new ones."""
 
     @staticmethod
-    def forward(ctx, q_conv, k_conv, q0, k0, temp, cos, sin, head_dim):
+    def forward(ctx, q_conv, k_conv, q0, k0, temp, cos, sin, head_dim, out=None):
         seq, batch = q0.shape[:2]
         n_q, n_kv, rot = q0.shape[-1] // head_dim, temp.numel(), cos.shape[-1]
         q_conv, k_conv, q0, k0, cos, sin = (t.contiguous() for t in (q_conv, k_conv, q0, k0, cos, sin))
-        q, k = torch.empty_like(q0), torch.empty_like(k0)
+        if out is None:
+            q, k = torch.empty_like(q0), torch.empty_like(k0)
+        else:
+            q, k = out[0].view(q0.shape), out[1].view(k0.shape)
         eps = torch.finfo(torch.float32).eps  # the model's, whatever the input dtype
         _qk_epilogue_forward_kernel[(seq * batch,)](
             q_conv, k_conv, q0, k0, temp, cos, sin, q, k, batch, *_rope_strides(cos, batch), eps,
@@ -578,8 +582,8 @@ class QKEpilogue(torch.autograd.Function):
         _sum_rows_kernel[(1,)](grad_temp, out, seq * batch, n_kv, ACCUMULATE=targets is not None,
                                BLOCK_R=max(1, 4096 // block_c), BLOCK_C=block_c)  # fmt: skip
         if targets is None:
-            return *grads, out, None, None, None
-        return *grads, *added_to_main_grad([temp]), None, None, None
+            return *grads, out, None, None, None, None
+        return *grads, *added_to_main_grad([temp]), None, None, None, None
 
 
 #: Convolution launches per platform (``utils.platform()``): token rows per program and warps of the forward,

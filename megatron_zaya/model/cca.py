@@ -269,7 +269,9 @@ class CompressedConvAttention(MegatronModule):
                                              recomputes(self.config, "layernorm", self.training), recompute_qk)
         q, k, v, run = cca_sublayer_ops.cca_sublayer(residual, self._one_op_weights(input_norm),
                                                      *cca_ops.rope_cos_sin(rotary_pos_emb), offsets, settings)
-        return q, k, v, partial(drop_until_gradient, [q, k], recompute=run.qk_again) if recompute_qk else None
+        if not recompute_qk:
+            return q, k, v, None
+        return q, k, v, partial(drop_until_gradient, [q, k], recompute=partial(run.qk_again, (q, k)))
 
 
 def call_module_hooks(module: torch.nn.Module) -> None:

@@ -63,17 +63,22 @@ class Recompute:
 def drop_until_gradient(outputs: list[torch.Tensor], hook_tensor: torch.Tensor,
                         recompute: Callable[[], Iterable[torch.Tensor]]) -> None:
     """Free ``outputs``' storage now (their consumers have saved them) and refill it with ``recompute()``'s tensors,
-    the same outputs computed again, when the gradient of ``hook_tensor`` arrives."""
+    the same outputs computed again, when the gradient of ``hook_tensor`` arrives. A ``recompute`` that writes into
+    ``outputs`` themselves (their storage is back at its size when it runs) returns them, and nothing is copied."""
+    sizes = [out.untyped_storage().nbytes() for out in outputs]
     for out in outputs:
         out.untyped_storage().resize_(0)
 
     def refill(grad):
         with torch.no_grad():
+            for out, size in zip(outputs, sizes):
+                out.untyped_storage().resize_(size)
             for out, fresh in zip(outputs, recompute(), strict=True):
+                if fresh is out:
+                    continue
                 if out.stride() != fresh.stride() or out.storage_offset() != fresh.storage_offset():
                     raise RuntimeError("a recomputed output changed its layout; it cannot refill its storage")
                 # storage-level copy: no version bump on a tensor that autograd has saved
-                out.untyped_storage().resize_(fresh.untyped_storage().nbytes())
                 out.untyped_storage().copy_(fresh.untyped_storage())
         return grad
 

@@ -144,22 +144,23 @@ class Run:
         heads = settings.head_dim
         return q.view(seq, batch, -1, heads), k.view(seq, batch, -1, heads), v.view(seq, batch, -1, heads)
 
-    def _qk(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The convolutions and the epilogue on q0 and k0: the pieces, and q, k ``[s, b, n·d]``."""
+    def _qk(self, into=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The convolutions and the epilogue on q0 and k0: the pieces, and q, k ``[s, b, n·d]`` (written into
+        ``into``'s q and k where given)."""
         cca, _ = _kernels()
         w = self.weights
         self.q_convs = Piece(cca.CausalConvs, self.q0, *w[4:8], None, self.offsets)
         self.k_convs = Piece(cca.CausalConvs, self.k0, *w[8:12], None, self.offsets)
         self.epilogue = Piece(cca.QKEpilogue, self.q_convs.outputs, self.k_convs.outputs, self.q0, self.k0,
-                              w.key_temperature, self.cos, self.sin, self.settings.head_dim)
+                              w.key_temperature, self.cos, self.sin, self.settings.head_dim, into)
         return self.epilogue.outputs
 
-    def qk_again(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k as the forward returned them, computed again, and the convolutions' outputs with them for the
-        backward: for a caller that frees q and k until the backward (the layer's ``cca_qk`` recomputation)."""
-        seq, batch = self.q0.shape[:2]
-        q, k = self._qk()
-        return q.view(seq, batch, -1, self.settings.head_dim), k.view(seq, batch, -1, self.settings.head_dim)
+    def qk_again(self, into: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k as the forward returned them, computed again into their storage ``into`` (the tensors the forward
+        returned, refilled: no copy), and the convolutions' outputs with them for the backward: for a caller that
+        frees q and k until the backward (the layer's ``cca_qk`` recomputation)."""
+        self._qk(into)
+        return into
 
     def backward(self, grad_q, grad_k, grad_v):
         """-> the residual stream's gradient and one per weight (placeholders where added into ``main_grad``)."""
