@@ -381,11 +381,13 @@ def _conv_depthwise_grad_kernel(
     partial_ptr,  # [programs along axis 0, 1 + T0, C] fp32: per-program sums for d b2, d w1[:, j]
     length, batch, channels,
     T0: tl.constexpr, T1: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    HAS_HISTORY: tl.constexpr, HAS_DOCS: tl.constexpr,
+    HAS_HISTORY: tl.constexpr, HAS_DOCS: tl.constexpr, ADD_INTO: tl.constexpr,
 ):  # fmt: skip
     """Rows are positions -PAD .. L - 1 of each chunk: dx(p) = sum_j w1[j] dy(p + T0 - 1 - j) (with HAS_DOCS,
     the terms whose dy position has p in its document); positions < 0 are the history's gradient. The output
-    bias and depthwise-tap gradients are sums over the same rows, left per program for one reduction."""
+    bias and depthwise-tap gradients are sums over the same rows, left per program for one reduction. With
+    ADD_INTO, grad_x holds another gradient of x, to which dx is added as torch adds two tensors of its dtype
+    (dx rounded to it, the sum in fp32, rounded once)."""
     PAD: tl.constexpr = (T0 - 1) + (T1 - 1)
     block, head = tl.program_id(0), tl.program_id(1)
     blocks_per_chunk = tl.cdiv((length + PAD) * batch, BLOCK_ROWS)
@@ -419,8 +421,12 @@ def _conv_depthwise_grad_kernel(
 
     inside = valid & (pos >= 0)
     offsets = ((chunk * length + pos) * batch + b) * channels
-    tl.store(grad_x_ptr + offsets[:, None] + cols[None, :], grad_x.to(grad_x_ptr.dtype.element_ty),
-             mask=inside[:, None])  # fmt: skip
+    grad_x_ptrs = grad_x_ptr + offsets[:, None] + cols[None, :]
+    dx = grad_x.to(grad_x_ptr.dtype.element_ty)
+    if ADD_INTO:
+        held = tl.load(grad_x_ptrs, mask=inside[:, None], other=0.0)
+        dx = (dx.to(tl.float32) + held.to(tl.float32)).to(grad_x_ptr.dtype.element_ty)
+    tl.store(grad_x_ptrs, dx, mask=inside[:, None])
     if HAS_HISTORY:
         before = valid & (pos < 0)
         offsets = ((chunk * PAD + PAD + pos) * batch + b) * channels
@@ -652,6 +658,12 @@ class CausalConvs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        return CausalConvs.backward_adding(ctx, grad, None)
+
+    @staticmethod
+    def backward_adding(ctx, grad, other_grad_x: torch.Tensor | None):
+        """:meth:`backward`; given ``other_grad_x`` (another gradient of x, contiguous, in x's dtype), x's gradient
+        is added into it, and it is returned as x's: the sum of the two in the launch that makes the first."""
         x, history, offsets, w1, b1, w2 = ctx.saved_tensors
         chunks = 1 if history is None else history.shape[0]
         seq, batch, channels = x.shape
@@ -669,14 +681,18 @@ class CausalConvs(torch.autograd.Function):
                                         HEAD_DIM=head_dim, BLOCK_ROWS=tuning["grouped_rows"], HAS_DOCS=has_docs,
                                         DOT_PRECISION=precision, num_warps=tuning["grouped_warps"])  # fmt: skip
 
-        grad_x = torch.empty_like(x)
+        grad_x = torch.empty_like(x) if other_grad_x is None else other_grad_x
+        if other_grad_x is not None and (other_grad_x.shape != x.shape or other_grad_x.dtype != x.dtype
+                                         or not other_grad_x.is_contiguous()):
+            raise ValueError(f"the gradient to add x's into must be contiguous like x {tuple(x.shape)} {x.dtype}")
         grad_history = None if history is None else torch.empty_like(history)
         blocks = chunks * triton.cdiv((length + t0 + t1 - 2) * batch, tuning["depthwise_rows"])
         partial = torch.empty((blocks, 1 + t0, channels), dtype=torch.float32, device=x.device)
         _conv_depthwise_grad_kernel[(blocks, heads)](
             grad, grad_y, x, history_or_x, w1, offsets_or_x, grad_x, grad_x if history is None else grad_history,
             partial, length, batch, channels, T0=t0, T1=t1, HEAD_DIM=head_dim, BLOCK_ROWS=tuning["depthwise_rows"],
-            HAS_HISTORY=history is not None, HAS_DOCS=has_docs, num_warps=tuning["depthwise_warps"])  # fmt: skip
+            HAS_HISTORY=history is not None, HAS_DOCS=has_docs, ADD_INTO=other_grad_x is not None,
+            num_warps=tuning["depthwise_warps"])  # fmt: skip
 
         rows = tuning["weight_rows"]
         splits = triton.cdiv(persistent_programs(x.device, triton.cdiv(total, rows) * heads * t1), heads * t1)

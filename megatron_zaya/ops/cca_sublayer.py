@@ -164,7 +164,7 @@ class Run:
 
     def backward(self, grad_q, grad_k, grad_v):
         """-> the residual stream's gradient and one per weight (placeholders where added into ``main_grad``)."""
-        _, norm_kernel = _kernels()
+        cca, norm_kernel = _kernels()
         w, settings = self.weights, self.settings
         if self.epilogue.saved_tensors[0] is None:  # recompute_qk, and no qk_again since the forward
             self._qk()
@@ -172,14 +172,14 @@ class Run:
         grad_q, grad_k, grad_v = (_grad(grad, (seq, batch, weight.shape[0]), self.q0) for grad, weight in
                                   ((grad_q, w.q_weight), (grad_k, w.k_weight), (grad_v, w.v_weight)))
         grad_q_convs, grad_k_convs, grad_q0, grad_k0, d_temperature, *_ = self.epilogue.backward(grad_q, grad_k)
-        grad_k0_convs, *d_k_convs, _, _ = self.k_convs.backward(grad_k_convs)
-        grad_q0_convs, *d_q_convs, _, _ = self.q_convs.backward(grad_q_convs)
+        # q0's (k0's) gradient: the epilogue's plus the convolutions', added by the convolutions' last kernel
+        grad_k0, *d_k_convs, _, _ = cca.CausalConvs.backward_adding(self.k_convs, grad_k_convs, grad_k0)
+        grad_q0, *d_q_convs, _, _ = cca.CausalConvs.backward_adding(self.q_convs, grad_q_convs, grad_q0)
         if self.norm is None:
             self.norm = Piece(norm_kernel.RMSNorm, self.residual, w.norm_weight, settings.eps, True)
         x = self.norm.outputs.view(-1, width)
         # v's, k's, q's: the order in which autograd runs the projections and sums their gradients of x
-        grads = [g.reshape(-1, g.shape[-1]) for g in (self.delay.backward(grad_v)[0], grad_k0 + grad_k0_convs,
-                                                      grad_q0 + grad_q0_convs)]
+        grads = [g.reshape(-1, g.shape[-1]) for g in (self.delay.backward(grad_v)[0], grad_k0, grad_q0)]
         weights = (w.v_weight, w.k_weight, w.q_weight)
         grad_x = grads[0] @ weights[0]
         for grad, weight in zip(grads[1:], weights[1:]):

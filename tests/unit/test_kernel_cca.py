@@ -9,6 +9,7 @@ from triton_interpreter import assert_matches_oracle, load_kernel_module
 
 from megatron_zaya.ops import cca as ops
 from megatron_zaya.ops.cca import delay_channels
+from megatron_zaya.ops.composite import Piece
 
 kernels = load_kernel_module("megatron_zaya.kernels.cca")
 kernel = with_angles(kernels)
@@ -289,3 +290,26 @@ def test_convolution_parameter_gradients_of_wide_heads(into_main_grad):
             assert param.grad_added_to_main_grad, name
             got = param.main_grad - held.view(param.shape)
         assert_matches_oracle(name, got, want)
+
+
+def test_convolutions_add_the_input_gradient_into_another_as_torch_adds():
+    """``backward_adding``: x's gradient added into another gradient of x by the convolutions' last kernel, bit for
+    bit what ``torch.add`` of the two gives (the ``cca_sublayer`` op's sum of q0's gradients). In fp32: the
+    interpreter does not round to bf16 as GPUs do; the bf16 sum is held to the layer op by op through the CLI in
+    tests/gpu/test_training_gpu.py."""
+    dtype = torch.float32
+    gen = torch.Generator().manual_seed(11)
+    seq, batch, heads, d, t0, t1 = 9, 2, 2, 16, 2, 2
+    channels = heads * d
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(dtype)
+
+    x, grad, other = randn(seq, batch, channels), randn(seq, batch, channels), randn(seq, batch, channels)
+    weights = [randn(channels, t0, scale=0.5), randn(channels, scale=0.1), randn(channels, d, t1, scale=0.2),
+               randn(channels, scale=0.1)]
+    convs = Piece(kernels.CausalConvs, x, *weights, None, None)
+    apart = convs.backward(grad)
+    summed = kernels.CausalConvs.backward_adding(convs, grad, other.clone())
+    assert torch.equal(summed[0], apart[0] + other)
+    assert all(torch.equal(a, b) for a, b in zip(summed[1:5], apart[1:5]))

@@ -11,6 +11,8 @@ import torch
 
 from triton_interpreter import SHARED_LIMIT, compile_only, gpu_target, load_kernel_module, register_spills
 
+from megatron_zaya.ops.composite import Piece
+
 TOKENS, HIDDEN, FFN, EXPERTS, VOCAB, ROUTER = 8192, 2048, 2048, 16, 262272, 256
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -75,6 +77,9 @@ def _cca(k):
     _backward(list(k.cca_qk(q0, k0, *convs, temp, cos, cos)))
     for offsets in (None, torch.empty(seq, batch, dtype=torch.int32, device="meta")):  # the value delay
         _backward([k.DelayChannels.apply(_meta(seq, batch, k_ch), k_ch // 2, offsets)])
+    # the input gradient added into another (the cca_sublayer op's backward)
+    convs = Piece(k.CausalConvs, k0.detach(), *(w.detach() for w in convs[2:4] + convs[6:8]), None, None)
+    k.CausalConvs.backward_adding(convs, _meta(seq, batch, k_ch).detach(), _meta(seq, batch, k_ch).detach())
 
 
 def _grouped_gemm(k):
