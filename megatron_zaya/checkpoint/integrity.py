@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,10 +43,12 @@ def verified_step(ckpt_dir: str | os.PathLike) -> Path:
     return path
 
 
-def damage(path: str | os.PathLike, names: list[str], recorded: dict[str, list[int]]) -> list[str]:
+def damage(path: str | os.PathLike, names: list[str], recorded: dict[str, list[int]],
+           crcs: Callable[[list[Path]], list[int]] = file_crcs) -> list[str]:
     """What is wrong with the files ``names`` of the step directory ``path`` compared with ``recorded``
     (missing, another size, another checksum); empty when they are intact. Sizes first (no reads), then the
-    checksums of the rest in parallel threads."""
+    checksums of the rest: ``crcs`` of their paths, by default read for that alone in parallel threads (a reader
+    that needs the bytes passes its own, which checksums them as it reads them)."""
     path = Path(path)
     problems, to_hash = [], []
     for name in names:
@@ -59,7 +62,7 @@ def damage(path: str | os.PathLike, names: list[str], recorded: dict[str, list[i
             problems.append(f"{name} has {actual} bytes, {size} when saved")
         else:
             to_hash.append(name)
-    for name, crc in zip(to_hash, file_crcs([path / n for n in to_hash]), strict=True):
+    for name, crc in zip(to_hash, crcs([path / n for n in to_hash]), strict=True):
         if crc != recorded[name][1]:
             problems.append(f"{name} differs from its checksum at save")
     return problems
