@@ -12,7 +12,7 @@ checkpointing context: an instance of :class:`LocalTier`, installed by the ``che
 in place of NVIDIA's resiliency package. On disk::
 
     DIR/iter_0000040/rank_00003/tensors.000.bin      this rank's tensor bytes, 1 GiB per file (:mod:`.staging`)
-                                state.pt             the rest (torch.save), with each tensor's dtype and shape
+                                state.pt             the rest (torch.save), each tensor's dtype, shape, device
                                 layout.json          world size, parallel sizes and rank that wrote it
                                 zaya_checksums.json  sizes and CRC-32 of them all, written last and atomically
 
@@ -21,8 +21,10 @@ on a stream of its own on a GPU; the training loop waits for those copies before
 :mod:`.staging`), writes them, checksummed as they are written (only the small files are hashed after), and
 sends the part to its keeper. A rank's part is complete when its ``zaya_checksums.json`` exists; an
 iteration can be resumed when every rank of the same layout holds an intact part, or its keeper an intact
-copy, which the rank then receives. Each rank keeps its last K complete parts (and copies). No file is shared
-between ranks, so nothing here needs a shared filesystem.
+copy, which the rank then receives. A resume reads each byte of the part it takes once: the data files are
+checked against their checksums as they are read onto the tensors' devices (:func:`read_part`). Each rank keeps
+its last K complete parts (and copies). No file is shared between ranks, so nothing here needs a shared
+filesystem.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ import torch
 
 from ..errors import UsageError
 from . import peer_copy
-from .format import CHECKSUMS, TRACKER, read_tracker, recorded_files, step_name, write_checksums
+from .format import CHECKSUMS, TRACKER, file_crcs, read_tracker, recorded_files, step_name, write_checksums
 from .integrity import damage
-from .staging import Snapshot, read_tensors
+from .staging import ReadBack, Snapshot, read_tensors
 
 STATE = "state.pt"
 LAYOUT = "layout.json"
@@ -78,16 +80,36 @@ def write_part(path: str, snapshot: Snapshot, state, layout: dict[str, int]) -> 
     shutil.rmtree(part, ignore_errors=True)
     part.mkdir(parents=True)
     written = snapshot.write(part, TENSORS)
-    _synced(part / STATE, lambda stream: torch.save({"state": state, "tensors": snapshot.specs}, stream))
+    _synced(part / STATE, lambda stream: torch.save({"state": state, "tensors": snapshot.specs,
+                                                     "devices": snapshot.devices}, stream))
     _synced(part / LAYOUT, lambda stream: stream.write(json.dumps(layout).encode()))
     write_checksums(part, written)
 
 
-def read_part(part: Path):
-    """A part's state, its tensors on the host (:meth:`restore_tensor_device` puts them back)."""
-    saved = torch.load(part / STATE, map_location="cpu", weights_only=False)
-    saved["state"].insert_tensors(read_tensors(part, TENSORS, saved["tensors"]))
-    return saved["state"]
+def read_part(part: Path) -> tuple[object | None, list[str], ReadBack | None]:
+    """A part read once, every file compared with its checksum at save: the small files first, then the data
+    files as they are read onto the tensors' devices (:func:`~.staging.read_tensors`). Returns the state, its
+    tensors in place, and the read; or None and what is wrong (the lines of :func:`~.integrity.damage`)."""
+    recorded = recorded_files(part)
+    if recorded is None:
+        return None, [f"its {CHECKSUMS} is unreadable"], None
+    data = sorted(name for name in recorded if name.startswith(f"{TENSORS}."))
+    problems = damage(part, [name for name in recorded if name not in data], recorded)
+    saved = None if problems else torch.load(part / STATE, map_location="cpu", weights_only=False)
+    read = []
+
+    def read_data(paths: list[Path]) -> list[int]:  # the data files of their recorded sizes
+        if saved is None or len(paths) < len(data):  # the tensors or their files are amiss: checksums only
+            return file_crcs(paths)
+        read.append(read_tensors(paths, saved["tensors"], saved.get("devices")))
+        return read[0].crcs
+
+    problems += damage(part, data, recorded, read_data)
+    if problems:
+        return None, problems, None
+    saved["state"].insert_tensors(read[0].tensors)
+    saved["state"].restore_tensor_device(non_blocking=False)  # a part saved without its devices: read to the host
+    return saved["state"], [], read[0]
 
 
 def _synced(path: Path, write) -> None:
@@ -163,7 +185,7 @@ class LocalTier:
         self.persistent_dir = persistent_dir
         self.peer = peer
         self._latest: int | None = None
-        self._loaded = None
+        self._loaded = None  # (state, part) of the iteration find_latest chose, read as it was checked
         self._group = None  # the gloo group of the tier's thread
         self._thread: threading.Thread | None = None  # the save in flight
         self._error: BaseException | None = None
@@ -252,7 +274,8 @@ class LocalTier:
     def find_latest(self) -> int:
         """The newest iteration whose parts are complete and intact on every rank (or at its keeper) and were
         written with this layout, newer than the persistent checkpoint, or -1. A newer local checkpoint of
-        another layout than the persistent one is refused."""
+        another layout than the persistent one is refused. Each rank's part is read as it is checked and kept for
+        :meth:`load`."""
         global _loading
         if self._latest is None:
             self._latest = _loading = self._find_latest()
@@ -289,7 +312,7 @@ class LocalTier:
                 _warn(f"local checkpoint {root / step_name(it)} is incomplete (no part from rank "
                       f"{', '.join(map(str, missing[:8]))}{' ...' if len(missing) > 8 else ''}); skipped")
                 continue
-            problems = self._damage(it, parts) if it in parts else ["its part is missing"]
+            problems = self._read_part(parts[it]) if it in parts else ["its part is missing"]
             if self.peer:
                 problems = self._take_copies(it, bool(problems) and it in has_copy[rank],
                                              [k for _, _, k in everyone], problems)
@@ -300,13 +323,19 @@ class LocalTier:
                     print(f"[zaya] resuming from the local checkpoint {root / step_name(it)} (the persistent one in "
                           f"--load: {older if older >= 0 else 'none'})", flush=True)
                 return it
+            self._loaded = None  # not taken: its memory back
             _warn(f"local checkpoint {root / step_name(it)} is damaged ({problems[0]}"
                   f"{f' and {len(problems) - 1} more' if len(problems) > 1 else ''}); skipped")
         return -1
 
-    def _damage(self, iteration: int, parts: dict[int, Path]) -> list[str]:
-        recorded = recorded_files(parts[iteration]) or {}
-        return damage(parts[iteration], list(recorded), recorded)
+    def _read_part(self, part: Path) -> list[str]:
+        """What is wrong with this rank's part ``part``, read once (:func:`read_part`) and kept for :meth:`load`
+        when intact."""
+        self._loaded = None  # the part read before, not taken: its memory back first
+        state, problems, _ = read_part(part)
+        if state is not None:
+            self._loaded = (state, str(part))
+        return problems
 
     def _take_copies(self, iteration: int, need: bool, keepers: list[int | None], problems: list[str]) -> list[str]:
         """Collective: every rank without an intact part of ``iteration`` (``need``) receives its keeper's copy
@@ -314,7 +343,7 @@ class LocalTier:
         needs = _gather(need)
         received = peer_copy.fetch(needs, keepers, self._part(iteration), functools.partial(self._part, iteration))
         if need:
-            problems = (self._damage(iteration, {iteration: self._part(iteration)}) if received else
+            problems = (self._read_part(self._part(iteration)) if received else
                         problems + ["its copy on another node differs from its checksums"])
         taken = _gather(received and not problems)
         if torch.distributed.get_rank() == 0 and any(taken):
@@ -334,10 +363,7 @@ class LocalTier:
         return 0 if release else int(iteration)
 
     def load(self):
-        """This rank's part of the iteration :meth:`find_latest` chose, its tensors back on their devices."""
-        if self._loaded is None:
-            part = self._part(self.find_latest())
-            state = read_part(part)
-            state.restore_tensor_device(non_blocking=False)
-            self._loaded = (state, str(part))
+        """This rank's part of the iteration :meth:`find_latest` chose (read as it checked it), its tensors on
+        their devices, and the part's directory."""
+        self.find_latest()
         return self._loaded

@@ -8,9 +8,10 @@ forward and backward, while writer threads write the data files from the pool as
 bytes of each tensor one after the other, each aligned to :data:`ALIGN`, in files of at most
 :data:`FILE_BYTES`, :data:`THREADS` at a time), and returns their sizes and CRC-32 for the checksum record
 (:func:`~.format.write_checksums`). Without CUDA the same code copies with plain host copies.
-:func:`read_tensors` reads the files back. A background ``torch_dist`` save (:func:`background_request`)
-takes the same copies into a pool of one buffer that holds the whole part (:func:`whole_pool`) and hands the
-tensors, landed, to Megatron's writer (:meth:`Snapshot.copy_to_host`).
+:func:`read_tensors` reads them back onto their devices in one pass, each file checksummed as it is read. A
+background ``torch_dist`` save (:func:`background_request`) takes the same copies into a pool of one buffer that
+holds the whole part (:func:`whole_pool`) and hands the tensors, landed, to Megatron's writer
+(:meth:`Snapshot.copy_to_host`).
 
 When the copies must have landed: training writes the saved tensors (weights, master weights, optimizer
 state, the routers' balancing biases) only from the end of the next step's backward on, in
@@ -34,11 +35,13 @@ import bisect
 import concurrent.futures
 import contextlib
 import functools
+import itertools
 import os
 import threading
 import time
 import zlib
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -47,6 +50,7 @@ from .tiers import free_host_memory
 CHUNK_BYTES = 32 << 20
 FILE_BYTES = 1 << 30
 THREADS = 8
+READ_CHUNK_BYTES = 8 << 20  # a chunk read back is checksummed and sent on while still in the CPU's cache
 ALIGN = 64  # each tensor starts at a multiple of this in the data, so that it is read back as a view
 
 
@@ -128,6 +132,7 @@ class Snapshot:
                  pool: HostPool | None = None):
         self.tensors = tensors
         self.specs = [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in tensors]
+        self.devices = [t.device.type for t in tensors]  # where a resume puts them back (:func:`read_tensors`)
         self.sizes = [t.numel() * t.element_size() for t in tensors]
         self.offsets, self.end = _offsets(self.sizes)
         self.chunk = chunk
@@ -259,33 +264,102 @@ class Snapshot:
             return dict(zip(names, written, strict=True))
 
 
-def read_tensors(directory: Path, stem: str, specs: list[tuple[str, tuple[int, ...]]],
-                 threads: int = THREADS) -> list[torch.Tensor]:
-    """The tensors :class:`Snapshot` wrote, as views of one host buffer filled from the files, ``threads`` files
-    at a time (reads release the GIL), each into its place."""
+class ReadBack(NamedTuple):
+    """What :func:`read_tensors` read: the tensors, each file's CRC-32, and the seconds its threads spent, summed
+    over them, reading the files, checksumming and copying to a device (``reads``, ``checksums``, ``copies``)."""
+
+    tensors: list[torch.Tensor]
+    crcs: list[int]
+    seconds: dict[str, float]
+
+
+def read_tensors(paths: list[Path], specs: list[tuple[str, tuple[int, ...]]], devices: list[str] | None = None,
+                 threads: int = THREADS, chunk: int = READ_CHUNK_BYTES) -> ReadBack:
+    """The tensors :class:`Snapshot` wrote into the files ``paths`` (in order), each on its device of ``devices``
+    (``"cuda"``, ``"cpu"``; default: the host), and the CRC-32 of each file, computed as it is read: every byte is
+    read once, a chunk at a time, and checksummed (and sent to its device) while still in the CPU's cache,
+    ``threads`` files at a time (reads, CRC-32 and copies release the GIL). When every device is ``"cpu"`` the
+    tensors are views of one buffer the files are read into; otherwise each is allocated on its own (a view would
+    keep the whole part alive as long as any tensor of it) and filled from the file's chunks, on a GPU from two
+    pinned ones taking turns, on a CUDA stream of the file's."""
+    paths = [Path(p) for p in paths]
     sizes = [torch.Size(shape).numel() * getattr(torch, dtype).itemsize for dtype, shape in specs]
     offsets, end = _offsets(sizes)
-    paths = sorted(Path(directory).glob(f"{stem}.*.bin"))
-    starts = [0]
-    for path in paths:
-        starts.append(starts[-1] + path.stat().st_size)
+    starts = list(itertools.accumulate((p.stat().st_size for p in paths), initial=0))
     if starts[-1] != end:
-        raise ValueError(f"{directory}: {stem} files hold {starts[-1]} bytes, the tensors {end}")
-    buffer = torch.empty(end, dtype=torch.uint8)
-    view = memoryview(buffer.numpy())
+        raise ValueError(f"{len(paths)} files of tensors hold {starts[-1]} bytes, the tensors {end}")
+    devices = devices or ["cpu"] * len(specs)
+    on_host = all(device == "cpu" for device in devices)
+    if on_host:
+        buffer = torch.empty(end, dtype=torch.uint8)
+        tensors = [buffer[start:start + size].view(getattr(torch, dtype)).view(shape)
+                   for (dtype, shape), size, start in zip(specs, sizes, offsets, strict=True)]
+        view = memoryview(buffer.numpy())
+    else:
+        tensors = [torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                   for (dtype, shape), device in zip(specs, devices, strict=True)]
+        flats = [t.reshape(-1).view(torch.uint8) for t in tensors]
+    cuda = next((t.device for t in tensors if t.is_cuda), None)
+    if cuda is not None:  # what the copies wait for: the memory's earlier work on the allocating stream
+        allocated = torch.cuda.Event()
+        allocated.record()
 
-    def read_file(index: int) -> None:
-        offset, stop = starts[index], starts[index + 1]
-        with paths[index].open("rb") as stream:
-            while offset < stop and (got := stream.readinto(view[offset:stop])):
-                offset += got
-        if offset != stop:
-            raise ValueError(f"{paths[index]} ended after {offset - starts[index]} of its {stop - starts[index]} bytes")
+    def scatter(data: torch.Tensor, at: int) -> None:
+        """Copy the data bytes ``data``, from position ``at``, into the tensors they belong to."""
+        for i in range(max(0, bisect.bisect_right(offsets, at) - 1), len(specs)):
+            if offsets[i] >= at + data.numel():
+                break
+            low, high = max(at, offsets[i]), min(at + data.numel(), offsets[i] + sizes[i])
+            if low < high:
+                flats[i][low - offsets[i]:high - offsets[i]].copy_(data[low - at:high - at], non_blocking=True)
+
+    def read_file(index: int) -> tuple[int, list[float]]:
+        """Read file ``index`` into place: its CRC-32, and the seconds spent reading, checksumming, copying."""
+        low, high = starts[index], starts[index + 1]
+        crc, spent, stream = 0, [0.0, 0.0, 0.0], None
+        if cuda is not None:
+            torch.cuda.set_device(cuda)  # a new thread starts on device 0
+            stream = torch.cuda.Stream(cuda)
+            stream.wait_event(allocated)
+        pinned = cuda is not None
+        slots = [] if on_host else [torch.empty(min(chunk, high - low), dtype=torch.uint8, pin_memory=pinned)
+                                    for _ in range(1 + pinned)]
+        landed = [None] * len(slots)  # the copy stream's event after each slot's copies
+        with paths[index].open("rb", buffering=0) as file, \
+                torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for k, start in enumerate(range(low, high, chunk)):
+                length, clock = min(high - start, chunk), time.perf_counter()
+                if on_host:
+                    into = view[start:start + length]
+                else:
+                    slot = k % len(slots)
+                    if landed[slot] is not None:  # the slot's previous copies are done
+                        landed[slot].synchronize()
+                    into = memoryview(slots[slot].numpy())[:length]
+                waited, done = time.perf_counter(), 0
+                while done < length and (got := file.readinto(into[done:])):
+                    done += got
+                if done < length:
+                    raise ValueError(f"{paths[index]} ended after {start - low + done} of its {high - low} bytes")
+                read = time.perf_counter()
+                crc = zlib.crc32(into, crc)
+                hashed = time.perf_counter()
+                if not on_host:
+                    scatter(slots[slot][:length], start)
+                    landed[slot] = stream.record_event() if stream is not None else None
+                spent[0] += read - waited
+                spent[1] += hashed - read
+                spent[2] += waited - clock + time.perf_counter() - hashed
+        if stream is not None:
+            clock = time.perf_counter()
+            stream.synchronize()
+            spent[2] += time.perf_counter() - clock
+        return crc, spent
 
     with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(paths)))) as workers:
-        list(workers.map(read_file, range(len(paths))))
-    return [buffer[start:start + size].view(getattr(torch, dtype)).view(shape)
-            for (dtype, shape), size, start in zip(specs, sizes, offsets, strict=True)]
+        results = list(workers.map(read_file, range(len(paths))))
+    spent = [sum(s[i] for _, s in results) for i in range(3)]
+    return ReadBack(tensors, [crc for crc, _ in results], dict(zip(("reads", "checksums", "copies"), spent)))
 
 
 _writing: list[threading.Thread] = []  # the thread writing the background save in flight

@@ -109,12 +109,17 @@ def test_local_tier_keeps_the_newest_intact_and_refuses_another_layout(tmp_path)
     assert sorted(p.relative_to(root).as_posix() for p in root.glob("iter_*/rank_*")) == [
         "iter_0000003/rank_00000", "iter_0000003/rank_00001", "iter_0000004/rank_00000", "iter_0000004/rank_00001"]
 
-    _flip(root / "iter_0000004" / "rank_00001" / "state.pt")  # damage on one rank: 3, intact on both
-    ((latest, loaded), printed), _ = run_ranks(_tier_on_ranks, 2, tmp_path / "damaged", str(root), [])
-    assert latest == 3 and loaded["sharded"] == [300.0, 301.0, 302.0, 303.0] and loaded["iteration"] == 3
+    # Damage on both ranks (rank 0's found as its data is read back, rank 1's before): 3, intact on both.
+    _flip(root / "iter_0000004" / "rank_00000" / "tensors.000.bin")
+    _flip(root / "iter_0000004" / "rank_00001" / "state.pt")
+    ((latest, loaded), printed), ((latest_1, loaded_1), _) = run_ranks(_tier_on_ranks, 2, tmp_path / "damaged",
+                                                                       str(root), [])
+    assert latest == latest_1 == 3 and loaded["iteration"] == 3, (loaded, printed)
+    assert loaded["sharded"] == [300.0, 301.0, 302.0, 303.0] and loaded_1["sharded"] == [310.0, 311.0, 312.0, 313.0]
+    assert loaded["replicated"] == loaded_1["replicated"] == [300.0, 301.0, 302.0, 303.0]
     warning = [line for line in printed.splitlines() if "zaya-pretrain: warning:" in line]
-    assert warning == [f"zaya-pretrain: warning: local checkpoint {root}/iter_0000004 is damaged (rank 1: state.pt "
-                       "differs from its checksum at save); skipped"], warning
+    assert warning == [f"zaya-pretrain: warning: local checkpoint {root}/iter_0000004 is damaged (rank 0: "
+                       "tensors.000.bin differs from its checksum at save and 1 more); skipped"], warning
 
     shutil.rmtree(root / "iter_0000003" / "rank_00001")  # rank 1's node replaced: nothing left on both
     ((latest, _), printed), _ = run_ranks(_tier_on_ranks, 2, tmp_path / "replaced", str(root), [])
@@ -312,11 +317,16 @@ def test_a_copy_cut_short_by_a_lost_node_is_never_taken(tmp_path):
         in results[0][1]  # (named after rank 0's directory, which prints)
 
 
+def _bytes_read() -> int:
+    """The bytes this process has read, from files, sockets or pipes (``rchar``)."""
+    return int(Path("/proc/self/io").read_text().split("rchar:")[1].split()[0])
+
+
 def _resume_then_save_until_killed(root, store, log, start):
     """In a forked process, one rank: resume from the tier (the loaded state must be exactly the one saved at
-    that iteration; written to ``log``), then save iterations ``start``, ``start + 1``, ... of a 16 MiB state
-    until killed, changing the state as soon as the copies allow, while the tier's thread writes; logging each
-    save written."""
+    that iteration; written to ``log`` with the bytes the resume read), then save iterations ``start``,
+    ``start + 1``, ... of a 16 MiB state until killed, changing the state as soon as the copies allow, while the
+    tier's thread writes; logging each save written."""
     import itertools
     import os
 
@@ -339,13 +349,15 @@ def _resume_then_save_until_killed(root, store, log, start):
     ps.initialize_model_parallel()
     group = ps.get_data_parallel_group(with_context_parallel=True)
     with open(log, "a") as out:
-        tier = LocalTier(root, 2, None)
+        tier, before = LocalTier(root, 2, None), _bytes_read()
         latest = tier.find_latest()
         if latest >= 0:
             loaded = tier.load()[0].to_state_dict(state(latest, fill=False), algo="fully_parallel",
                                                   parallelization_group=group)
+            read = _bytes_read() - before
             exact = all(torch.equal(loaded[k], v.data) for k, v in state(latest).items() if k != "iteration")
-            out.write(f"resumed {latest} {'exact' if exact and loaded['iteration'] == latest else 'differs'}\n")
+            out.write(f"resumed {latest} {'exact' if exact and loaded['iteration'] == latest else 'differs'} "
+                      f"{read}\n")
             out.flush()
         os.fsync(out.fileno())
         tier = LocalTier(root, 2, None)
@@ -362,7 +374,8 @@ def _resume_then_save_until_killed(root, store, log, start):
 def test_sigkills_at_random_moments_of_a_write_leave_the_tier_resumable(tmp_path):
     """Four processes killed (SIGKILL) at random moments of their in-memory saves (copies, writes, pruning, in
     the tier's thread, while the process changes the state); each next one resumes from the newest part
-    written, exactly, never older than the last save its predecessor reported."""
+    written, exactly, never older than the last save its predecessor reported, reading its 16 MiB once (the
+    checksums taken as the data is read)."""
     import random
     import time
 
@@ -391,4 +404,5 @@ def test_sigkills_at_random_moments_of_a_write_leave_the_tier_resumable(tmp_path
             process.kill()
     resumes = [line.split() for line in log.read_text().splitlines() if line.startswith("resumed")]
     assert [r[2] for r in resumes] == ["exact"] * 4, resumes
+    assert all(16 << 20 < int(r[3]) < 20 << 20 for r in resumes), resumes  # read twice: over 32 MiB
     assert all(int(r[1]) >= saved for r, saved in zip(resumes, reported, strict=True)), (resumes, reported)

@@ -1,6 +1,7 @@
 """A snapshot of device tensors (checkpoint/staging.py) on a GPU: its copies on the pool's stream see the work
 queued before it, the training stream's writes queued after :func:`wait_for_copies` do not reach them, and the
-device holds no copy of the state (at most a chunk or two of a non-contiguous tensor)."""
+device holds no copy of the state (at most a chunk or two of a non-contiguous tensor); read back onto the device
+(from pinned chunks, on a stream per file), the tensors are the snapshot's."""
 
 from __future__ import annotations
 
@@ -35,5 +36,5 @@ def test_a_snapshot_of_device_tensors_holds_its_moment(tmp_path):
         tensor.mul_(-1)  # the next optimizer step, on the training stream
     thread.join()
     assert torch.cuda.max_memory_allocated() - before <= 2 * CHUNK_BYTES
-    back = read_tensors(tmp_path, "t", snapshot.specs)
-    assert all(torch.equal(a, b) for a, b in zip(back, expected))
+    back = read_tensors(sorted(tmp_path.glob("t.*.bin")), snapshot.specs, ["cuda"] * len(tensors), chunk=1 << 20)
+    assert all(a.is_cuda and torch.equal(a.cpu(), b) for a, b in zip(back.tensors, expected, strict=True))

@@ -1,6 +1,7 @@
 """A rank's checkpoint tensors staged to host memory in a thread and written in one pass (checkpoint/staging.py):
 the bytes of every dtype and shape come back exactly, the checksums recorded while writing equal the files'
-CRC-32 read back, files split at their size limit, chunks span tensors and files, and the host pool is taken in
+CRC-32, and equal those computed as the files are read back (into one host buffer, or each tensor on its own as
+a device's), files split at their size limit, chunks span tensors and files, and the host pool is taken in
 the save call and reused by the next save (and, smaller than the part, by its later files); a snapshot holds the
 values of its moment when training changes the tensors as soon as :func:`wait_for_copies` returns, while the
 copies run in another thread (here plain host copies, the path a GPU takes with device copies on the pool's
@@ -41,8 +42,14 @@ def test_tensors_come_back_exactly_with_the_checksums_of_their_files(tmp_path, m
         for name, (size, crc) in table.items():
             data = (tmp_path / attempt / name).read_bytes()
             assert size == len(data) <= 40 and crc == zlib.crc32(data), name
-        back = read_tensors(tmp_path / attempt, "tensors", snapshot.specs)
-        assert all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(tensors, back))
+        paths = [tmp_path / attempt / name for name in sorted(table)]
+        for devices in (None, ["cpu:0"] * len(tensors)):  # views of one buffer; each its own (a GPU's path)
+            back = read_tensors(paths, snapshot.specs, devices, threads=3, chunk=5)
+            assert back.crcs == [table[name][1] for name in sorted(table)]  # checksummed as read
+            assert all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+                       for a, b in zip(tensors, back.tensors, strict=True))
+            storages = {t.untyped_storage().data_ptr() for t in back.tensors if t.numel()}
+            assert len(storages) == (1 if devices is None else sum(t.numel() > 0 for t in tensors))
     assert [s.data_ptr() for s in staging._pools[40].segments] == segments
     assert len(segments) == (most or len(table))
 
@@ -70,7 +77,8 @@ def test_a_snapshot_holds_its_moment_while_training_changes_the_tensors(tmp_path
         tensor.mul_(-1).add_(3)  # the next optimizer step
     thread.join()
     assert list(written) == ["t.000.bin"]
-    assert all(torch.equal(a, b) for a, b in zip(read_tensors(tmp_path, "t", snapshot.specs), expected))
+    back = read_tensors([tmp_path / "t.000.bin"], snapshot.specs)
+    assert all(torch.equal(a, b) for a, b in zip(back.tensors, expected, strict=True))
     assert snapshot.tensors == [] and staging._unfenced == []  # released once written; nothing left to wait for
 
 
