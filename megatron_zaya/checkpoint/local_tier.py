@@ -186,6 +186,7 @@ class LocalTier:
         self.peer = peer
         self._latest: int | None = None
         self._loaded = None  # (state, part) of the iteration find_latest chose, read as it was checked
+        self._read: tuple[float, int, dict[str, float]] | None = None  # that part's seconds, bytes, threads' seconds
         self._group = None  # the gloo group of the tier's thread
         self._thread: threading.Thread | None = None  # the save in flight
         self._error: BaseException | None = None
@@ -275,10 +276,18 @@ class LocalTier:
         """The newest iteration whose parts are complete and intact on every rank (or at its keeper) and were
         written with this layout, newer than the persistent checkpoint, or -1. A newer local checkpoint of
         another layout than the persistent one is refused. Each rank's part is read as it is checked and kept for
-        :meth:`load`."""
+        :meth:`load`; rank 0 says how long the phases took."""
         global _loading
         if self._latest is None:
+            start = time.perf_counter()
             self._latest = _loading = self._find_latest()
+            if self._latest >= 0 and torch.distributed.get_rank() == 0:
+                (seconds, size, spent), total = self._read, time.perf_counter() - start
+                print(f"[zaya] local checkpoint found and read in {total:.2f} s: its {size / 2**30:.2f} GiB of "
+                      f"tensors read and checked in {seconds:.2f} s (summed over the threads: reading "
+                      f"{spent['reads']:.2f} s, checksums {spent['checksums']:.2f} s, to the device "
+                      f"{spent['copies']:.2f} s), the rest (listing, the ranks agreeing, the small files, copies "
+                      f"from other nodes) {total - seconds:.2f} s", flush=True)
         return self._latest
 
     def _find_latest(self) -> int:
@@ -332,9 +341,11 @@ class LocalTier:
         """What is wrong with this rank's part ``part``, read once (:func:`read_part`) and kept for :meth:`load`
         when intact."""
         self._loaded = None  # the part read before, not taken: its memory back first
-        state, problems, _ = read_part(part)
+        start = time.perf_counter()
+        state, problems, read = read_part(part)
         if state is not None:
             self._loaded = (state, str(part))
+            self._read = (time.perf_counter() - start, sum(t.nbytes for t in read.tensors), read.seconds)
         return problems
 
     def _take_copies(self, iteration: int, need: bool, keepers: list[int | None], problems: list[str]) -> list[str]:

@@ -236,6 +236,8 @@ def test_the_memory_tier_survives_a_lost_node_and_a_damaged_part(tmp_path):
         for rank, ((latest, loaded), _) in enumerate(results):
             assert loaded == {"sharded": [100.0 * latest + 10 * rank + i for i in range(4)],
                               "replicated": [100.0 * latest + i for i in range(4)], "iteration": latest}, loaded
+        phases = [line for line in results[0][1].splitlines() if "[zaya] local checkpoint found and read in" in line]
+        assert len(phases) == 1 and "of tensors read and checked in" in phases[0], results[0][1]  # rank 0's
         return results[0][0][0], results[0][1]
 
     assert resumed("saved", [1, 2, 3])[0] == 3
