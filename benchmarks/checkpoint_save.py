@@ -15,7 +15,12 @@ Trains ZAYA1 (``zaya1-8b-shallow``: ZAYA1-8B's width, 8 layers; ``--num-layers``
 * ``memory_restore``: the ``memory`` run SIGKILLed a step after its second in-memory save (so it makes no
   persistent save), then launched again: its save calls, the load from the in-memory tier (Megatron's
   ``load-checkpoint`` timer, and from launch to the first resumed step), and whether the resumed losses equal
-  the killed run's.
+  the killed run's;
+* ``part_restore``: the in-memory tier's restore alone, on any machine (CPU or GPU): a part of ``--part-gib``
+  GiB of tensors (on the GPU if there is one) saved by the tier into ``--local-dir``, then found, checked and
+  loaded back (``LocalTier.find_latest`` and ``load``, the tensors on their device) by a fresh process, ``--repeats``
+  times, alternating with the package in ``--baseline`` (another version's ``megatron_zaya``, e.g. from ``git
+  archive REV megatron_zaya | tar -x -C DIR``) when given: the seconds of each and this tree's over the baseline's.
 
 Per mode it prints, from Megatron's log: the save call (Megatron's ``save-checkpoint`` timer: what the loop
 waits for in the call), the loop's excess time per save (every iteration from the first save on, against the
@@ -51,6 +56,11 @@ The in-memory tier against today's ``--async-save``, in one call::
     python -m benchmarks.checkpoint_save --modes memory_restore --iters 60 --interval 25 \\
         --dir /dev/shm/ckpt-bench --local-dir /dev/shm/ckpt-mem
 
+The restore of a 3 GiB part against another version (median of 3, a fresh process each)::
+
+    python -m benchmarks.checkpoint_save --modes part_restore --part-gib 3 --repeats 3 --baseline /tmp/base \\
+        --local-dir /dev/shm/ckpt-part
+
 ``--smoke`` runs the ``test`` preset on any device (CPU: fp32, gloo) to check the script.
 """
 
@@ -58,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import re
 import shlex
@@ -66,6 +77,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -178,6 +190,96 @@ def restore(args) -> None:
     shutil.rmtree(args.local_dir, ignore_errors=True)
 
 
+# A fresh process's resume from the tier in argv[1] (gloo store argv[2]): seconds to find and check, and to load,
+# and the CPU seconds of the two (every thread's, user and system: steadier than the wall time on a shared machine).
+RESTORE = """
+import json, sys, time, torch
+torch.distributed.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+from megatron.core import parallel_state
+from megatron_zaya.checkpoint.local_tier import LocalTier
+from megatron_zaya.patches import apply_patches
+apply_patches("checkpointing.local_tier" if torch.cuda.is_available() else "cpu,checkpointing.local_tier")
+parallel_state.initialize_model_parallel()
+tier = LocalTier(sys.argv[1], 1, None)
+start, cpu = time.perf_counter(), time.process_time()
+latest = tier.find_latest()
+found = time.perf_counter()
+tensors = tier.load()[0].pop_tensors()
+torch.cuda.synchronize() if torch.cuda.is_available() else None
+print(json.dumps({"latest": latest, "find": found - start, "load": time.perf_counter() - found,
+                  "cpu": time.process_time() - cpu, "devices": sorted({t.device.type for t in tensors})}))
+"""
+
+
+def save_part(directory: Path, gib: float) -> int:
+    """Save, through the local tier (one gloo rank), a part of ``gib`` GiB of tensors shaped as a model's state
+    (bf16 weights, their fp32 master weights and momentum, small vectors), on the GPU if there is one; its
+    bytes."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+
+    from megatron_zaya.checkpoint import staging
+    from megatron_zaya.checkpoint.local_tier import LocalTier
+    from megatron_zaya.patches import apply_patches
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    apply_patches("checkpointing.local_tier" if device == "cuda" else "cpu,checkpointing.local_tier")
+    tensors, total = [], 0
+    while total < gib * 2**30:  # a layer: a 64 MiB bf16 matrix, its fp32 master weight and momentum, a vector
+        weight = torch.randn(4096, 8192, device=device, dtype=torch.bfloat16)
+        tensors += [weight, weight.float(), weight.float().neg_(), torch.randn(4096, device=device)]
+        total += sum(t.nbytes for t in tensors[-4:])
+    with tempfile.TemporaryDirectory() as store:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel()
+        state = {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", t, (0, 0, 1)) for i, t in enumerate(tensors)}
+        state, _ = MCoreTensorAwareStateDict.from_state_dict(state, algo="fully_parallel")
+        tier = LocalTier(str(directory), 1, None)
+        tier.save(state, 1, is_async=False)
+        staging.wait_for_copies()
+        tier.finish()
+        staging._pools.clear()  # the host pool's memory back for the restores
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+    return total
+
+
+def part_restore(args) -> None:
+    """``part_restore``: a part saved once, then restored by a fresh process ``--repeats`` times per package
+    (this tree's, ``--baseline``'s), alternating; prints each restore and the medians."""
+    directory = Path(args.local_dir)
+    shutil.rmtree(directory, ignore_errors=True)
+    size = save_part(directory, args.part_gib)
+    trees = {"this tree": Path(__file__).resolve().parent.parent}
+    if args.baseline:
+        trees["baseline"] = Path(args.baseline).resolve()
+    seconds: dict[str, list[float]] = {name: [] for name in trees}
+    cpu: dict[str, list[float]] = {name: [] for name in trees}
+    for repeat in range(args.repeats):
+        for name, tree in trees.items():
+            with tempfile.TemporaryDirectory() as scratch:  # the working directory: not first on the path
+                done = subprocess.run([sys.executable, "-c", RESTORE, str(directory), f"{scratch}/store"], cwd=scratch,
+                                      env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"part_restore with {name}: exited {done.returncode}\n{done.stderr[-3000:]}")
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            seconds[name].append(result["find"] + result["load"])
+            cpu[name].append(result["cpu"])
+            phases = [line for line in done.stdout.splitlines() if "found and read in" in line]
+            print(f"{name}, restore {repeat + 1}: iteration {result['latest']} onto {', '.join(result['devices'])}: "
+                  f"found and checked {result['find']:.2f} s, loaded {result['load']:.2f} s, CPU time "
+                  f"{result['cpu']:.2f} s" + (f"\n  {phases[0]}" if phases else ""), flush=True)
+    wall = {name: statistics.median(values) for name, values in seconds.items()}
+    busy = {name: statistics.median(values) for name, values in cpu.items()}
+    print(f"\npart_restore: {size / 2**30:.2f} GiB, median of {args.repeats}: " + ", ".join(
+        f"{name} {wall[name]:.2f} s ({size / 2**30 / wall[name]:.2f} GiB/s), CPU time {busy[name]:.2f} s"
+        for name in trees) + (f"; this tree / baseline {wall['this tree'] / wall['baseline']:.2f}, CPU time "
+                              f"{busy['this tree'] / busy['baseline']:.2f}" if args.baseline else ""), flush=True)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 def run(mode: str, args) -> dict:
     shutil.rmtree(Path(args.dir) / mode, ignore_errors=True)
     shutil.rmtree(args.local_dir, ignore_errors=True)
@@ -230,7 +332,8 @@ def parameters(args) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", default="none,sync,async,local", help=f"comma-separated: {', '.join(MODES)}")
+    parser.add_argument("--modes", default="none,sync,async,local",
+                        help=f"comma-separated: {', '.join(MODES)}, part_restore")
     parser.add_argument("--num-layers", type=int, default=None, help="layers (default: the preset's 8)")
     parser.add_argument("--dir", default="runs/checkpoint-save", help="persistent checkpoints and logs")
     parser.add_argument("--local-dir", default="/dev/shm/zaya-checkpoint-save", help="the local tier's directory")
@@ -240,14 +343,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gbs", type=int, default=2, help="global batch (micro-batch 1)")
     parser.add_argument("--extra", default="", help="flags added to every mode's command, e.g. '--dist-ckpt-workers 4'")
     parser.add_argument("--smoke", action="store_true", help="the test preset, anywhere (checks the script)")
+    parser.add_argument("--part-gib", type=float, default=3.0, help="part_restore: GiB of tensors in the part")
+    parser.add_argument("--repeats", type=int, default=3, help="part_restore: restores per package")
+    parser.add_argument("--baseline", help="part_restore: a directory holding another version's megatron_zaya")
     args = parser.parse_args(argv)
     if args.smoke:
         args.seq, args.iters, args.interval = 64, 8, 2
     count = parameters(args)
     results = {}
     for mode in args.modes.split(","):
-        if mode == "memory_restore":
-            restore(args)
+        if mode in ("memory_restore", "part_restore"):
+            (restore if mode == "memory_restore" else part_restore)(args)
             continue
         results[mode] = run(mode, args)
         print(table(results, count), flush=True)  # the modes so far (a call's time limit may end the rest)
