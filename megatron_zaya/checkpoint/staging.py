@@ -36,6 +36,7 @@ import concurrent.futures
 import contextlib
 import functools
 import itertools
+import math
 import os
 import threading
 import time
@@ -66,22 +67,45 @@ def _offsets(sizes: list[int]) -> tuple[list[int], int]:
 
 class HostPool:
     """Host memory for a part's data, buffers of ``segment`` bytes, one per data file, up to ``most`` (data file
-    k is staged in buffer k mod ``most``), allocated by the first save that needs them, in the save call, and reused
-    by every later one (pinned when CUDA is available: allocating them takes seconds, once); and the CUDA stream the
-    copies into them run on. By default ``most`` holds a part in half of the node's free host memory shared by
-    its ranks (``LOCAL_WORLD_SIZE``); a larger part waits for its earlier files to be written."""
+    k is staged in buffer k mod ``most``), pinned when CUDA is available (allocating them takes seconds, once),
+    reused by every save; and the CUDA stream the copies into them run on. The buffers are allocated at start-up
+    in a thread of their own (:meth:`allocate`), or else by the first save that needs them, in the save call. By
+    default ``most`` holds a part in half of the node's free host memory shared by its ranks
+    (``LOCAL_WORLD_SIZE``); a larger part waits for its earlier files to be written."""
 
     def __init__(self, segment: int = FILE_BYTES, most: int | None = None):
         share = free_host_memory() / 2 / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.segment, self.most = segment, most or max(2, int(share // segment))
         self.segments: list[torch.Tensor] = []
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._allocating: threading.Thread | None = None
+
+    def allocate(self, count: int, done=None) -> None:
+        """Allocate the first ``count`` buffers (at most ``most``) in a thread of its own, which then calls
+        ``done(seconds)``; :meth:`take` waits for it."""
+        def allocate() -> None:
+            start = time.perf_counter()
+            if self.stream is not None:
+                torch.cuda.set_device(self.stream.device)  # a new thread starts on device 0
+            while len(self.segments) < min(count, self.most):
+                self.segments.append(self._buffer())
+            if done is not None:
+                done(time.perf_counter() - start)
+
+        self._allocating = threading.Thread(target=allocate, name="zaya-host-pool", daemon=True)
+        self._allocating.start()
 
     def take(self, index: int) -> torch.Tensor:
-        """The buffer of data file ``index``."""
+        """The buffer of data file ``index``, once the allocation at start-up is done (allocated here when it is not
+        one of its buffers)."""
+        if self._allocating is not None:
+            self._allocating.join()
         while len(self.segments) <= index % self.most:
-            self.segments.append(torch.empty(self.segment, dtype=torch.uint8, pin_memory=self.stream is not None))
+            self.segments.append(self._buffer())
         return self.segments[index % self.most]
+
+    def _buffer(self) -> torch.Tensor:
+        return torch.empty(self.segment, dtype=torch.uint8, pin_memory=self.stream is not None)
 
 
 _pools: dict[int, HostPool] = {}  # the process's pools by segment size; one save at a time uses a pool
@@ -92,11 +116,34 @@ _whole: list[HostPool] = []  # the pool of :func:`whole_pool`
 def whole_pool(tensors: list[torch.Tensor]) -> HostPool:
     """The process's pool for the saves whose tensors must stay whole in host memory until they are written (a
     background ``torch_dist`` save: Megatron's writer takes host tensors): one buffer that holds the data of
-    ``tensors``, allocated by the first save and reused by every later one (a larger save replaces it)."""
+    ``tensors``, allocated at start-up (:func:`allocate_pool`) or by the first save, and reused by every later one
+    (a larger save replaces it)."""
     end = _offsets([t.numel() * t.element_size() for t in tensors])[1]
     if not _whole or _whole[0].segment < end:
         _whole[:] = [HostPool(max(end, 1), most=1)]
     return _whole[0]
+
+
+def allocate_pool(part_bytes: float, whole: bool) -> None:
+    """At start-up: allocate, in a thread, the pool that the saves of a part of about ``part_bytes`` bytes will
+    take, so that the first save does not pay it (a save that comes before the thread is done waits for it):
+    the local tier's buffers of :data:`FILE_BYTES` (at most its ``most``), or with ``whole`` a background save's
+    one buffer (:func:`whole_pool`), rounded up to whole :data:`FILE_BYTES`, so that a part a little larger than
+    the estimate still fits. A save that needs more allocates the rest. Rank 0 says when it is done."""
+    count = max(1, math.ceil(part_bytes / FILE_BYTES))
+    if whole:
+        _whole[:] = [pool := HostPool(count * FILE_BYTES, most=1)]
+    else:
+        pool = _pools.setdefault(FILE_BYTES, HostPool(FILE_BYTES))
+
+    def done(seconds: float) -> None:
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
+            print(f"[zaya] host pool of {'background' if whole else 'local-tier'} saves allocated at start-up in "
+                  f"{seconds:.2f} s: {len(pool.segments)} buffer(s) of {pool.segment / 2**20:.0f} MiB"
+                  f"{' pinned' if pool.stream is not None else ''}, for a part of {part_bytes / 2**20:.2f} MiB (the "
+                  "memory plan's)", flush=True)
+
+    pool.allocate(1 if whole else count, done)
 
 
 def wait_for_copies() -> None:
@@ -139,7 +186,7 @@ class Snapshot:
         self.pool = pool or (_pools[limit] if limit in _pools else _pools.setdefault(limit, HostPool(limit)))
         self.files = -(-self.end // self.pool.segment)
         for index in range(min(self.files, self.pool.most)):  # here, in the save (under the watchdog's pause for
-            self.pool.take(index)  # saves): pinning takes seconds at the first save, and the next step waits
+            self.pool.take(index)  # saves), not in the copies the next step waits for: pinning takes seconds
         self.ready = None
         if any(t.is_cuda for t in tensors):  # what the copies wait for: the work that produced the tensors
             self.ready = torch.cuda.Event()

@@ -2,14 +2,17 @@
 the bytes of every dtype and shape come back exactly, the checksums recorded while writing equal the files'
 CRC-32, and equal those computed as the files are read back (into one host buffer, or each tensor on its own as
 a device's), files split at their size limit, chunks span tensors and files, and the host pool is taken in
-the save call and reused by the next save (and, smaller than the part, by its later files); a snapshot holds the
+the save call and reused by the next save (and, smaller than the part, by its later files), or allocated at
+start-up by a thread that the first save waits for, allocating nothing itself; a snapshot holds the
 values of its moment when training changes the tensors as soon as :func:`wait_for_copies` returns, while the
 copies run in another thread (here plain host copies, the path a GPU takes with device copies on the pool's
 stream); a background save's tensors land in one reused buffer of the pool, each in a storage of its own."""
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 import zlib
 
 import pytest
@@ -100,3 +103,39 @@ def test_a_background_save_lands_in_one_reused_buffer_of_the_pool(monkeypatch):
             assert storage.nbytes() == tensor.nbytes and (
                 not tensor.nbytes or first <= storage.data_ptr() < first + buffer.numel())
     assert staging.whole_pool(tensors + [torch.ones(1000)]).segment == -(-snapshot.end // 64) * 64 + 4000
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["local-tier", "background"])
+def test_a_pool_allocated_at_start_up_serves_the_first_save(tmp_path, monkeypatch, whole):
+    """The pool allocated at start-up by its thread, held back until 0.2 s after the save began: the save waits
+    for it and copies into its buffers, allocating none; for the part it was sized for, or a little larger (the
+    background save's one buffer is rounded up to whole files)."""
+    monkeypatch.setattr(staging, "_pools", {})
+    monkeypatch.setattr(staging, "_whole", [])
+    monkeypatch.setattr(staging, "FILE_BYTES", 40)
+    tensors, go, allocated_by = _tensors(), threading.Event(), []
+    buffer = staging.HostPool._buffer
+
+    def held_back(self):
+        go.wait()
+        allocated_by.append(threading.current_thread().name)
+        return buffer(self)
+
+    monkeypatch.setattr(staging.HostPool, "_buffer", held_back)
+    end = staging._offsets([t.nbytes for t in tensors])[1]
+    # The plan's part: the save's (local tier), or a little smaller, within its rounding up to whole files
+    staging.allocate_pool(40 * (math.ceil(end / 40) - 1) + 1 if whole else end, whole)
+    pool = staging._whole[0] if whole else staging._pools[40]
+    threading.Timer(0.2, go.set).start()
+    started = time.perf_counter()
+    snapshot = Snapshot(tensors, limit=40, chunk=7, pool=staging.whole_pool(tensors) if whole else None)
+    assert time.perf_counter() - started >= 0.2 and snapshot.pool is pool  # it waited for the pool
+    before = [s.data_ptr() for s in pool.segments]
+    if whole:
+        back = snapshot.copy_to_host()
+    else:
+        table = snapshot.write(tmp_path, "t", threads=3)
+        back = read_tensors([tmp_path / name for name in sorted(table)], snapshot.specs).tensors
+    assert all(torch.equal(a, b) for a, b in zip(tensors, back, strict=True))
+    assert [s.data_ptr() for s in pool.segments] == before
+    assert allocated_by == ["zaya-host-pool"] * (1 if whole else math.ceil(end / 40))  # none by the save
