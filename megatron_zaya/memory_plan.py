@@ -269,6 +269,22 @@ def _node_checkpoint_state(result: dict[str, float], run: Run, world_size: int) 
     return state * min(run.gpus_per_node, world_size)
 
 
+def checkpoint_part_bytes(cfg, par: Parallel, run: Run, stage: int = 0, fully_parallel: bool = True) -> float:
+    """Bytes of one rank's part of a save on pipeline ``stage``, what its staging pool holds (checkpoint/staging.py,
+    allocated at start-up from this): its weights, master weights and optimizer state. A fully parallel save
+    (Megatron's default, and the local tier's ``fully_parallel``) writes each tensor replicated over a
+    data-parallel group from one of its ranks, so every byte of the state, sharded by a distributed optimizer or
+    replicated, is spread over the group: evenly here (Megatron assigns whole tensors, so a rank's part can be a
+    little larger). Without it the group's first rank writes every replicated tensor, the bound used for every
+    rank."""
+    spread = {"dense": par.dp, "expert": par.expert_dp} if fully_parallel else {"dense": 1, "expert": 1}
+    result = plan(cfg, par, dataclasses.replace(run, distributed_optimizer=run.distributed_optimizer or fully_parallel),
+                  stage)
+    weight = STATE_BYTES["weight"] if run.bf16 else 4
+    weights = sum(weight * n / spread[name.split()[1]] for name, n in parameter_counts(cfg, par, stage).items())
+    return weights + result["master weights"] + result["optimizer state"]
+
+
 def background_save_host_bytes(result: dict[str, float], run: Run, world_size: int) -> float:
     """Host memory per node that ``--async-save`` pins for its staging pool (checkpoint/staging.py): the node's
     checkpoint state."""

@@ -27,7 +27,8 @@ def background_saves() -> None:
     request (one whose preload is ``FileSystemWriterAsync.preload_tensors``): the copies and Megatron's write in
     a thread (why not in the writer process: that function's docstring), the writer process waiting for it.
     Other requests are unchanged. And ``setup_model_and_optimizer``, with ``--async-save``, makes the model
-    config's ``finalize_model_grads_func`` first wait for the copies (:func:`_fence_copies`).
+    config's ``finalize_model_grads_func`` first wait for the copies (:func:`_fence_copies`), and starts allocating
+    the pool in a thread (:func:`_allocate_pool`): the first save's call paid 19.6 s for it on one H200.
     Off: leave ``checkpointing.background_saves`` out of ``--zaya-patches`` (the loop then waits for the copy
     to host memory).
     """
@@ -51,10 +52,33 @@ def background_saves() -> None:
         model, *others = original_setup(*args, **kwargs)
         if get_args().async_save:
             _fence_copies(model)
+            _allocate_pool(whole=True)
         return (model, *others)
 
     replace_attr(checkpointing, "schedule_async_save", schedule_async_save)
     replace_attr(training, "setup_model_and_optimizer", setup_model_and_optimizer)
+
+
+def _allocate_pool(whole: bool) -> None:
+    """Right after set-up, start allocating in a thread the host pool this rank's saves will take
+    (:func:`~megatron_zaya.checkpoint.staging.allocate_pool`; ``whole``: a background save's, else the local tier's),
+    the size of its part by the memory plan (:func:`~megatron_zaya.memory_plan.checkpoint_part_bytes`), so that
+    the first save does not pay it. A run without the plan's flags (another entry than zaya-pretrain, as
+    ``benchmarks/gpt_pretrain.py``) leaves it to the first save."""
+    from megatron.core import parallel_state
+    from megatron.training import get_args
+
+    from megatron_zaya.checkpoint.staging import allocate_pool
+    from megatron_zaya.memory_plan import checkpoint_part_bytes
+    from megatron_zaya.training.arguments import memory_plan_inputs
+
+    args = get_args()
+    if not hasattr(args, "zaya_preset"):
+        return
+    fully_parallel = args.ckpt_fully_parallel_save if whole else args.non_persistent_local_ckpt_algo == "fully_parallel"
+    part = checkpoint_part_bytes(*memory_plan_inputs(args), parallel_state.get_pipeline_model_parallel_rank(),
+                                 fully_parallel)
+    allocate_pool(part, whole)
 
 
 def _fence_copies(model) -> None:
@@ -277,6 +301,8 @@ def local_tier() -> None:
     ``setup_model_and_optimizer``, which receives that context before the first load, puts a ``LocalTier`` into
     it; and ``MCoreTensorAwareStateDict.from_state_dict``, Megatron's own conversion of a rank's state that the
     package only gives a base class, runs without its ``HAVE_NVRX`` guard (tensor_aware_state_dict.py:127).
+    ``setup_model_and_optimizer`` also starts allocating the tier's host pool in a thread (:func:`_allocate_pool`):
+    the first save's call paid 13.6 s for it on one H200.
     A save returns while its thread copies and writes, so two more hooks: the model config's
     ``finalize_model_grads_func`` first waits for the copies of the save before it (:func:`_fence_copies`); and
     ``maybe_finalize_async_save`` called blocking (at the end of ``train``, whatever ends it, and of
@@ -321,6 +347,7 @@ def local_tier() -> None:
         model, *others = original_setup(*rest, checkpointing_context=checkpointing_context, **kwargs)
         if local:
             _fence_copies(model)
+            _allocate_pool(whole=False)
         return (model, *others)
 
     original_finalize = training.maybe_finalize_async_save

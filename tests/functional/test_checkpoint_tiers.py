@@ -2,7 +2,7 @@
 8's background save starts leaves both tiers resumable, and a resume from either tier repeats the killed run's
 losses; killed once its writer has begun the data files of a checkpoint, ``latest`` stays intact; a write still
 in flight when the run ends is finished and checksummed; two data-parallel ranks resume from a background save
-exactly."""
+exactly; the host pools of both tiers are allocated at start-up."""
 
 from __future__ import annotations
 
@@ -66,6 +66,11 @@ def test_the_kill_leaves_complete_checkpoints_in_both_tiers(killed):
     # complete or was still being written; nothing older than 5 is left.
     parts = sorted(int(p.parent.name[5:]) for p in local.glob("iter_*/rank_00000"))
     assert parts and min(parts) >= 5 and max(parts) <= 7 and max(first) >= 8, (parts, max(first))
+    # Both pools were allocated at start-up, before the first save: --async-save's one buffer, the local tier's.
+    output = (directory / "killed.log").read_text()
+    for pool in ("background", "local-tier"):
+        line = output.find(f"[zaya] host pool of {pool} saves allocated at start-up")
+        assert 0 <= line < output.index("saving checkpoint at iteration"), output[-3000:]
 
 
 def test_a_resume_takes_the_newest_local_checkpoint_and_repeats_the_losses(killed, tmp_path, uninterrupted):

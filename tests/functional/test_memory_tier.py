@@ -4,11 +4,13 @@ checkpoints every 3 steps and a persistent one every 5; node 1 is SIGKILLed afte
 has reached node 0, sent by its tier's thread while training went on), the job ends, node 1 is replaced
 (its memory directory gone) and the persistent checkpoint is damaged. The relaunch resumes from the in-memory
 checkpoint, rank 1's part from its copy on node 0, without reading the persistent checkpoint, and repeats the
-killed run's losses bit for bit."""
+killed run's losses bit for bit. Each launch allocates the tier's host pool at start-up, for a part of the size the
+ranks then write."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -61,6 +63,14 @@ def test_a_node_killed_and_replaced_resumes_from_the_copy_on_its_peer(tmp_path):
     saved = sorted(int(p.parent.parent.name[5:]) for p in (tmp_path / "mem0").glob(f"iter_*/rank_00001/{CHECKSUMS}"))
     start = saved[-1]  # rank 1's newest part, as node 0 keeps it
     assert start == 6 < max(killed), (saved, killed)
+    # The pool allocated at start-up, before the first save (1 GiB: the part's one file), for the part written:
+    # rank 0's estimate (an even share of the state) against the bytes of both ranks' parts (rank 1's copy here).
+    output = (tmp_path / "killed0.log").read_text()
+    planned = re.search(r"\[zaya\] host pool of local-tier saves allocated at start-up in [0-9.]+ s: 1 buffer\(s\) "
+                        r"of 1024 MiB, for a part of ([0-9.]+) MiB", output)
+    assert planned and planned.start() < output.index("saving checkpoint at iteration"), output[-3000:]
+    written = sum(f.stat().st_size for f in (tmp_path / "mem0").glob("iter_0000006/rank_*/tensors.*.bin"))
+    assert abs(2 * float(planned.group(1)) * 2**20 - written) < 0.001 * written, (planned.group(1), written)
     shutil.rmtree(tmp_path / "mem1")  # the replacement node's memory is empty
     shard = tmp_path / "ck" / "iter_0000005" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
@@ -70,6 +80,7 @@ def test_a_node_killed_and_replaced_resumes_from_the_copy_on_its_peer(tmp_path):
     procs = _launch(tmp_path, "resumed", ["--exit-interval", str(start + 2)])
     assert [p.wait(timeout=300) for p in procs] == [0, 0], (tmp_path / "resumed0.log").read_text()[-3000:]
     output = (tmp_path / "resumed0.log").read_text()
+    assert "[zaya] host pool of local-tier saves allocated at start-up" in output, output[-3000:]
     assert (f"[zaya] local checkpoint mem0/iter_{start:07d}: the part of rank 1 taken from its copy on another node"
             in output), output[-3000:]
     assert f"[zaya] resuming from the local checkpoint mem0/iter_{start:07d} (the persistent one in --load: 5)" \
