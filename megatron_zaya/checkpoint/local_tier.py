@@ -378,3 +378,8 @@ class LocalTier:
         their devices, and the part's directory."""
         self.find_latest()
         return self._loaded
+
+    def done_loading(self) -> None:
+        """Drop the part :meth:`load` returned, once Megatron has taken its values (at the end of set-up): kept, its
+        tensors stayed on the device for the rest of the run, a second copy of those Megatron copied from."""
+        self._loaded = None

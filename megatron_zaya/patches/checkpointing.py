@@ -301,8 +301,9 @@ def local_tier() -> None:
     ``setup_model_and_optimizer``, which receives that context before the first load, puts a ``LocalTier`` into
     it; and ``MCoreTensorAwareStateDict.from_state_dict``, Megatron's own conversion of a rank's state that the
     package only gives a base class, runs without its ``HAVE_NVRX`` guard (tensor_aware_state_dict.py:127).
-    ``setup_model_and_optimizer`` also starts allocating the tier's host pool in a thread (:func:`_allocate_pool`):
-    the first save's call paid 13.6 s for it on one H200.
+    ``setup_model_and_optimizer`` also drops the part the tier loaded (Megatron has taken its values by then; kept,
+    it was a second copy of the state on the device) and starts allocating the tier's host pool in a thread
+    (:func:`_allocate_pool`): the first save's call paid 13.6 s for it on one H200.
     A save returns while its thread copies and writes, so two more hooks: the model config's
     ``finalize_model_grads_func`` first waits for the copies of the save before it (:func:`_fence_copies`); and
     ``maybe_finalize_async_save`` called blocking (at the end of ``train``, whatever ends it, and of
@@ -346,6 +347,7 @@ def local_tier() -> None:
             tiers.append(checkpointing_context.setdefault("local_checkpoint_manager", tier_for(args)))
         model, *others = original_setup(*rest, checkpointing_context=checkpointing_context, **kwargs)
         if local:
+            tiers[-1].done_loading()
             _fence_copies(model)
             _allocate_pool(whole=False)
         return (model, *others)

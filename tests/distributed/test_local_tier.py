@@ -1,6 +1,6 @@
 """ZAYA1's local checkpoint tier on two gloo ranks: each rank writes its own part, keeps its newest two, and a
 resume takes the newest iteration intact on every rank of the same layout; a damaged or missing part falls
-back to an older one, and a newer checkpoint of another layout is refused.
+back to an older one, and a newer checkpoint of another layout is refused; once loaded, the tier lets the part go.
 
 The state is Megatron's own ``MCoreTensorAwareStateDict`` of a sharded state dict with a tensor sharded over
 the ranks and one replicated over them (``fully_parallel``: one rank writes it, the load exchanges it).
@@ -9,8 +9,10 @@ the ranks and one replicated over them (``fully_parallel``: one rank writes it, 
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
@@ -76,7 +78,14 @@ def _save_and_resume(rank, world, root, saves, peer=False, flips=(), is_async=Fa
         state, _ = tier.load()
         loaded = state.to_state_dict(_sharded_state(latest, rank, world, fill=False), algo="fully_parallel",
                                      parallelization_group=group)
-        return latest, {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in loaded.items()}
+        values = {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in loaded.items()}
+        held = weakref.ref(loaded["sharded"])
+        del state, loaded  # what Megatron keeps of them once it has copied the values: nothing
+        assert held() is not None  # the tier holds the part until set-up's end says it is done loading
+        tier.done_loading()
+        gc.collect()
+        assert held() is None
+        return latest, values
     finally:
         ps.destroy_model_parallel()
 
