@@ -1,7 +1,8 @@
 """A snapshot of device tensors (checkpoint/staging.py) on a GPU: its copies on the pool's stream see the work
 queued before it, the training stream's writes queued after :func:`wait_for_copies` do not reach them, and the
 device holds no copy of the state (at most a chunk or two of a non-contiguous tensor); read back onto the device
-(from pinned chunks, on a stream per file), the tensors are the snapshot's."""
+(from pinned chunks, on a stream per file), the tensors are the snapshot's; the pool pinned at start-up by its
+thread serves the save."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import threading
 import pytest
 import torch
 
+from megatron_zaya.checkpoint import staging
 from megatron_zaya.checkpoint.staging import CHUNK_BYTES, Snapshot, read_tensors, wait_for_copies
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 
 
-def test_a_snapshot_of_device_tensors_holds_its_moment(tmp_path):
+def test_a_snapshot_of_device_tensors_holds_its_moment(tmp_path, monkeypatch):
+    monkeypatch.setattr(staging, "_pools", {})
     generator = torch.Generator(device="cuda").manual_seed(0)
     tensors = [torch.randn(1 << 26, device="cuda", generator=generator),  # 256 MiB
                torch.randn(4096, 8192, device="cuda", generator=generator).t(),  # not contiguous, 128 MiB
@@ -26,9 +29,11 @@ def test_a_snapshot_of_device_tensors_holds_its_moment(tmp_path):
         busy = torch.tanh(busy @ busy)  # the step still running when the save is taken
     for tensor in tensors:
         tensor.add_(busy[0, 0].clamp(2, 2).to(tensor.dtype) - 1)  # + 1, queued behind it
+    staging.allocate_pool(sum(t.nbytes for t in tensors), whole=False)  # pinned in its thread, as at start-up
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     snapshot = Snapshot(tensors)
+    assert snapshot.pool.segments and all(s.is_pinned() for s in snapshot.pool.segments)
     thread = threading.Thread(target=lambda: snapshot.write(tmp_path, "t"))
     thread.start()
     wait_for_copies()
