@@ -16,6 +16,11 @@ to no expert) is left out of every GEMM, so its output rows and gradients are ze
 tiles, not by a fill first). This is what lets the single-rank MoE dispatch (``model/moe.py``) run without
 learning the routed count on the host.
 
+The rows sorted by expert may also be read from, or written to, a tensor in another row order (the tokens' own)
+through a row table: the row-tile kernel gathers its input rows and scatters its output rows (the spare tiles then
+zero the scattered rows of no expert), the weight-gradient kernel gathers either operand's rows. A composite op
+(``ops/moe.py``) thus keeps no sorted copies around the expert GEMMs, and launches no permutations.
+
 The weights may also be E separate [M, K] tensors, such as the experts' own parameters: the kernel then finds
 each expert's weight at its offset from the first one (a small device table), and no [E, M, K] copy is stacked
 per call. The torch reference, the fallback and the choice live in ``ops/experts.py``; ``ops/grouped_mm.py`` may run
@@ -47,10 +52,12 @@ GEMM_TUNING = {
 
 @triton.jit
 def _grouped_matmul_kernel(
-    a_ptr,  # [N, K_a] rows sorted by expert
+    a_ptr,  # [N, K_a] rows sorted by expert, or in another order read through a_rows
     b_ptr,  # per-expert [K_a, n_out] operand, addressed through strides
     b_table_ptr,  # with B_TABLE: [E] int64 offsets of each expert's operand from b_ptr, in elements
     c_ptr,  # [N, n_out]
+    a_rows_ptr,  # with GATHER_A: [N] int64, row i is a's row a_rows[i]
+    c_rows_ptr,  # with SCATTER_C: [N] int64 (a permutation), row i goes to c's row c_rows[i]
     tile_expert_ptr,  # [tiles] expert of each row tile, -1 for spare tiles
     tile_row_ptr,  # [tiles] first row of the tile
     tile_row_end_ptr,  # [tiles] end of the expert's rows (of the rows of no expert, for spare tiles)
@@ -65,19 +72,27 @@ def _grouped_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     B_TABLE: tl.constexpr,  # experts at b_ptr + b_table[e] instead of b_ptr + e * stride_be
+    GATHER_A: tl.constexpr,
+    SCATTER_C: tl.constexpr,
 ):
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
-    rows = tl.load(tile_row_ptr + tile) + tl.arange(0, BLOCK_M)
+    rows = tl.cast(tl.load(tile_row_ptr + tile) + tl.arange(0, BLOCK_M), tl.int64)
     row_mask = rows < tl.load(tile_row_end_ptr + tile)
+    c_rows = rows  # or through a row table, read once per tile: no indirection inside the K loop
+    if SCATTER_C:
+        c_rows = tl.load(c_rows_ptr + rows, mask=row_mask, other=0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ptrs = c_ptr + tl.cast(rows, tl.int64)[:, None] * stride_cm + cols[None, :]
+    c_ptrs = c_ptr + c_rows[:, None] * stride_cm + cols[None, :]
     c_mask = row_mask[:, None] & (cols[None, :] < n_out)
-    if expert < 0:  # a spare tile: zeros for the rows of no expert, if it covers any
+    if expert < 0:  # a spare tile: zeros for the rows of no expert (scattered: the tokens of none), if any
         tl.store(c_ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=c_ptr.dtype.element_ty), mask=c_mask)
         return
+    a_rows = rows
+    if GATHER_A:
+        a_rows = tl.load(a_rows_ptr + rows, mask=row_mask, other=0)
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + tl.cast(rows, tl.int64)[:, None] * stride_am + ks[None, :]
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]
     if B_TABLE:  # each expert's offset from b_ptr, in elements (its weights need not be stacked)
         # a multiple of 16 elements (checked on the host): b_base keeps b_ptr's alignment, and with it the
         # wide vector loads the compiler cannot prove for a pointer read from memory
@@ -97,10 +112,12 @@ def _grouped_matmul_kernel(
 
 @triton.jit
 def _grouped_weight_grad_kernel(
-    grad_out_ptr,  # [N, M]
-    x_ptr,  # [N, K]
+    grad_out_ptr,  # [N, M] rows sorted by expert, or in another order read through grad_rows
+    x_ptr,  # [N, K] the same
     grad_w_ptr,  # [E, M, K], or expert 0's [M, K] gradient with W_TABLE
     grad_w_table_ptr,  # with W_TABLE: [E] int64 offsets of each expert's gradient from grad_w_ptr, in elements
+    grad_rows_ptr,  # with GATHER_GRAD: [N] int64, row i is grad_out's row grad_rows[i]
+    x_rows_ptr,  # with GATHER_X: [N] int64, row i is x's row x_rows[i]
     expert_row_start_ptr,  # [E]
     tokens_per_expert_ptr,  # [E]
     m_dim,
@@ -111,6 +128,8 @@ def _grouped_weight_grad_kernel(
     W_TABLE: tl.constexpr,  # each expert's gradient at grad_w_ptr + grad_w_table[e] (the experts' own main_grads)
     W_ALIGNED: tl.constexpr,  # the table's offsets are multiples of 16 elements (checked on the host)
     ACCUMULATE: tl.constexpr,  # add to the gradient there instead of overwriting it
+    GATHER_GRAD: tl.constexpr,
+    GATHER_X: tl.constexpr,
 ):
     expert = tl.program_id(0)
     ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -122,9 +141,14 @@ def _grouped_weight_grad_kernel(
     for r0 in range(start, end, BLOCK_R):
         rows = tl.cast(r0 + rs, tl.int64)
         row_mask = r0 + rs < end
-        grad_t = tl.load(grad_out_ptr + rows[None, :] * m_dim + ms[:, None],
+        grad_rows, x_rows = rows, rows
+        if GATHER_GRAD:
+            grad_rows = tl.load(grad_rows_ptr + rows, mask=row_mask, other=0)
+        if GATHER_X:
+            x_rows = tl.load(x_rows_ptr + rows, mask=row_mask, other=0)
+        grad_t = tl.load(grad_out_ptr + grad_rows[None, :] * m_dim + ms[:, None],
                          mask=row_mask[None, :] & (ms[:, None] < m_dim), other=0.0)  # fmt: skip
-        x = tl.load(x_ptr + rows[:, None] * k_dim + ks[None, :],
+        x = tl.load(x_ptr + x_rows[:, None] * k_dim + ks[None, :],
                     mask=row_mask[:, None] & (ks[None, :] < k_dim), other=0.0)  # fmt: skip
         acc = tl.dot(grad_t, x, acc, input_precision="ieee")
     if W_TABLE:
@@ -234,33 +258,49 @@ class _Operand:
         return (self.stride_e, 1, self.k_dim) if transposed else (self.stride_e, self.k_dim, 1)
 
 
-def _grouped_matmul(a, operand: _Operand, transposed: bool, n_out, tiles, tuning: dict):
+def _grouped_matmul(a, operand: _Operand, transposed: bool, n_out, tiles, tuning: dict, gather, scatter):
     """For each expert e: c[rows of e] = a[rows of e] @ B_e, B_e = weight[e].T or weight[e]; rows of no
-    expert (spare tiles, ``padded_rows``) are zero."""
+    expert (spare tiles, ``padded_rows``) are zero. Row i read from a[gather[i]], written to c[scatter[i]]."""
     tile_expert, tile_row, tile_row_end, _ = tiles
     c = torch.empty((a.shape[0], n_out), dtype=a.dtype, device=a.device)
     grid = (tile_expert.numel(), triton.cdiv(n_out, tuning["block_n"]))
     _grouped_matmul_kernel[grid](
         a, operand.base, operand.base if operand.table is None else operand.table,  # (table unread when stacked)
-        c, tile_expert, tile_row, tile_row_end, n_out, a.shape[1], a.stride(0), *operand.strides(transposed),
-        c.stride(0), BLOCK_M=tuning["block_m"], BLOCK_N=tuning["block_n"], BLOCK_K=tuning["block_k"],
-        B_TABLE=not operand.stacked, num_warps=tuning["warps"], num_stages=tuning["stages"],
+        c, *_row_tables(tile_row, gather, scatter), tile_expert, tile_row, tile_row_end, n_out, a.shape[1],
+        a.stride(0), *operand.strides(transposed), c.stride(0), BLOCK_M=tuning["block_m"],
+        BLOCK_N=tuning["block_n"], BLOCK_K=tuning["block_k"], B_TABLE=not operand.stacked,
+        GATHER_A=gather is not None, SCATTER_C=scatter is not None, num_warps=tuning["warps"],
+        num_stages=tuning["stages"],
     )  # fmt: skip
     return c
 
 
-def matmul(a, tokens_per_expert, padded_rows: bool, table, weights, transposed: bool) -> torch.Tensor:
+def _row_tables(unread: torch.Tensor, *tables):
+    """Row tables (contiguous int64, or None) as the kernels' arguments: ``unread`` in place of an absent one."""
+    return tuple(unread if table is None else table for table in tables)
+
+
+def matmul(a, tokens_per_expert, padded_rows: bool, table, weights, transposed: bool, gather=None,
+           scatter=None) -> torch.Tensor:
     """The row-tile kernel on arguments of :func:`prepare`: for each expert e, a[rows of e] @ weight[e].T
-    (``transposed``: the forward) or @ weight[e] (the input gradient); rows of no expert are zero."""
+    (``transposed``: the forward) or @ weight[e] (the input gradient); rows of no expert are zero.
+
+    With ``gather`` ([N] int64) the kernel reads row i of a at a[gather[i]]; with ``scatter`` (a permutation of
+    the N rows) it writes row i at c[scatter[i]], the zero rows of no expert included. So a and c may be in token
+    order around rows sorted by expert (both tables the sort's order), without permuted copies."""
     operand, tuning = _Operand(weights, table), GEMM_TUNING[platform(a.device)]
     tiles = _shared_row_tiles(tokens_per_expert, a.shape[0], padded_rows, tuning["block_m"])
-    return _grouped_matmul(a, operand, transposed, operand.m_dim if transposed else operand.k_dim, tiles, tuning)
+    n_out = operand.m_dim if transposed else operand.k_dim
+    return _grouped_matmul(a, operand, transposed, n_out, tiles, tuning, gather, scatter)
 
 
-def weight_grad(grad_out, x, tokens_per_expert, padded_rows: bool, weights, main_grads) -> torch.Tensor:
+def weight_grad(grad_out, x, tokens_per_expert, padded_rows: bool, weights, main_grads, grad_rows=None,
+                x_rows=None) -> torch.Tensor:
     """d weight[e] = grad_out[rows of e].T @ x[rows of e] as an [E, M, K] tensor in x's dtype; with ``main_grads``
     (from :func:`main_grad_target`) added to each weight's ``main_grad`` in fp32 instead, the weights marked as
-    Megatron's hooks expect, and the [E, M, K] tensor an unwritten placeholder."""
+    Megatron's hooks expect, and the [E, M, K] tensor an unwritten placeholder. With ``grad_rows`` or ``x_rows``
+    ([N] int64) row i of grad_out or x is read at grad_out[grad_rows[i]] or x[x_rows[i]] (as :func:`matmul`'s
+    ``gather``)."""
     tuning = GEMM_TUNING[platform(x.device)]
     row_start = _shared_row_tiles(tokens_per_expert, x.shape[0], padded_rows, tuning["block_m"])[3]
     n_experts, (m_dim, k_dim) = tokens_per_expert.numel(), weights[0].shape[-2:]
@@ -270,11 +310,12 @@ def weight_grad(grad_out, x, tokens_per_expert, padded_rows: bool, weights, main
         target, table, aligned = main_grads
     block_m, block_n = tuning["wgrad_block_m"], tuning["wgrad_block_n"]
     grid = (n_experts, triton.cdiv(m_dim, block_m), triton.cdiv(k_dim, block_n))
-    _grouped_weight_grad_kernel[grid](grad_out, x, target, target if table is None else table, row_start,
-                                      tokens_per_expert, m_dim, k_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-                                      BLOCK_R=tuning["wgrad_block_r"], W_TABLE=table is not None, W_ALIGNED=aligned,
-                                      ACCUMULATE=table is not None, num_warps=tuning["wgrad_warps"],
-                                      num_stages=tuning["wgrad_stages"])  # fmt: skip
+    _grouped_weight_grad_kernel[grid](grad_out, x, target, target if table is None else table,
+                                      *_row_tables(row_start, grad_rows, x_rows), row_start, tokens_per_expert,
+                                      m_dim, k_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=tuning["wgrad_block_r"],
+                                      W_TABLE=table is not None, W_ALIGNED=aligned, ACCUMULATE=table is not None,
+                                      GATHER_GRAD=grad_rows is not None, GATHER_X=x_rows is not None,
+                                      num_warps=tuning["wgrad_warps"], num_stages=tuning["wgrad_stages"])  # fmt: skip
     if main_grads is not None:  # grad_w is a placeholder: Megatron's gradient hooks skip it, as for its own
         for weight in weights:  # layers with gradient-accumulation fusion, but need a gradient to fire
             weight.grad_added_to_main_grad = True

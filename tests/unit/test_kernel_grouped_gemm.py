@@ -154,3 +154,44 @@ def test_row_tile_table_enumerates_each_experts_rows_then_spare_tiles(padded_row
     expert, first_row, row_end, row_start = kernels._row_tiles(counts, n_rows, padded_rows, block_m)
     assert list(zip(expert.tolist(), first_row.tolist(), row_end.tolist())) == expected
     assert row_start.tolist() == [0, 5, 5, 45, 61]
+
+
+@pytest.mark.parametrize("padded_rows", [False, True])
+@pytest.mark.parametrize("layout", ["stacked", "separate"])
+def test_rows_in_token_order_are_gathered_and_scattered_through_the_sort(layout, padded_rows):
+    """The ``moe`` op's GEMMs: rows in token order around rows sorted by expert (``order``: sorted row i is token
+    order[i]; with ``padded_rows`` 11 tokens of no expert sorted last). Each kernel reading its rows through the order
+    or writing them through it gives the bits it gives on permuted copies (the same tiles), and float64 torch's
+    results with the rows permuted explicitly; the scattered rows of no expert are zero."""
+    gen = torch.Generator().manual_seed(4)
+    counts = torch.tensor([5, 0, 23, 9])
+    rows, k_dim, m_dim = 37 + (11 if padded_rows else 0), 40, 24
+    order = torch.randperm(rows, generator=gen)
+    inverse = order.argsort()
+    x, grad = torch.randn(rows, k_dim, generator=gen), torch.randn(rows, m_dim, generator=gen)  # in token order
+    stacked = 0.2 * torch.randn(len(counts), m_dim, k_dim, generator=gen)
+    weight = stacked if layout == "stacked" else [w.clone() for w in stacked]
+    _, counts, _, table, *weights = kernels.prepare(x, weight, counts, padded_rows)
+    assert (table is None) == (layout == "stacked")  # the separate weights read in place, through their offsets
+
+    def matmul(a, transposed, **tables):
+        return kernels.matmul(a, counts, padded_rows, table, weights, transposed, **tables)
+
+    def weight_grad(grad_out, x, **tables):
+        return kernels.weight_grad(grad_out, x, counts, padded_rows, weights, None, **tables)
+
+    out, grad_x = matmul(x[order], True), matmul(grad[order], False)  # sorted by expert
+    grad_w = weight_grad(grad[order], x[order])
+    out_tokens, grad_x_tokens = matmul(x[order], True, scatter=order), matmul(grad[order], False, scatter=order)
+    assert torch.equal(out_tokens, out[inverse]) and torch.equal(grad_x_tokens, grad_x[inverse])
+    assert (out_tokens[order[37:]] == 0).all() and (grad_x_tokens[order[37:]] == 0).all()
+    assert torch.equal(matmul(x, True, gather=order), out)
+    assert torch.equal(matmul(x, True, gather=order, scatter=order), out_tokens)
+    assert torch.equal(matmul(grad, False, gather=order), grad_x)
+    assert torch.equal(weight_grad(grad, x[order], grad_rows=order), grad_w)
+    assert torch.equal(weight_grad(grad[order], x, x_rows=order), grad_w)
+    assert torch.equal(weight_grad(grad, x, grad_rows=order, x_rows=order), grad_w)
+    oracle = _run(ops.grouped_gemm, x[order], stacked, counts, grad[order], torch.float64, padded_rows=padded_rows)
+    assert_matches_oracle("out", out_tokens, oracle[0][inverse])
+    assert_matches_oracle("d_x", grad_x_tokens, oracle[1][inverse])
+    assert_matches_oracle("d_weight", grad_w, oracle[2])
