@@ -11,6 +11,9 @@ of each, ``"triton"`` or ``"torch"``; :func:`grouped_gemm` runs a call with any 
   ``SequentialMLP``'s;
 - rows past the routed ones (``padded_rows``) are zero in the output and the input gradient (``torch._grouped_mm``
   leaves them unwritten: they are filled after it);
+- x's rows or the output's may be in token order instead (a composite op's call, :class:`TokenOrder`): the kernel
+  reads and writes them through the sort's order, and ``torch._grouped_mm``, which cannot, gets them permuted by
+  ``index_select``;
 - the weight gradients of experts under Megatron's DDP go into their ``main_grad`` from inside the backward
   (``kernels.grouped_gemm.main_grad_target`` decides when): the Triton kernel adds them there in fp32, while
   ``torch._grouped_mm`` returns them in the inputs' dtype (its output dtype is theirs), and one foreach addition
@@ -135,14 +138,25 @@ def grouped_gemm(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padde
     return function.apply(*arguments)
 
 
-def autograd_call(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padded_rows: bool, backends: Backends):
+class TokenOrder(NamedTuple):
+    """Rows in token order around a grouped GEMM over rows sorted by expert (``sort_by_expert``): sorted row i is
+    token ``order[i]``, token t is sorted row ``inverse[t]``."""
+
+    order: torch.Tensor
+    inverse: torch.Tensor
+
+
+def autograd_call(x: torch.Tensor, weight, tokens_per_expert: torch.Tensor, padded_rows: bool, backends: Backends,
+                  x_order: TokenOrder | None = None, out_order: TokenOrder | None = None):
     """The autograd Function of :func:`grouped_gemm` and its arguments, checked (the kernel's ``prepare``): the
-    kernel's own where every GEMM is Triton's, else :class:`GroupedMM`. A composite op runs them itself."""
+    kernel's own where every GEMM is Triton's on rows sorted by expert, else :class:`GroupedMM`. A composite op runs
+    them itself; given ``x_order`` or ``out_order``, x's rows or the output's (and so their gradients') are in token
+    order."""
     kernel = _kernel()
     x, counts, padded_rows, table, *weights = kernel.prepare(x, weight, tokens_per_expert, padded_rows)
-    if backends == TRITON:
+    if backends == TRITON and x_order is None and out_order is None:
         return kernel.GroupedGemm, (x, counts, padded_rows, table, *weights)
-    return GroupedMM, (x, counts, padded_rows, table, backends, *weights)
+    return GroupedMM, (x, counts, padded_rows, table, backends, x_order, out_order, *weights)
 
 
 def _kernel():
@@ -152,35 +166,62 @@ def _kernel():
 
 
 class GroupedMM(torch.autograd.Function):
-    """``(x, counts, padded_rows, table, backends, *weights)``: the kernel's arguments (its ``prepare``) and the
-    backends."""
+    """``(x, counts, padded_rows, table, backends, x_order, out_order, *weights)``: the kernel's arguments (its
+    ``prepare``), the backends, and the :class:`TokenOrder` of x's rows and of the output's where they are in token
+    order (else None). The Triton kernel reads and writes rows in token order through the order; for
+    ``torch._grouped_mm``, which cannot, they are permuted by ``index_select`` (:func:`_sorted`)."""
 
     @staticmethod
-    def forward(ctx, x, counts, padded_rows, table, backends, *weights):
+    def forward(ctx, x, counts, padded_rows, table, backends, x_order, out_order, *weights):
         kernel = _kernel()
-        offsets, tail = row_offsets(counts, x.shape[0], padded_rows)
+        offsets, tail = row_offsets(counts, x.shape[0], padded_rows) if "torch" in backends else (None, None)
+        x_in, x_rows = _sorted(x, x_order, backends.forward)
         if backends.forward == "torch":
-            out = torch_forward(x, weights, offsets, tail)
+            out = _unsorted(torch_forward(x_in, weights, offsets, tail), out_order)
         else:
-            out = kernel.matmul(x, counts, padded_rows, table, weights, transposed=True)
-        ctx.save_for_backward(x, counts, offsets, tail)
+            out = kernel.matmul(x_in, counts, padded_rows, table, weights, True, x_rows, _order(out_order))
+        ctx.save_for_backward(x, counts, offsets, tail)  # x as given: no sorted copy kept
         ctx.padded_rows, ctx.table, ctx.backends, ctx.weights = padded_rows, table, backends, weights
+        ctx.orders = x_order, out_order
         ctx.main_grads = kernel.main_grad_target(weights)  # decided in the forward, for both backends
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, counts, offsets, tail = ctx.saved_tensors
-        kernel, backends, weights, grad_out = _kernel(), ctx.backends, ctx.weights, grad_out.contiguous()
+        kernel, backends, weights, (x_order, out_order) = _kernel(), ctx.backends, ctx.weights, ctx.orders
+        grad_out, grad_rows = _sorted(grad_out.contiguous(), out_order, backends.input_grad, backends.weight_grad)
         if backends.input_grad == "torch":
-            grad_x = torch_input_grad(grad_out, weights, offsets, tail)
+            grad_x = _unsorted(torch_input_grad(grad_out, weights, offsets, tail), x_order)
         else:
-            grad_x = kernel.matmul(grad_out, counts, ctx.padded_rows, ctx.table, weights, transposed=False)
+            grad_x = kernel.matmul(grad_out, counts, ctx.padded_rows, ctx.table, weights, False, grad_rows,
+                                   _order(x_order))
+        x, x_rows = _sorted(x, x_order, backends.weight_grad)
         if backends.weight_grad == "torch":
             grad_w = torch_weight_grad(grad_out, x, offsets, weights, ctx.main_grads is not None)
         else:
-            grad_w = kernel.weight_grad(grad_out, x, counts, ctx.padded_rows, weights, ctx.main_grads)
-        return grad_x, None, None, None, None, *((grad_w,) if len(weights) == 1 else grad_w.unbind(0))
+            grad_w = kernel.weight_grad(grad_out, x, counts, ctx.padded_rows, weights, ctx.main_grads, grad_rows,
+                                        x_rows)
+        return grad_x, *(None,) * 6, *((grad_w,) if len(weights) == 1 else grad_w.unbind(0))
+
+
+def _sorted(tensor: torch.Tensor, order: TokenOrder | None, *backends: str):
+    """An input of GEMMs on ``backends`` whose rows may be in token order (``order``) -> the tensor they read and the
+    row table the Triton kernel reads it through: the tensor and the sort's order on Triton; where one of them is
+    ``torch._grouped_mm``, which cannot gather, a copy sorted by ``index_select`` (once) and no table."""
+    if order is not None and "torch" in backends:
+        return tensor.index_select(0, order.order), None
+    return tensor, _order(order)
+
+
+def _unsorted(out: torch.Tensor, order: TokenOrder | None) -> torch.Tensor:
+    """The output of a GEMM on ``torch._grouped_mm``, sorted by expert, in token order where ``order`` is given."""
+    return out if order is None else out.index_select(0, order.inverse)
+
+
+def _order(order: TokenOrder | None) -> torch.Tensor | None:
+    """The Triton kernel's row table of rows in token order: the sort's order."""
+    return None if order is None else order.order
 
 
 def torch_forward(x, weights, offsets, tail) -> torch.Tensor:

@@ -116,6 +116,33 @@ def test_weight_gradients_accumulate_into_main_grad(weight_grad, enabled, kernel
     assert_weight_grads_match(weights, before, got, oracle, enabled)
 
 
+@needs_grouped_mm
+@pytest.mark.parametrize("in_token_order", ["x", "out"])
+@pytest.mark.parametrize("backends", [*MIXES, Backends("torch", "triton", "triton"), grouped_mm.TRITON],
+                         ids=["all-torch", "wgrad-triton", "wgrad-torch", "forward-torch", "all-triton"])
+def test_rows_in_token_order_give_the_bits_of_explicit_permutations(backends, in_token_order, kernel):
+    """The ``moe`` op's calls: x's rows (fc1's) or the output's (fc2's) in token order, which each GEMM permutes its
+    own way (the kernel through the sort's order, torch by ``index_select``): the same bits as the call on rows sorted
+    by ``index_select`` first, for every mix of backends."""
+    gen = torch.Generator().manual_seed(3)
+    weights = _in_one_buffer(gen)
+    x = torch.randn(int(COUNTS.sum()) + TAIL, K_DIM, generator=gen, requires_grad=True)
+    grad = torch.randn(x.shape[0], M_DIM, generator=gen)
+    order = torch.randperm(x.shape[0], generator=gen)
+    token_order = grouped_mm.TokenOrder(order, order.argsort())
+    orders = (token_order, None) if in_token_order == "x" else (None, token_order)
+    function, arguments = grouped_mm.autograd_call(x, weights, COUNTS, True, backends, *orders)
+    out = function.apply(*arguments)
+    got = [out, *torch.autograd.grad(out, [x, *weights], grad)]
+    if in_token_order == "x":
+        out = grouped_mm.grouped_gemm(x.index_select(0, order), weights, COUNTS, True, backends)
+    else:
+        out = grouped_mm.grouped_gemm(x, weights, COUNTS, True, backends).index_select(0, token_order.inverse)
+    explicit = [out, *torch.autograd.grad(out, [x, *weights], grad)]
+    for i, (g, e) in enumerate(zip(got, explicit, strict=True)):
+        assert torch.equal(g, e), i
+
+
 ENTRY = {"device": "NVIDIA H200", "dtype": "bfloat16", "weight": [16, 4096, 2048],
          "backends": {"forward": "torch", "input_grad": "torch", "weight_grad": "triton"}}
 
