@@ -12,11 +12,14 @@ and backward (docs/architecture.md §2, §4).
 It adds no math: each step is the kernel that the layer runs without it (ops ``residual``, ``router``,
 ``router_head``, ``experts``), composed by :class:`~.composite.Piece`, and its backward is their backwards in
 reverse order. So its reference is theirs, composed as ``ZayaMoELayer`` composes them with the op off. What goes
-is autograd's work around eight kernel ops (their graph nodes and saved-tensor bookkeeping, the row permutations),
-and the re-entrant autograd passes of the selective recomputation: here the backward normalises the stream again
+is autograd's work around eight kernel ops (their graph nodes and saved-tensor bookkeeping), the row permutations
+(the grouped GEMM kernels read x and write y in token order through the sort's order, and so their gradients:
+``x[order]`` and ``y[inverse]`` are never copies, and the backward keeps neither a sorted x nor the sorted y), and the
+re-entrant autograd passes of the selective recomputation: here the backward normalises the stream again
 (``recompute_norm``: x is not kept), recomputes the router's projection (``recompute="router"``: the fused head
 recomputes the rest in its backward kernel anyway) or the whole forward (``recompute="moe"``) by running the pieces
-again.
+again. A grouped GEMM on ``torch._grouped_mm`` (``ops/grouped_mm.py``), which cannot gather, permutes its rows by
+``index_select``.
 
 The parameters' gradients go into Megatron's ``main_grad``: the kernels add theirs (the experts', from the grouped
 GEMM), and under DDP the op hands its parameters to DDP itself, off autograd's graph (``composite.off_the_graph``);
@@ -189,12 +192,15 @@ class _Forward:
         # each token's gate (the one entry of its probs that is not 0; op by op, their sum) in sorted order
         self.order, self.inverse, per_expert, prob = sort_kernel.sort_by_expert(routing_map, 0, settings.num_experts,
                                                                                  probs)
-        self.fc1 = _grouped_gemm(hidden2d.index_select(0, self.order), fc1, per_expert, settings.backends[0])
+        # fc1 reads x in token order and fc2 writes its output in token order (the kernels through the sort's order)
+        token_order = grouped_mm.TokenOrder(self.order, self.inverse)
+        self.fc1 = _grouped_gemm(hidden2d, fc1, per_expert, settings.backends[0], x_order=token_order)
         self.swiglu = Piece(swiglu.SwiGLU, self.fc1.outputs, prob.unsqueeze(-1), None)
-        self.fc2 = _grouped_gemm(self.swiglu.outputs, fc2, per_expert, settings.backends[1])
-        self.out = self.fc2.outputs.index_select(0, self.inverse)
-        if self.norm is not None and settings.recompute_norm:  # x, the projection's saved input, is normalised again
-            self.projection.saved_tensors = (None, *self.projection.saved_tensors[1:])
+        self.fc2 = _grouped_gemm(self.swiglu.outputs, fc2, per_expert, settings.backends[1], out_order=token_order)
+        self.out = self.fc2.outputs
+        if self.norm is not None and settings.recompute_norm:  # x, saved by the projection and fc1, normalised again
+            for piece in (self.projection, self.fc1):
+                piece.saved_tensors = (None, *piece.saved_tensors[1:])
             self.norm.outputs = ()
 
     def backward(self, grad_out, grad_state, grad_skip, grad_new_residual):
@@ -205,21 +211,23 @@ class _Forward:
         _, router_kernel, _, _, norm_kernel = _kernels()
         if self.projection.saved_tensors[0] is None:
             x = Piece(norm_kernel.ResidualRMSNorm, *self.norm_arguments).outputs[0]
-            self.projection.saved_tensors = (x.reshape(-1, x.shape[-1]), *self.projection.saved_tensors[1:])
+            x = x.reshape(-1, x.shape[-1])
+            for piece in (self.projection, self.fc1):
+                piece.saved_tensors = (x, *piece.saved_tensors[1:])
         if self.head.saved_tensors[0] is None:
             hidden2d = self.projection.saved_tensors[0]
             u = Piece(router_kernel.RouterProjection, hidden2d, self.router.down_weight, None).outputs
             self.head.saved_tensors = (u, *self.head.saved_tensors[1:])
-        grad_act, grad_fc2 = _grouped_gemm_backward(self.fc2, grad_out.index_select(0, self.order))
+        grad_act, grad_fc2 = _grouped_gemm_backward(self.fc2, grad_out)
         grad_h, grad_prob, _ = self.swiglu.backward(grad_act)
-        grad_sorted, grad_fc1 = _grouped_gemm_backward(self.fc1, grad_h)
+        grad_x, grad_fc1 = _grouped_gemm_backward(self.fc1, grad_h)
         n_tokens, n_experts = self.head.outputs[0].shape
         # broadcast over the experts, as autograd hands the gates' sum its gradient; the head reads it by strides
         grad_probs = grad_prob.view(-1).index_select(0, self.inverse).unsqueeze(-1).expand(n_tokens, n_experts)
         grad_u, grad_state_in, d_eda, d_norm, d_w1, d_b1, d_w2, d_b2, d_w3, _, _, d_down_bias, _ = self.head.backward(
             grad_probs, None, grad_state, grad_skip, None)
         grad_hidden, d_down_weight, _ = self.projection.backward(grad_u)
-        grad_hidden = grad_hidden + grad_sorted.index_select(0, self.inverse)
+        grad_hidden = grad_hidden + grad_x
         d_router = RouterWeights(d_down_weight, d_down_bias, d_eda, d_norm, d_w1, d_b1, d_w2, d_b2, d_w3)
         grad_residual, d_merge = None, ()
         if self.norm is not None:
@@ -231,10 +239,10 @@ class _Forward:
         return grad_hidden, grad_residual, grad_state_in, d_merge, d_router, grad_fc1, grad_fc2
 
 
-def _grouped_gemm(x, weights, per_expert, backends: grouped_mm.Backends) -> Piece:
+def _grouped_gemm(x, weights, per_expert, backends: grouped_mm.Backends, x_order=None, out_order=None) -> Piece:
     """The grouped GEMM over tokens sorted by expert (a zero tail), by the Triton kernel or ``torch._grouped_mm``
-    as ``backends`` name."""
-    function, arguments = grouped_mm.autograd_call(x, weights, per_expert, True, backends)
+    as ``backends`` name; x's or the output's rows in token order where their ``TokenOrder`` is given."""
+    function, arguments = grouped_mm.autograd_call(x, weights, per_expert, True, backends, x_order, out_order)
     return Piece(function, *arguments)
 
 
