@@ -16,10 +16,11 @@ to no expert) is left out of every GEMM, so its output rows and gradients are ze
 tiles, not by a fill first). This is what lets the single-rank MoE dispatch (``model/moe.py``) run without
 learning the routed count on the host.
 
-The rows sorted by expert may also be read from, or written to, a tensor in another row order (the tokens' own)
-through a row table: the row-tile kernel gathers its input rows and scatters its output rows (the spare tiles then
-zero the scattered rows of no expert), the weight-gradient kernel gathers either operand's rows. A composite op
-(``ops/moe.py``) thus keeps no sorted copies around the expert GEMMs, and launches no permutations.
+The row-tile kernel may also read its input rows from, or write its output rows to, a tensor in another row order
+(the tokens' own) through a row table, read once per tile (the spare tiles then zero the scattered rows of no
+expert): a composite op (``ops/moe.py``) thus keeps no sorted copy of x or of the output around the expert GEMMs.
+The weight-gradient kernel reads rows sorted by expert: a gather in its contraction loop would put a dependent
+load before each step's data, which costs the sm_90 build half its pipeline stages.
 
 The weights may also be E separate [M, K] tensors, such as the experts' own parameters: the kernel then finds
 each expert's weight at its offset from the first one (a small device table), and no [E, M, K] copy is stacked
@@ -112,12 +113,10 @@ def _grouped_matmul_kernel(
 
 @triton.jit
 def _grouped_weight_grad_kernel(
-    grad_out_ptr,  # [N, M] rows sorted by expert, or in another order read through grad_rows
-    x_ptr,  # [N, K] the same
+    grad_out_ptr,  # [N, M]
+    x_ptr,  # [N, K]
     grad_w_ptr,  # [E, M, K], or expert 0's [M, K] gradient with W_TABLE
     grad_w_table_ptr,  # with W_TABLE: [E] int64 offsets of each expert's gradient from grad_w_ptr, in elements
-    grad_rows_ptr,  # with GATHER_GRAD: [N] int64, row i is grad_out's row grad_rows[i]
-    x_rows_ptr,  # with GATHER_X: [N] int64, row i is x's row x_rows[i]
     expert_row_start_ptr,  # [E]
     tokens_per_expert_ptr,  # [E]
     m_dim,
@@ -128,8 +127,6 @@ def _grouped_weight_grad_kernel(
     W_TABLE: tl.constexpr,  # each expert's gradient at grad_w_ptr + grad_w_table[e] (the experts' own main_grads)
     W_ALIGNED: tl.constexpr,  # the table's offsets are multiples of 16 elements (checked on the host)
     ACCUMULATE: tl.constexpr,  # add to the gradient there instead of overwriting it
-    GATHER_GRAD: tl.constexpr,
-    GATHER_X: tl.constexpr,
 ):
     expert = tl.program_id(0)
     ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -141,14 +138,9 @@ def _grouped_weight_grad_kernel(
     for r0 in range(start, end, BLOCK_R):
         rows = tl.cast(r0 + rs, tl.int64)
         row_mask = r0 + rs < end
-        grad_rows, x_rows = rows, rows
-        if GATHER_GRAD:
-            grad_rows = tl.load(grad_rows_ptr + rows, mask=row_mask, other=0)
-        if GATHER_X:
-            x_rows = tl.load(x_rows_ptr + rows, mask=row_mask, other=0)
-        grad_t = tl.load(grad_out_ptr + grad_rows[None, :] * m_dim + ms[:, None],
+        grad_t = tl.load(grad_out_ptr + rows[None, :] * m_dim + ms[:, None],
                          mask=row_mask[None, :] & (ms[:, None] < m_dim), other=0.0)  # fmt: skip
-        x = tl.load(x_ptr + x_rows[:, None] * k_dim + ks[None, :],
+        x = tl.load(x_ptr + rows[:, None] * k_dim + ks[None, :],
                     mask=row_mask[:, None] & (ks[None, :] < k_dim), other=0.0)  # fmt: skip
         acc = tl.dot(grad_t, x, acc, input_precision="ieee")
     if W_TABLE:
@@ -294,13 +286,10 @@ def matmul(a, tokens_per_expert, padded_rows: bool, table, weights, transposed: 
     return _grouped_matmul(a, operand, transposed, n_out, tiles, tuning, gather, scatter)
 
 
-def weight_grad(grad_out, x, tokens_per_expert, padded_rows: bool, weights, main_grads, grad_rows=None,
-                x_rows=None) -> torch.Tensor:
+def weight_grad(grad_out, x, tokens_per_expert, padded_rows: bool, weights, main_grads) -> torch.Tensor:
     """d weight[e] = grad_out[rows of e].T @ x[rows of e] as an [E, M, K] tensor in x's dtype; with ``main_grads``
     (from :func:`main_grad_target`) added to each weight's ``main_grad`` in fp32 instead, the weights marked as
-    Megatron's hooks expect, and the [E, M, K] tensor an unwritten placeholder. With ``grad_rows`` or ``x_rows``
-    ([N] int64) row i of grad_out or x is read at grad_out[grad_rows[i]] or x[x_rows[i]] (as :func:`matmul`'s
-    ``gather``)."""
+    Megatron's hooks expect, and the [E, M, K] tensor an unwritten placeholder."""
     tuning = GEMM_TUNING[platform(x.device)]
     row_start = _shared_row_tiles(tokens_per_expert, x.shape[0], padded_rows, tuning["block_m"])[3]
     n_experts, (m_dim, k_dim) = tokens_per_expert.numel(), weights[0].shape[-2:]
@@ -310,12 +299,11 @@ def weight_grad(grad_out, x, tokens_per_expert, padded_rows: bool, weights, main
         target, table, aligned = main_grads
     block_m, block_n = tuning["wgrad_block_m"], tuning["wgrad_block_n"]
     grid = (n_experts, triton.cdiv(m_dim, block_m), triton.cdiv(k_dim, block_n))
-    _grouped_weight_grad_kernel[grid](grad_out, x, target, target if table is None else table,
-                                      *_row_tables(row_start, grad_rows, x_rows), row_start, tokens_per_expert,
-                                      m_dim, k_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=tuning["wgrad_block_r"],
-                                      W_TABLE=table is not None, W_ALIGNED=aligned, ACCUMULATE=table is not None,
-                                      GATHER_GRAD=grad_rows is not None, GATHER_X=x_rows is not None,
-                                      num_warps=tuning["wgrad_warps"], num_stages=tuning["wgrad_stages"])  # fmt: skip
+    _grouped_weight_grad_kernel[grid](grad_out, x, target, target if table is None else table, row_start,
+                                      tokens_per_expert, m_dim, k_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+                                      BLOCK_R=tuning["wgrad_block_r"], W_TABLE=table is not None, W_ALIGNED=aligned,
+                                      ACCUMULATE=table is not None, num_warps=tuning["wgrad_warps"],
+                                      num_stages=tuning["wgrad_stages"])  # fmt: skip
     if main_grads is not None:  # grad_w is a placeholder: Megatron's gradient hooks skip it, as for its own
         for weight in weights:  # layers with gradient-accumulation fusion, but need a gradient to fire
             weight.grad_added_to_main_grad = True

@@ -11,9 +11,10 @@ of each, ``"triton"`` or ``"torch"``; :func:`grouped_gemm` runs a call with any 
   ``SequentialMLP``'s;
 - rows past the routed ones (``padded_rows``) are zero in the output and the input gradient (``torch._grouped_mm``
   leaves them unwritten: they are filled after it);
-- x's rows or the output's may be in token order instead (a composite op's call, :class:`TokenOrder`): the kernel
-  reads and writes them through the sort's order, and ``torch._grouped_mm``, which cannot, gets them permuted by
-  ``index_select``;
+- x's rows or the output's may be in token order instead (a composite op's call, :class:`TokenOrder`): the row-tile
+  kernel reads x and writes the output (and x's gradient) through the sort's order; ``torch._grouped_mm``, which
+  cannot, and the weight gradient get their rows permuted by ``index_select`` (in the backward: no sorted copy is
+  kept for it);
 - the weight gradients of experts under Megatron's DDP go into their ``main_grad`` from inside the backward
   (``kernels.grouped_gemm.main_grad_target`` decides when): the Triton kernel adds them there in fp32, while
   ``torch._grouped_mm`` returns them in the inputs' dtype (its output dtype is theirs), and one foreach addition
@@ -168,18 +169,17 @@ def _kernel():
 class GroupedMM(torch.autograd.Function):
     """``(x, counts, padded_rows, table, backends, x_order, out_order, *weights)``: the kernel's arguments (its
     ``prepare``), the backends, and the :class:`TokenOrder` of x's rows and of the output's where they are in token
-    order (else None). The Triton kernel reads and writes rows in token order through the order; for
-    ``torch._grouped_mm``, which cannot, they are permuted by ``index_select`` (:func:`_sorted`)."""
+    order (else None). The row-tile kernel reads and writes rows in token order through the order; for
+    ``torch._grouped_mm`` and the weight gradient they are permuted by ``index_select`` (:func:`_sorted`)."""
 
     @staticmethod
     def forward(ctx, x, counts, padded_rows, table, backends, x_order, out_order, *weights):
         kernel = _kernel()
         offsets, tail = row_offsets(counts, x.shape[0], padded_rows) if "torch" in backends else (None, None)
-        x_in, x_rows = _sorted(x, x_order, backends.forward)
         if backends.forward == "torch":
-            out = _unsorted(torch_forward(x_in, weights, offsets, tail), out_order)
+            out = _unsorted(torch_forward(_sorted(x, x_order), weights, offsets, tail), out_order)
         else:
-            out = kernel.matmul(x_in, counts, padded_rows, table, weights, True, x_rows, _order(out_order))
+            out = kernel.matmul(x, counts, padded_rows, table, weights, True, _order(x_order), _order(out_order))
         ctx.save_for_backward(x, counts, offsets, tail)  # x as given: no sorted copy kept
         ctx.padded_rows, ctx.table, ctx.backends, ctx.weights = padded_rows, table, backends, weights
         ctx.orders = x_order, out_order
@@ -190,28 +190,22 @@ class GroupedMM(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, counts, offsets, tail = ctx.saved_tensors
         kernel, backends, weights, (x_order, out_order) = _kernel(), ctx.backends, ctx.weights, ctx.orders
-        grad_out, grad_rows = _sorted(grad_out.contiguous(), out_order, backends.input_grad, backends.weight_grad)
+        grad_out = _sorted(grad_out.contiguous(), out_order)  # as the weight gradient reads it: sorted once
         if backends.input_grad == "torch":
             grad_x = _unsorted(torch_input_grad(grad_out, weights, offsets, tail), x_order)
         else:
-            grad_x = kernel.matmul(grad_out, counts, ctx.padded_rows, ctx.table, weights, False, grad_rows,
-                                   _order(x_order))
-        x, x_rows = _sorted(x, x_order, backends.weight_grad)
+            grad_x = kernel.matmul(grad_out, counts, ctx.padded_rows, ctx.table, weights, False, None, _order(x_order))
+        x = _sorted(x, x_order)
         if backends.weight_grad == "torch":
             grad_w = torch_weight_grad(grad_out, x, offsets, weights, ctx.main_grads is not None)
         else:
-            grad_w = kernel.weight_grad(grad_out, x, counts, ctx.padded_rows, weights, ctx.main_grads, grad_rows,
-                                        x_rows)
+            grad_w = kernel.weight_grad(grad_out, x, counts, ctx.padded_rows, weights, ctx.main_grads)
         return grad_x, *(None,) * 6, *((grad_w,) if len(weights) == 1 else grad_w.unbind(0))
 
 
-def _sorted(tensor: torch.Tensor, order: TokenOrder | None, *backends: str):
-    """An input of GEMMs on ``backends`` whose rows may be in token order (``order``) -> the tensor they read and the
-    row table the Triton kernel reads it through: the tensor and the sort's order on Triton; where one of them is
-    ``torch._grouped_mm``, which cannot gather, a copy sorted by ``index_select`` (once) and no table."""
-    if order is not None and "torch" in backends:
-        return tensor.index_select(0, order.order), None
-    return tensor, _order(order)
+def _sorted(tensor: torch.Tensor, order: TokenOrder | None) -> torch.Tensor:
+    """Rows in token order (where ``order`` is given) sorted by expert, for a GEMM that cannot gather them."""
+    return tensor if order is None else tensor.index_select(0, order.order)
 
 
 def _unsorted(out: torch.Tensor, order: TokenOrder | None) -> torch.Tensor:

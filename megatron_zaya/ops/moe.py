@@ -12,9 +12,9 @@ and backward (docs/architecture.md §2, §4).
 It adds no math: each step is the kernel that the layer runs without it (ops ``residual``, ``router``,
 ``router_head``, ``experts``), composed by :class:`~.composite.Piece`, and its backward is their backwards in
 reverse order. So its reference is theirs, composed as ``ZayaMoELayer`` composes them with the op off. What goes
-is autograd's work around eight kernel ops (their graph nodes and saved-tensor bookkeeping), the row permutations
-(the grouped GEMM kernels read x and write y in token order through the sort's order, and so their gradients:
-``x[order]`` and ``y[inverse]`` are never copies, and the backward keeps neither a sorted x nor the sorted y), and the
+is autograd's work around eight kernel ops (their graph nodes and saved-tensor bookkeeping), most row permutations
+(the grouped GEMM kernels read x, write y and x's gradient in token order through the sort's order: no sorted x or
+y is kept for the backward, which sorts y's gradient and x once each for the weight gradients), and the
 re-entrant autograd passes of the selective recomputation: here the backward normalises the stream again
 (``recompute_norm``: x is not kept), recomputes the router's projection (``recompute="router"``: the fused head
 recomputes the rest in its backward kernel anyway) or the whole forward (``recompute="moe"``) by running the pieces
@@ -104,8 +104,7 @@ def moe_sublayer(hidden: torch.Tensor, state_in: torch.Tensor | None, router: Ro
 
     Returns: the output ``[..., D]`` in hidden's dtype, the router state ``[..., R]`` fp32, the skip gate ``[T]``
     fp32 (p_skip where the skip class won, else 0), the tokens per class ``[E + 1]`` (int64; ``counts_into`` where
-    given), and the new residual
-    stream, shaped as ``hidden`` (None without ``merge``).
+    given), and the new residual stream, shaped as ``hidden`` (None without ``merge``).
     """
     weights = (*router, *fc1, *fc2) if merge is None else (*merge[1:], *router, *fc1, *fc2)
     off_graph = off_the_graph(weights)
@@ -118,10 +117,9 @@ def moe_sublayer(hidden: torch.Tensor, state_in: torch.Tensor | None, router: Ro
 
 class MoESublayer(torch.autograd.Function):
     """:func:`moe_sublayer`: ``(settings, num_experts, hidden, residual, state_in, biases, counts_into, off_graph,
-    *weights)``, the
-    weights (``*merge[1:]`` where the residual stream is given, ``*router, *fc1, *fc2``) either in ``off_graph``, a
-    tuple autograd does not see (their gradients go to DDP from the backward: :func:`~.composite.hand_to_ddp`), or
-    as autograd's inputs."""
+    *weights)``, the weights (``*merge[1:]`` where the residual stream is given, ``*router, *fc1, *fc2``) either in
+    ``off_graph``, a tuple autograd does not see (their gradients go to DDP from the backward:
+    :func:`~.composite.hand_to_ddp`), or as autograd's inputs."""
 
     @staticmethod
     def forward(ctx, settings: Settings, num_experts: int, hidden, residual, state_in, biases, counts_into, off_graph,

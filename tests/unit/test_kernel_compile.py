@@ -89,13 +89,12 @@ def _grouped_gemm(k):
     weights = [_meta(2 * FFN, HIDDEN) for _ in range(EXPERTS)]
     _backward([k.grouped_gemm(_meta(TOKENS, HIDDEN), weights, counts, padded_rows=True)])
     # the moe op's GEMMs, rows in token order through the sort's order: fc1 gathers x and scatters d x, fc2 scatters
-    # its output and gathers d out; the experts' weights and main_grads found through offset tables
+    # its output; the experts' weights found through an offset table
     order, table = (torch.empty(n, dtype=torch.int64, device="meta") for n in (TOKENS, EXPERTS))
     for m_dim, k_dim, x_order, out_order in [(2 * FFN, HIDDEN, order, None), (HIDDEN, FFN, None, order)]:
-        weights, main_grads = [_meta(m_dim, k_dim)], (_meta(m_dim, k_dim, dtype=FP32), table, True)
+        weights = [_meta(m_dim, k_dim)]
         k.matmul(_meta(TOKENS, k_dim), counts, True, table, weights, True, gather=x_order, scatter=out_order)
-        k.matmul(_meta(TOKENS, m_dim), counts, True, table, weights, False, gather=out_order, scatter=x_order)
-        k.weight_grad(_meta(TOKENS, m_dim), _meta(TOKENS, k_dim), counts, True, weights, main_grads, out_order, x_order)
+        k.matmul(_meta(TOKENS, m_dim), counts, True, table, weights, False, scatter=x_order)
 
 
 def _sort_by_expert(k):

@@ -160,9 +160,9 @@ def test_row_tile_table_enumerates_each_experts_rows_then_spare_tiles(padded_row
 @pytest.mark.parametrize("layout", ["stacked", "separate"])
 def test_rows_in_token_order_are_gathered_and_scattered_through_the_sort(layout, padded_rows):
     """The ``moe`` op's GEMMs: rows in token order around rows sorted by expert (``order``: sorted row i is token
-    order[i]; with ``padded_rows`` 11 tokens of no expert sorted last). Each kernel reading its rows through the order
-    or writing them through it gives the bits it gives on permuted copies (the same tiles), and float64 torch's
-    results with the rows permuted explicitly; the scattered rows of no expert are zero."""
+    order[i]; with ``padded_rows`` 11 tokens of no expert sorted last). The row-tile kernel reading its rows through
+    the order or writing them through it gives the bits it gives on permuted copies (the same tiles), and float64
+    torch's results with the rows permuted explicitly; the scattered rows of no expert are zero."""
     gen = torch.Generator().manual_seed(4)
     counts = torch.tensor([5, 0, 23, 9])
     rows, k_dim, m_dim = 37 + (11 if padded_rows else 0), 40, 24
@@ -177,20 +177,14 @@ def test_rows_in_token_order_are_gathered_and_scattered_through_the_sort(layout,
     def matmul(a, transposed, **tables):
         return kernels.matmul(a, counts, padded_rows, table, weights, transposed, **tables)
 
-    def weight_grad(grad_out, x, **tables):
-        return kernels.weight_grad(grad_out, x, counts, padded_rows, weights, None, **tables)
-
     out, grad_x = matmul(x[order], True), matmul(grad[order], False)  # sorted by expert
-    grad_w = weight_grad(grad[order], x[order])
+    grad_w = kernels.weight_grad(grad[order], x[order], counts, padded_rows, weights, None)
     out_tokens, grad_x_tokens = matmul(x[order], True, scatter=order), matmul(grad[order], False, scatter=order)
     assert torch.equal(out_tokens, out[inverse]) and torch.equal(grad_x_tokens, grad_x[inverse])
     assert (out_tokens[order[37:]] == 0).all() and (grad_x_tokens[order[37:]] == 0).all()
     assert torch.equal(matmul(x, True, gather=order), out)
     assert torch.equal(matmul(x, True, gather=order, scatter=order), out_tokens)
     assert torch.equal(matmul(grad, False, gather=order), grad_x)
-    assert torch.equal(weight_grad(grad, x[order], grad_rows=order), grad_w)
-    assert torch.equal(weight_grad(grad[order], x, x_rows=order), grad_w)
-    assert torch.equal(weight_grad(grad, x, grad_rows=order, x_rows=order), grad_w)
     oracle = _run(ops.grouped_gemm, x[order], stacked, counts, grad[order], torch.float64, padded_rows=padded_rows)
     assert_matches_oracle("out", out_tokens, oracle[0][inverse])
     assert_matches_oracle("d_x", grad_x_tokens, oracle[1][inverse])
