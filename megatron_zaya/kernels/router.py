@@ -448,11 +448,12 @@ class RouteHead(torch.autograd.Function):
         partials = torch.empty((grid[0], 4, width), **fp32)
         _head_backward_kernel[grid](
             u2d, state_in2d if has_state else u2d, eda_scale if has_state else norm_weight,
-            norm_weight if down_bias is None else down_bias, norm_weight, w1, b1, w2, b2, w3, choice, grad_probs, grads if grad_skip is None else grad_skip.contiguous(),
-            grads if grad_state is None else grad_state.contiguous(), *grad_probs.stride(), acts, grads, grad_logits,
-            partials,
-            n_tokens, ctx.eps, n_tokens * width, width, n_classes, HAS_STATE=has_state, HAS_BIAS=down_bias is not None,
-            HAS_GRAD_SKIP=grad_skip is not None, HAS_GRAD_STATE=grad_state is not None, **launch,
+            norm_weight if down_bias is None else down_bias, norm_weight, w1, b1, w2, b2, w3, choice, grad_probs,
+            grads if grad_skip is None else grad_skip.contiguous(),
+            grads if grad_state is None else grad_state.contiguous(),
+            *grad_probs.stride(), acts, grads, grad_logits, partials, n_tokens, ctx.eps, n_tokens * width, width,
+            n_classes, HAS_STATE=has_state, HAS_BIAS=down_bias is not None, HAS_GRAD_SKIP=grad_skip is not None,
+            HAS_GRAD_STATE=grad_state is not None, **launch,
         )  # fmt: skip
         grad_state_in = grads[3].to(state_in2d.dtype) if has_state else None
         # d norm, d eda, d b1, d b2; and the projection's d bias as RouterProjection sums it, the same bits
@@ -462,7 +463,8 @@ class RouteHead(torch.autograd.Function):
         params = [p for p in (*vectors, w1, w2, w3) if p is not None]
         targets = main_grad_targets(params)
         if targets is None:  # the parameters share one dtype: one cast for the vectors, one for d W1 and d W2
-            d_norm, d_eda, d_b1, d_b2, d_bias = (None if p is None else v.to(p.dtype) for v, p in zip(vector_sums, vectors))
+            d_norm, d_eda, d_b1, d_b2, d_bias = (None if p is None else v.to(p.dtype)
+                                                 for v, p in zip(vector_sums, vectors))
             d_w1, d_w2 = torch.bmm(grads[:2].transpose(1, 2), acts[:2]).to(w1.dtype)  # d a1ᵀ z0, d a2ᵀ h1
             d_w3 = (grad_logits.t() @ acts[2]).to(w3.dtype)
         else:  # added into main_grad in fp32: one foreach addition for the vectors, one GEMM for each matrix
