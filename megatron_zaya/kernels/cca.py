@@ -27,8 +27,8 @@ also holds the fallback and the choice. Two families of Triton kernels:
   In fp32 internally.
 
 The value time-delay (``ops/cca.py``'s ``delay_channels``) is a GEMM plus a one-token shift of some channels: one
-kernel each way (``DelayChannels``, without context parallelism), which the ``cca_sublayer`` op runs; the layer op
-by op shifts in torch.
+kernel each way (``DelayChannels``, the rows before context-parallel chunks read in place), which the
+``cca_sublayer`` op runs; the layer op by op shifts in torch.
 """
 
 from __future__ import annotations
@@ -503,30 +503,52 @@ def _conv_param_grads_kernel(
 
 
 @triton.jit
+def _keeps(offsets_ptr, t, b, mask, batch, HAS_DOCS: tl.constexpr):
+    """Whether token ``t`` (of the rows in ``mask``) keeps the values shifted into it: with documents, where it does
+    not start its document."""
+    if HAS_DOCS:
+        mask = mask & (tl.load(offsets_ptr + t * batch + b, mask=mask, other=0) > 0)
+    return mask
+
+
+@triton.jit
 def _delay_kernel(
     src_ptr,  # [S, B, C] through its strides
     dst_ptr,  # [S, B, C] contiguous
     offsets_ptr,  # [S, B] int32 when HAS_DOCS: tokens before each one in its document
-    seq, batch, channels, first,
+    previous_ptr,  # [n, B, C - first] when HAS_PREVIOUS: the row before each chunk (forward), its gradient (backward)
+    length, seq, batch, channels, first,  # S = n chunks of ``length`` tokens (n = 1 without HAS_PREVIOUS)
     stride_s, stride_b, stride_c,
     SHIFT: tl.constexpr,  # -1: channels [first, C) from the token before (forward); +1: from the token after
-    HAS_DOCS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_DOCS: tl.constexpr, HAS_PREVIOUS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Channels [0, first) as they are; the others shifted by one token, 0 where the pair's later token starts the
-    sequence or (with documents) its document: multiplied by 1 or 0, as the reference multiplies."""
+    """Channels [0, first) as they are; the others shifted by one token within each chunk, 0 where the pair's later
+    token starts the chunk or (with documents) its document: multiplied by 1 or 0, as the reference multiplies.
+    With HAS_PREVIOUS a chunk's first token takes the row before the chunk instead of 0; the backward writes that
+    row's gradient (the first token's, multiplied the same way)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # t * B + b
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     t, b = rows // batch, rows % batch
-    in_range = (rows < seq * batch)[:, None] & (cols < channels)[None, :]
+    pos = t % length  # in its chunk
+    in_seq = rows < seq * batch
+    in_range = in_seq[:, None] & (cols < channels)[None, :]
     delayed = (cols >= first)[None, :]
-    source = t[:, None] + tl.where(delayed, SHIFT, 0)  # [rows, cols]
-    inside = in_range & (source >= 0) & (source < seq)
-    value = tl.load(src_ptr + tl.cast(source, tl.int64) * stride_s + b[:, None] * stride_b + cols[None, :] * stride_c,
-                    mask=inside, other=0.0)  # fmt: skip
-    later = t + (SHIFT + 1) // 2  # the pair's later token: this one (forward) or the next (backward)
-    keep = later < seq
-    if HAS_DOCS:
-        keep = keep & (tl.load(offsets_ptr + later * batch + b, mask=keep & (rows < seq * batch), other=0) > 0)
+    shift = tl.where(delayed, SHIFT, 0)  # [1, cols]
+    inside = in_range & (pos[:, None] + shift >= 0) & (pos[:, None] + shift < length)
+    src_cols = b[:, None] * stride_b + cols[None, :] * stride_c
+    value = tl.load(src_ptr + tl.cast(t[:, None] + shift, tl.int64) * stride_s + src_cols, mask=inside, other=0.0)
+    later = (SHIFT + 1) // 2  # the pair's later token: this one (forward) or the next (backward)
+    keep = _keeps(offsets_ptr, t + later, b, in_seq & (pos + later < length), batch, HAS_DOCS)
+    if HAS_PREVIOUS:
+        starts = in_range & delayed & (pos == 0)[:, None]
+        previous = (previous_ptr + (tl.cast(t // length, tl.int64) * batch + b)[:, None] * (channels - first)
+                    + (cols - first)[None, :])  # fmt: skip
+        if SHIFT < 0:
+            value = tl.where(starts, tl.load(previous, mask=starts, other=0.0), value)
+        else:
+            grad = tl.load(src_ptr + tl.cast(t, tl.int64)[:, None] * stride_s + src_cols, mask=starts, other=0.0)
+            kept = _keeps(offsets_ptr, t, b, in_seq, batch, HAS_DOCS)
+            tl.store(previous, grad * kept[:, None].to(grad.dtype), mask=starts)
     value = tl.where(delayed, value * keep[:, None].to(value.dtype), value)
     tl.store(dst_ptr + tl.cast(rows, tl.int64)[:, None] * channels + cols[None, :], value, mask=in_range)
 
@@ -605,28 +627,36 @@ CONV_TUNING = {
 }  # fmt: skip
 
 
-def _delay(src: torch.Tensor, first: int, offsets: torch.Tensor | None, shift: int) -> torch.Tensor:
+def _delay(src: torch.Tensor, first: int, previous: torch.Tensor | None, offsets: torch.Tensor | None,
+           shift: int) -> torch.Tensor:
     seq, batch, channels = src.shape
     dst = torch.empty((seq, batch, channels), dtype=src.dtype, device=src.device)
     rows, block_c = 32, min(128, triton.next_power_of_2(channels))
+    length = seq if previous is None else seq // previous.shape[0]
     _delay_kernel[(triton.cdiv(seq * batch, rows), triton.cdiv(channels, block_c))](
-        src, dst, src if offsets is None else offsets, seq, batch, channels, first, *src.stride(), SHIFT=shift,
-        HAS_DOCS=offsets is not None, BLOCK_ROWS=rows, BLOCK_C=block_c)  # fmt: skip
+        src, dst, src if offsets is None else offsets, src if previous is None else previous, length, seq, batch,
+        channels, first, *src.stride(), SHIFT=shift, HAS_DOCS=offsets is not None, HAS_PREVIOUS=previous is not None,
+        BLOCK_ROWS=rows, BLOCK_C=block_c)  # fmt: skip
     return dst
 
 
 class DelayChannels(torch.autograd.Function):
-    """``ops.cca.delay_channels(v, first, None, offsets)`` (no context parallelism) by one kernel each way:
-    ``v [S, B, C]`` (any strides), ``offsets [S, B]`` int32 or None -> ``[S, B, C]`` contiguous."""
+    """``ops.cca.delay_channels(v, first, previous, offsets)`` by one kernel each way: ``v [S, B, C]`` (any
+    strides), ``previous [n, 1, B, C - first]`` (context parallelism: v is n chunks, each shifted in from its own
+    preceding token) or None, ``offsets [S, B]`` int32 or None -> ``[S, B, C]`` contiguous. The backward returns
+    the gradients of v and of ``previous``."""
 
     @staticmethod
-    def forward(ctx, v, first, offsets):
+    def forward(ctx, v, first, previous, offsets):
         ctx.first, ctx.offsets = first, None if offsets is None else offsets.to(torch.int32).contiguous()
-        return _delay(v, first, ctx.offsets, shift=-1)
+        previous = None if previous is None else previous.to(v.dtype).contiguous()
+        ctx.previous_shape = None if previous is None else previous.shape
+        return _delay(v, first, previous, ctx.offsets, shift=-1)
 
     @staticmethod
     def backward(ctx, grad):
-        return _delay(grad, ctx.first, ctx.offsets, shift=1), None, None
+        grad_previous = None if ctx.previous_shape is None else grad.new_empty(ctx.previous_shape)
+        return _delay(grad, ctx.first, grad_previous, ctx.offsets, shift=1), None, grad_previous, None
 
 
 def _dot_precision(x: torch.Tensor) -> str:

@@ -136,7 +136,7 @@ class Run:
             self.epilogue.saved_tensors = (None, None, *self.epilogue.saved_tensors[2:])
         cca, _ = _kernels()
         v0 = (x @ weights.v_weight.t()).view(seq, batch, -1)
-        self.delay = Piece(cca.DelayChannels, v0, settings.first_delayed, offsets)
+        self.delay = Piece(cca.DelayChannels, v0, settings.first_delayed, None, offsets)
         v = self.delay.outputs
         if settings.recompute_norm:
             self.norm = None  # the residual stream is the op's input: the backward normalises it again

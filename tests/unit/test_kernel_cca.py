@@ -123,25 +123,30 @@ def test_value_time_delay_shifts_the_second_half_by_one_token():
     assert (v[0, :, 3:] == 0).all()
 
 
+@pytest.mark.parametrize("chunks", [1, 3], ids=["whole", "context-parallel-chunks"])
 @pytest.mark.parametrize("documents", [False, True], ids=["one-sequence", "packed-documents"])
-def test_value_time_delay_kernel_equals_the_reference(documents):
+def test_value_time_delay_kernel_equals_the_reference(documents, chunks):
     """The delay kernel, forward and backward (its gradient read through the strides autograd hands it), equals
-    ``delay_channels``: a shift, so exactly, zeros at each document's first token too."""
+    ``delay_channels``: a shift, so exactly, zeros at each document's first token too; in chunks (context
+    parallelism), each shifted in from its own preceding row, which gets its gradient."""
     gen = torch.Generator().manual_seed(5)
-    seq, batch, channels, first = 11, 3, 40, 17
+    seq, batch, channels, first = 12, 3, 40, 17
     v = torch.randn(seq, batch, channels, generator=gen)
+    previous = torch.randn(chunks, 1, batch, channels - first, generator=gen) if chunks > 1 else None
     offsets = None
-    if documents:  # tokens before each one in its document: documents of 4, 1, 6 tokens; another cut per sequence
-        offsets = torch.tensor([0, 1, 2, 3, 0, 0, 1, 2, 3, 4, 5], dtype=torch.int32)[:, None].repeat(1, batch)
-        offsets[7:, 1] = torch.arange(4, dtype=torch.int32)
+    if documents:  # tokens before each one in its document: documents of 4, 1, 7 tokens; another cut per sequence
+        offsets = torch.tensor([0, 1, 2, 3, 0, 0, 1, 2, 3, 4, 5, 6], dtype=torch.int32)[:, None].repeat(1, batch)
+        offsets[7:, 1] = torch.arange(5, dtype=torch.int32)
     grad = torch.randn(batch, seq, channels, generator=gen).transpose(0, 1)  # strided, as from the attention
-    leaf, reference_leaf = v.clone().requires_grad_(), v.clone().requires_grad_()
-    out = kernels.DelayChannels.apply(leaf, first, offsets)
-    expected = delay_channels(reference_leaf, first, None, offsets)
-    assert torch.equal(out, expected)
-    out.backward(grad)
-    expected.backward(grad)
-    assert torch.equal(leaf.grad, reference_leaf.grad)
+
+    def run(delay):
+        leaves = [t.clone().requires_grad_() for t in (v, previous) if t is not None]
+        out = delay(leaves[0], first, leaves[1] if chunks > 1 else None, offsets)
+        out.backward(grad)
+        return [out, *(leaf.grad for leaf in leaves)]
+
+    for ours, expected in zip(run(kernels.DelayChannels.apply), run(delay_channels), strict=True):
+        assert torch.equal(ours, expected)
 
 
 def test_bad_shapes_raise_clear_errors():

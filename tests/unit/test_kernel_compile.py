@@ -76,7 +76,10 @@ def _cca(k):
         param.main_grad, param.grad_added_to_main_grad = torch.empty_like(param, dtype=FP32), False
     _backward(list(k.cca_qk(q0, k0, *convs, temp, cos, cos)))
     for offsets in (None, torch.empty(seq, batch, dtype=torch.int32, device="meta")):  # the value delay
-        _backward([k.DelayChannels.apply(_meta(seq, batch, k_ch), k_ch // 2, offsets)])
+        _backward([k.DelayChannels.apply(_meta(seq, batch, k_ch), k_ch // 2, None, offsets)])
+        # under context parallelism: two chunks, each with the row before it
+        previous = _meta(2, 1, batch, k_ch - k_ch // 2)
+        _backward([k.DelayChannels.apply(_meta(seq, batch, k_ch), k_ch // 2, previous, offsets)])
     # the input gradient added into another (the cca_sublayer op's backward)
     convs = Piece(k.CausalConvs, k0.detach(), *(w.detach() for w in convs[2:4] + convs[6:8]), None, None)
     k.CausalConvs.backward_adding(convs, _meta(seq, batch, k_ch).detach(), _meta(seq, batch, k_ch).detach())
