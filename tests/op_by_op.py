@@ -60,12 +60,13 @@ def ready_calls(monkeypatch) -> Counter:
 
 def trained_step(kernels: str, state: dict, micro_batches: int, recompute: tuple[str, ...] = (),
                  tokens: tuple[int, int] = (2, 11), position_ids: torch.Tensor | None = None,
-                 on_the_graph: bool = False, **overrides):
+                 on_the_graph: bool = False, part=None, **overrides):
     """Micro-batches of ``tokens`` (batch, sequence) through the test model with ``state``, under Megatron's DDP
     (gradients accumulated into fp32 ``main_grad``), with selective recomputation of ``recompute`` (none where
     empty) and packed documents where ``position_ids`` are given. ``on_the_graph``: the parameters without DDP's
     ready call (as without the ``training_loop.gradient_ready_calls`` patch), so that a sublayer op returns their
-    gradients to autograd and DDP's hooks.
+    gradients to autograd and DDP's hooks. ``part``: under context parallelism, this rank's positions of a
+    ``[b, S]`` tensor, taken from the ids and ``position_ids`` (the model then runs on them).
 
     Returns: the model, the losses, every parameter's ``main_grad``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -78,11 +79,13 @@ def trained_step(kernels: str, state: dict, micro_batches: int, recompute: tuple
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model).train()
     for param in model.parameters() if on_the_graph else ():
         del param.ddp_grad_ready
+    part = part or (lambda sequences: sequences)
+    positions = None if position_ids is None else part(position_ids)
     generator = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(micro_batches):
-        ids = torch.randint(0, cfg.vocab_size, tokens, generator=generator)
-        loss = ddp(ids, position_ids=position_ids, labels=ids)
+        ids = part(torch.randint(0, cfg.vocab_size, tokens, generator=generator))
+        loss = ddp(ids, position_ids=positions, labels=ids)
         loss.sum().backward()
         losses.append(loss.detach())
     return model, torch.stack(losses), {name: param.main_grad.clone() for name, param in model.named_parameters()}

@@ -23,7 +23,8 @@ mixings, and RoPE's positions, at each document's first token.
 
 Steps 2-6 are ``ops/cca.py``: the torch reference, and the Triton kernels with the ``cca`` kernel op. With the
 ``cca_sublayer`` op, the layer's input norm and steps 1-6 run as one autograd op over those kernels
-(``ops/cca_sublayer.py``), at TP = CP = 1; the modules and their parameters stay as they are.
+(``ops/cca_sublayer.py``), at TP = 1 (with or without context parallelism); the modules and their parameters stay
+as they are.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from ..ops import cca_sublayer as cca_sublayer_ops
 from ..ops.cca import delay_channels
 from ..runtime import say_once
 from . import documents
-from .context_parallel import preceding_rows
+from .context_parallel import PrecedingRows, preceding_rows
 from .core_attention import SDPAttention
 from .norm import residual_dtype
 from .recompute import Recompute, drop_until_gradient, recomputes
@@ -231,10 +232,9 @@ class CompressedConvAttention(MegatronModule):
 
     def _one_op_fits(self) -> bool:
         """Whether this layout takes the ``cca_sublayer`` op; says once why not where it does not."""
-        cp_group = self.pg_collection.cp
-        if self.tp_group.size() > 1 or self.config.sequence_parallel or (cp_group is not None and cp_group.size() > 1):
-            say_once("the cca_sublayer op runs the CCA sublayer of one rank's heads and sequence (TP 1, CP 1, no "
-                     "sequence parallelism); this layout keeps one op per kernel")
+        if self.tp_group.size() > 1 or self.config.sequence_parallel:
+            say_once("the cca_sublayer op runs the CCA sublayer of one rank's heads (TP 1, no sequence "
+                     "parallelism); this layout keeps one op per kernel")
         elif residual_dtype(self.config) != torch.float32:
             say_once("the cca_sublayer op normalises an fp32 residual stream; one op per kernel instead")
         else:
@@ -265,8 +265,10 @@ class CompressedConvAttention(MegatronModule):
         for module in (input_norm, self.linear_q, self.linear_k, self.linear_v, self.conv, self.qk_norm):
             call_module_hooks(module)
         recompute_qk = recomputes(self.config, "cca_qk", self.training)
+        cp_group = self.pg_collection.cp
+        halos = None if cp_group is None or cp_group.size() == 1 else partial(PrecedingRows, cp_group=cp_group)
         settings = cca_sublayer_ops.Settings(input_norm.eps, self.head_dim, self.first_delayed_channel,
-                                             recomputes(self.config, "layernorm", self.training), recompute_qk)
+                                             recomputes(self.config, "layernorm", self.training), recompute_qk, halos)
         q, k, v, run = cca_sublayer_ops.cca_sublayer(residual, self._one_op_weights(input_norm),
                                                      *cca_ops.rope_cos_sin(rotary_pos_emb), offsets, settings)
         if not recompute_qk:

@@ -1,5 +1,5 @@
-"""ZAYA1's CCA sublayer up to its softmax attention on one rank as one op (kernel op ``cca_sublayer``): the input
-RMSNorm, the q, k and v projections, CCA's convolutions and epilogue, and the value delay, forward and backward
+"""ZAYA1's CCA sublayer up to its softmax attention on one rank's heads as one op (kernel op ``cca_sublayer``): the
+input RMSNorm, the q, k and v projections, CCA's convolutions and epilogue, and the value delay, forward and backward
 (docs/architecture.md §2-§3).
 
     x      = RMSNorm(r.to(dtype))                     # the fp32 residual stream r [s, b, D]
@@ -18,6 +18,13 @@ selective recomputation: here ``recompute_norm`` (``layernorm``) keeps the resid
 again (or :meth:`Run.qk_again` did, for a layer that frees q and k until the backward, as it does without the op).
 The attention and the output projection stay outside, as their own ops.
 
+Under context parallelism the residual stream holds this rank's two chunks of the sequence, and the op exchanges
+the rows before each chunk itself, as the layer does op by op: the convolutions' pre-conv q0 and k0 halos and the
+previous token's delayed value channels, by one all-gather in the forward (their kernels read them in place), and
+in the backward by the reduce-scatter that autograd runs for it, which returns each halo's gradient to the rank it
+came from, added last into q0's, k0's or v's gradient as autograd adds it (``Settings.preceding_rows``: the model's
+``context_parallel.PrecedingRows``).
+
 Every parameter's gradient goes into Megatron's ``main_grad`` in fp32 where its DDP keeps one (the kernels' own for
 theirs; the projections' as Megatron's gradient-accumulation fusion adds them), the op handing its parameters to DDP
 itself, off autograd's graph (``composite.off_the_graph``); elsewhere autograd receives them.
@@ -25,6 +32,7 @@ itself, off autograd's graph (``composite.off_the_graph``); elsewhere autograd r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -55,13 +63,16 @@ class CCAWeights(NamedTuple):
 @dataclass(frozen=True)
 class Settings:
     """The op's arguments besides tensors: the norm's epsilon, the head size, the first value channel that comes
-    from the previous token, and what the backward recomputes (the norm's output; the convolutions' outputs)."""
+    from the previous token, what the backward recomputes (the norm's output; the convolutions' outputs), and under
+    context parallelism what exchanges the rows before this rank's chunks: ``preceding_rows(locals_and_rows)``, the
+    model's ``context_parallel.PrecedingRows`` of the context-parallel group (None without context parallelism)."""
 
     eps: float
     head_dim: int
     first_delayed: int
     recompute_norm: bool = False
     recompute_qk: bool = False
+    preceding_rows: Callable | None = None
 
 
 def _kernels():
@@ -81,9 +92,10 @@ def runs_on(residual: torch.Tensor, weights: CCAWeights, head_dim: int) -> bool:
 
 def cca_sublayer(residual: torch.Tensor, weights: CCAWeights, cos: torch.Tensor, sin: torch.Tensor,
                  document_offsets: torch.Tensor | None, settings: Settings):
-    """q, k and v for the attention from the residual stream ``residual [s, b, D]`` (fp32); ``cos, sin
-    [s, 1 or b, rot]`` of the RoPE angles (``ops.cca.rope_cos_sin``); ``document_offsets [s, b]`` int32 (packed
-    documents: see ``ops.cca.causal_convs``) or None. Check :func:`runs_on` first.
+    """q, k and v for the attention from the residual stream ``residual [s, b, D]`` (fp32; this rank's two chunks
+    under context parallelism); ``cos, sin [s, 1 or b, rot]`` of the RoPE angles (``ops.cca.rope_cos_sin``);
+    ``document_offsets [s, b]`` int32 (packed documents: see ``ops.cca.causal_convs``) or None. Check
+    :func:`runs_on` first.
 
     Returns: q ``[s, b, nq, d]``, k and v ``[s, b, nkv, d]`` in the weights' dtype, and the :class:`Run`, which
     can compute q and k again before the backward (:meth:`Run.qk_again`).
@@ -124,19 +136,19 @@ class Run:
 
     def forward(self, residual, cos, sin, offsets, weights: CCAWeights):
         """-> q, k, v as :func:`cca_sublayer` returns them, keeping what the backward needs and does not recompute."""
-        _, norm_kernel = _kernels()
+        cca, norm_kernel = _kernels()
         settings = self.settings
         self.weights, self.cos, self.sin, self.offsets = weights, cos, sin, offsets
         self.norm = Piece(norm_kernel.RMSNorm, residual, weights.norm_weight, settings.eps, True)
         x = self.norm.outputs.view(-1, residual.shape[-1])
         seq, batch = residual.shape[:2]
-        self.q0, self.k0 = ((x @ w.t()).view(seq, batch, -1) for w in (weights.q_weight, weights.k_weight))
+        self.q0, self.k0, v0 = ((x @ w.t()).view(seq, batch, -1)
+                                for w in (weights.q_weight, weights.k_weight, weights.v_weight))
+        v_previous = self._exchange_halos(v0)
         q, k = self._qk()
         if settings.recompute_qk:  # the epilogue's first two saved tensors are the convolutions' outputs
             self.epilogue.saved_tensors = (None, None, *self.epilogue.saved_tensors[2:])
-        cca, _ = _kernels()
-        v0 = (x @ weights.v_weight.t()).view(seq, batch, -1)
-        self.delay = Piece(cca.DelayChannels, v0, settings.first_delayed, None, offsets)
+        self.delay = Piece(cca.DelayChannels, v0, settings.first_delayed, v_previous, offsets)
         v = self.delay.outputs
         if settings.recompute_norm:
             self.norm = None  # the residual stream is the op's input: the backward normalises it again
@@ -144,13 +156,28 @@ class Run:
         heads = settings.head_dim
         return q.view(seq, batch, -1, heads), k.view(seq, batch, -1, heads), v.view(seq, batch, -1, heads)
 
+    def _exchange_halos(self, v0):
+        """Under context parallelism, the rows before each of this rank's two chunks, from the ranks that hold them
+        (one all-gather, as the layer's op by op): the convolutions' pre-conv q0 and k0 halos, kept for them, and
+        the previous token's delayed value channels, returned. Else None."""
+        preceding_rows, self.halos, self.histories = self.settings.preceding_rows, None, (None, None)
+        if preceding_rows is None:
+            return None
+        w = self.weights
+        halo = (w.q_depthwise_weight.shape[-1] - 1) + (w.q_grouped_weight.shape[-1] - 1)
+        self.halos = preceding_rows([(self.q0, halo), (self.k0, halo), (v0[..., self.settings.first_delayed:], 1)])
+        q_history, k_history, v_previous = self.halos.preceding
+        if halo:  # else the convolutions take no history, as op by op
+            self.histories = q_history, k_history
+        return v_previous
+
     def _qk(self, into=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The convolutions and the epilogue on q0 and k0: the pieces, and q, k ``[s, b, n·d]`` (written into
         ``into``'s q and k where given)."""
         cca, _ = _kernels()
         w = self.weights
-        self.q_convs = Piece(cca.CausalConvs, self.q0, *w[4:8], None, self.offsets)
-        self.k_convs = Piece(cca.CausalConvs, self.k0, *w[8:12], None, self.offsets)
+        self.q_convs = Piece(cca.CausalConvs, self.q0, *w[4:8], self.histories[0], self.offsets)
+        self.k_convs = Piece(cca.CausalConvs, self.k0, *w[8:12], self.histories[1], self.offsets)
         self.epilogue = Piece(cca.QKEpilogue, self.q_convs.outputs, self.k_convs.outputs, self.q0, self.k0,
                               w.key_temperature, self.cos, self.sin, self.settings.head_dim, into)
         return self.epilogue.outputs
@@ -173,13 +200,17 @@ class Run:
                                   ((grad_q, w.q_weight), (grad_k, w.k_weight), (grad_v, w.v_weight)))
         grad_q_convs, grad_k_convs, grad_q0, grad_k0, d_temperature, *_ = self.epilogue.backward(grad_q, grad_k)
         # q0's (k0's) gradient: the epilogue's plus the convolutions', added by the convolutions' last kernel
-        grad_k0, *d_k_convs, _, _ = cca.CausalConvs.backward_adding(self.k_convs, grad_k_convs, grad_k0)
-        grad_q0, *d_q_convs, _, _ = cca.CausalConvs.backward_adding(self.q_convs, grad_q_convs, grad_q0)
+        grad_k0, *d_k_convs, grad_k_history, _ = cca.CausalConvs.backward_adding(self.k_convs, grad_k_convs, grad_k0)
+        grad_q0, *d_q_convs, grad_q_history, _ = cca.CausalConvs.backward_adding(self.q_convs, grad_q_convs, grad_q0)
+        grad_v0, _, grad_v_previous, _ = self.delay.backward(grad_v)
+        if self.halos is not None:  # the halos' gradients, back on the ranks they came from, added last as op by op
+            self.halos.backward([grad_q_history, grad_k_history, grad_v_previous],
+                                [grad_q0, grad_k0, grad_v0[..., settings.first_delayed:]])
         if self.norm is None:
             self.norm = Piece(norm_kernel.RMSNorm, self.residual, w.norm_weight, settings.eps, True)
         x = self.norm.outputs.view(-1, width)
         # v's, k's, q's: the order in which autograd runs the projections and sums their gradients of x
-        grads = [g.reshape(-1, g.shape[-1]) for g in (self.delay.backward(grad_v)[0], grad_k0, grad_q0)]
+        grads = [g.reshape(-1, g.shape[-1]) for g in (grad_v0, grad_k0, grad_q0)]
         weights = (w.v_weight, w.k_weight, w.q_weight)
         grad_x = grads[0] @ weights[0]
         for grad, weight in zip(grads[1:], weights[1:]):
