@@ -29,10 +29,35 @@ def _relaunch_on_all_gpus(argv: list[str]) -> None:
         os.execv(sys.executable, command)
 
 
+def _before_megatron(argv: list[str]) -> None:
+    """The patches that must apply before Megatron is imported (``patches.startup.COMPILE_DISABLED``), where the
+    selection (``--zaya-patches`` as given, else ``ZAYA_PATCHES``) holds them; the start-up log lists them. A
+    selection that does not resolve is left to the command's own check, which names the problem."""
+    from .errors import PatchError
+    from .patches import apply_patches
+    from .patches.registry import resolve
+    from .patches.startup import COMPILE_DISABLED
+    from .runtime import START_LOG
+
+    selection = None
+    for i, arg in enumerate(argv):  # no parser yet: Megatron's needs Megatron
+        if arg.startswith("--zaya-patches="):
+            selection = arg.split("=", 1)[1]
+        elif arg == "--zaya-patches" and i + 1 < len(argv):
+            selection = argv[i + 1]
+    try:
+        selected = {patch.id for patch in resolve(selection)[0]}
+    except PatchError:
+        return
+    if COMPILE_DISABLED in selected:
+        apply_patches(COMPILE_DISABLED, log=START_LOG.append)
+
+
 def main(argv: list[str] | None = None) -> int:
     from .runtime import is_rank_0, one_line_for_missing_packages
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    _before_megatron(argv)
     with one_line_for_missing_packages():  # what the command imports: Megatron's training stack
         from .errors import CrashLoop, TrainingFault, UnhealthyNode, UsageError
         from .training import ledger

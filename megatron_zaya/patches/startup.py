@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from pathlib import Path
 
 from .registry import register, replace_attr
@@ -80,3 +81,34 @@ def arguments_to_file() -> None:
         return None
 
     replace_attr(arguments, "_print_args", _print_args)
+
+
+COMPILE_DISABLED = "startup.compile_disabled"
+
+
+def _compile_enabled() -> str | None:
+    if os.environ.get("TORCH_COMPILE_DISABLE") != "1":
+        return "TORCH_COMPILE_DISABLE is not 1: torch.compile compiles"
+    return None
+
+
+def _uncompiled(model=None, **options):
+    """``torch.compile`` disabled: the model itself (as a decorator, a function that returns it)."""
+    return (lambda function: function) if model is None else model
+
+
+@register(COMPILE_DISABLED, target="torch.compile", requires=_compile_enabled)
+def compile_disabled() -> None:
+    """With ``TORCH_COMPILE_DISABLE=1``, ``torch.compile`` returns what it is given without importing dynamo.
+
+    Disabled, ``torch.compile`` compiles nothing (dynamo's disabled ``optimize`` hands the function back), but it
+    imports ``torch._dynamo`` and inductor first, and Megatron applies it at import to its fusion functions
+    (``megatron.core.jit.jit_fuser``): 1.5 s of CPU per process with torch 2.14, for nothing. The replacement
+    returns the model, as the disabled ``torch.compile`` does. zaya-pretrain applies it first, before it imports
+    Megatron (``pretrain.main``), so it is selected by ``ZAYA_PATCHES`` or a ``--zaya-patches`` value as given,
+    before Megatron's parser exists. Off: leave ``startup.compile_disabled`` out of them, or unset
+    ``TORCH_COMPILE_DISABLE``.
+    """
+    import torch
+
+    replace_attr(torch, "compile", _uncompiled)

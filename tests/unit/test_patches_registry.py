@@ -1,11 +1,14 @@
 """The patch-hook registry (selection, idempotence, kernel-patch errors), the ``zaya-patches`` CLI and the
-``startup.compile_helpers`` patch.
+``startup.compile_helpers`` and ``startup.compile_disabled`` patches.
 
 The registry tests use throwaway patches of a ``zztest`` group that count their calls; they are removed
 from the registry afterwards.
 """
 
 import importlib
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -247,3 +250,24 @@ def test_training_starts_with_set_up_objects_frozen(monkeypatch):
         gc.unfreeze()
         gc.enable()
     assert seen == {"freed": True, "kept walked": False}
+
+
+# --- startup.compile_disabled --------------------------------------------------------------------
+
+_IMPORT_MEGATRON = ("import sys; from megatron_zaya.pretrain import _before_megatron; _before_megatron(sys.argv[1:]); "
+                    "import torch; from megatron.core.fusions import fused_bias_geglu; "
+                    "print('torch._dynamo' in sys.modules, torch.compile.__module__, "
+                    "hasattr(fused_bias_geglu.geglu, '_torchdynamo_orig_callable'))")
+
+
+@pytest.mark.parametrize("patches, imports_dynamo", [([], False), (["--zaya-patches", "cpu"], True)],
+                         ids=["selected", "left-out"])
+def test_disabled_compile_is_applied_before_megatron_is_imported(patches, imports_dynamo):
+    """Under ``TORCH_COMPILE_DISABLE=1`` zaya-pretrain's start replaces ``torch.compile`` before Megatron is imported:
+    Megatron's fusions are their plain functions and ``torch._dynamo`` is never imported; a ``--zaya-patches``
+    selection without the patch keeps torch's (which imports dynamo to return a wrapper)."""
+    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1"}
+    run = subprocess.run([sys.executable, "-c", _IMPORT_MEGATRON, *patches], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    expected = f"{imports_dynamo} {'torch' if imports_dynamo else 'megatron_zaya.patches.startup'} {imports_dynamo}"
+    assert run.stdout.strip().splitlines()[-1] == expected, run.stdout
