@@ -21,17 +21,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from shared import once  # noqa: E402
 from zaya_cli import KILLED_RUN, MUON_RUN, loss_csv, pretrain  # noqa: E402
 
-LONG = ("functional", "distributed")  # the directories of CLI runs and gloo ranks: seconds to a minute per test
-
-
-def pytest_collection_modifyitems(items):
-    """The long tests first in each half of the collection. ``make test``'s work stealing hands each of its two
-    workers one half and lets an idle one steal from the end of the other's: so what is left to steal at the end
-    is short unit tests, and no long CLI test runs alone on one core while the other idles."""
-    long = [item for item in items if Path(str(item.path)).parent.name in LONG]
-    short = [item for item in items if Path(str(item.path)).parent.name not in LONG]
-    items[:] = long[0::2] + short[0::2] + long[1::2] + short[1::2]
-
 
 @pytest.fixture
 def uninterrupted(tmp_path_factory) -> dict[int, float]:
