@@ -38,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import added_to_main_grad, main_grad_targets, persistent_programs, platform, triton_runs
+from .utils import (added_to_main_grad, column_sums, main_grad_targets, persistent_programs, platform, store_sum,
+                    triton_runs)
 
 
 def _split_history(history, q_width: int):
@@ -211,31 +212,11 @@ def _qk_epilogue_backward_kernel(
 
 
 @triton.jit
-def _column_sums(partials_ptr, rows, row_length, cols, BLOCK_R: tl.constexpr):
-    """Sums over ``rows`` rows of fp32 partials [rows, row_length] at columns ``cols``, in a fixed order (the
-    same bits on every run); columns past a row's end sum to 0."""
-    total = tl.zeros(cols.shape, tl.float32)
-    for first in range(0, rows, BLOCK_R):
-        row = tl.cast(first + tl.arange(0, BLOCK_R), tl.int64)
-        mask = (row < rows)[:, None] & (cols < row_length)[None, :]
-        total += tl.sum(tl.load(partials_ptr + row[:, None] * row_length + cols[None, :], mask=mask, other=0.0), 0)
-    return total
-
-
-@triton.jit
-def _store_sum(out_ptrs, total, mask, ACCUMULATE: tl.constexpr):
-    """out (+)= total, cast on store: a parameter's gradient, or added into its main_grad."""
-    if ACCUMULATE:
-        total += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _sum_rows_kernel(partials_ptr, out_ptr, rows, n_cols, ACCUMULATE: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_C: tl.constexpr):  # fmt: skip
     """out (+)= the sum over rows of fp32 partials [rows, n_cols]: the key temperature's gradient."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    _store_sum(out_ptr + cols, _column_sums(partials_ptr, rows, n_cols, cols, BLOCK_R), cols < n_cols, ACCUMULATE)
+    store_sum(out_ptr + cols, column_sums(partials_ptr, rows, n_cols, cols, BLOCK_R), cols < n_cols, ACCUMULATE)
 
 
 # ------------------------------------------------------------------------------ convolution kernels
@@ -481,11 +462,11 @@ def _conv_param_grads_kernel(
     if program < heads:
         cols = program * HEAD_DIM + tl.arange(0, HEAD_DIM)
         row_length = (1 + T0) * channels
-        grad_b2 = _column_sums(partial_ptr, blocks, row_length, cols, BLOCK_R)
-        _store_sum(b2_out_ptr + cols, grad_b2, cols < channels, ACCUMULATE)
+        grad_b2 = column_sums(partial_ptr, blocks, row_length, cols, BLOCK_R)
+        store_sum(b2_out_ptr + cols, grad_b2, cols < channels, ACCUMULATE)
         for j in tl.static_range(T0):
-            grad_w1 = _column_sums(partial_ptr, blocks, row_length, (1 + j) * channels + cols, BLOCK_R)
-            _store_sum(w1_out_ptr + cols * T0 + j, grad_w1, cols < channels, ACCUMULATE)
+            grad_w1 = column_sums(partial_ptr, blocks, row_length, (1 + j) * channels + cols, BLOCK_R)
+            store_sum(w1_out_ptr + cols * T0 + j, grad_w1, cols < channels, ACCUMULATE)
         # The depthwise bias reaches every output through every grouped tap (inside a document or as the padding's
         # value), so its gradient is d b2 through the summed grouped taps: d b1[i] = sum_o,t w2[o, i, t] d b2[o].
         for first in range(0, HEAD_DIM, BLOCK_I):
@@ -494,12 +475,12 @@ def _conv_param_grads_kernel(
             for tap in tl.static_range(T1):
                 w = tl.load(w2_ptr + cols[:, None] * (HEAD_DIM * T1) + inputs[None, :] * T1 + tap)  # [out, in]
                 grad_b1 += tl.sum(w.to(tl.float32) * grad_b2[:, None], axis=0)
-            _store_sum(b1_out_ptr + program * HEAD_DIM + inputs, grad_b1, inputs < HEAD_DIM, ACCUMULATE)
+            store_sum(b1_out_ptr + program * HEAD_DIM + inputs, grad_b1, inputs < HEAD_DIM, ACCUMULATE)
     else:
         size = channels * HEAD_DIM * T1
         flat = (program - heads) * BLOCK_W + tl.arange(0, BLOCK_W)  # of d w2 [C, D, T1]
-        grad_w2 = _column_sums(partial_w_ptr, splits, size, flat, BLOCK_R)
-        _store_sum(w2_out_ptr + flat, grad_w2, flat < size, ACCUMULATE)
+        grad_w2 = column_sums(partial_w_ptr, splits, size, flat, BLOCK_R)
+        store_sum(w2_out_ptr + flat, grad_w2, flat < size, ACCUMULATE)
 
 
 @triton.jit

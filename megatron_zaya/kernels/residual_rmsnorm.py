@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import (added_to_main_grad, flat_rows, main_grad_targets, persistent_programs, platform, row_block,
-                    triton_runs)
+from .utils import (added_to_main_grad, column_sums, flat_rows, main_grad_targets, persistent_programs, platform,
+                    row_block, store_sum, triton_runs)
 
 MAX_HIDDEN = 16384  # one row lives in registers
 MAX_TILE = 8192  # elements per tensor of one backward iteration (rows x BLOCK) held in registers
@@ -193,30 +193,18 @@ def _norm_sum_partials_kernel(
     vector = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < n_cols
-    base = partials_ptr + tl.cast(vector + FIRST, tl.int64) * programs * n_cols
-    total = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for first in range(0, programs, BLOCK_P):
-        rows = first + tl.arange(0, BLOCK_P)
-        mask = (rows < programs)[:, None] & col_mask[None, :]
-        block = tl.load(base + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
-        total += tl.sum(block, axis=0)
+    total = column_sums(partials_ptr + tl.cast(vector + FIRST, tl.int64) * programs * n_cols, programs, n_cols, cols,
+                        BLOCK_P)
     if vector == 0:
-        _store_sum(out0_ptr + cols, total, col_mask, ACCUMULATE)
+        store_sum(out0_ptr + cols, total, col_mask, ACCUMULATE)
     elif vector == 1:
-        _store_sum(out1_ptr + cols, total, col_mask, ACCUMULATE)
+        store_sum(out1_ptr + cols, total, col_mask, ACCUMULATE)
     elif vector == 2:
-        _store_sum(out2_ptr + cols, total, col_mask, ACCUMULATE)
+        store_sum(out2_ptr + cols, total, col_mask, ACCUMULATE)
     elif vector == 3:
-        _store_sum(out3_ptr + cols, total, col_mask, ACCUMULATE)
+        store_sum(out3_ptr + cols, total, col_mask, ACCUMULATE)
     else:
-        _store_sum(out4_ptr + cols, total, col_mask, ACCUMULATE)
-
-
-@triton.jit
-def _store_sum(out_ptrs, total, mask, ACCUMULATE: tl.constexpr):
-    if ACCUMULATE:
-        total += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
+        store_sum(out4_ptr + cols, total, col_mask, ACCUMULATE)
 
 
 # ----------------------------------------------------------------------------------------- autograd

@@ -13,6 +13,7 @@ import warnings
 
 import torch
 import triton
+import triton.language as tl
 from triton.runtime import JITFunction
 
 
@@ -131,3 +132,23 @@ def matmul_fp32_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumu
         out += matmul_fp32(a, b)
     else:
         out.copy_(matmul_fp32(a, b))
+
+
+@triton.jit
+def column_sums(partials_ptr, rows, row_length, cols, BLOCK_R: tl.constexpr):
+    """Sums over ``rows`` rows of fp32 partials [rows, row_length] at columns ``cols``, in a fixed order (the
+    same bits on every run, no atomics); columns past a row's end sum to 0."""
+    total = tl.zeros(cols.shape, tl.float32)
+    for first in range(0, rows, BLOCK_R):
+        row = tl.cast(first + tl.arange(0, BLOCK_R), tl.int64)
+        mask = (row < rows)[:, None] & (cols < row_length)[None, :]
+        total += tl.sum(tl.load(partials_ptr + row[:, None] * row_length + cols[None, :], mask=mask, other=0.0), 0)
+    return total
+
+
+@triton.jit
+def store_sum(out_ptrs, total, mask, ACCUMULATE: tl.constexpr):
+    """out (+)= total, cast on store: a parameter's gradient, or added into its fp32 main_grad."""
+    if ACCUMULATE:
+        total += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
