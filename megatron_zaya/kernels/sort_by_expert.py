@@ -36,9 +36,8 @@ def _token_classes(map_ptr, rows, n_tokens, stride_t, stride_e, first, n_experts
 
 
 @triton.jit
-def _one_hot_classes(map_ptr, rows, n_tokens, stride_t, stride_e, first, n_experts, cols):
-    """[BLOCK, CLASSES] int32: 1 at each token's class (its expert among the E, else E); 0 for rows past the end."""
-    expert = _token_classes(map_ptr, rows, n_tokens, stride_t, stride_e, first, n_experts, cols)
+def _one_hot(expert, rows, n_tokens, cols):
+    """[BLOCK, CLASSES] int32: 1 at each token's class (:func:`_token_classes`); 0 for rows past the end."""
     return ((expert[:, None] == cols[None, :]) & (rows < n_tokens)[:, None]).to(tl.int32)
 
 
@@ -50,19 +49,20 @@ def _sort_by_expert_kernel(map_ptr, order_ptr, inverse_ptr, counts_ptr, gates_pt
     totals = tl.zeros([CLASSES], dtype=tl.int32)
     for start in range(0, n_tokens, BLOCK):
         rows = start + tl.arange(0, BLOCK)
-        totals += tl.sum(_one_hot_classes(map_ptr, rows, n_tokens, stride_t, stride_e, first, n_experts, cols), 0)
+        expert = _token_classes(map_ptr, rows, n_tokens, stride_t, stride_e, first, n_experts, cols)
+        totals += tl.sum(_one_hot(expert, rows, n_tokens, cols), 0)
     tl.store(counts_ptr + cols, totals.to(tl.int64), mask=cols < n_experts)
     running = tl.cumsum(totals, 0) - totals  # where each class starts
     for start in range(0, n_tokens, BLOCK):
         rows = start + tl.arange(0, BLOCK)
-        one_hot = _one_hot_classes(map_ptr, rows, n_tokens, stride_t, stride_e, first, n_experts, cols)
+        expert = _token_classes(map_ptr, rows, n_tokens, stride_t, stride_e, first, n_experts, cols)
+        one_hot = _one_hot(expert, rows, n_tokens, cols)
         rank = tl.cumsum(one_hot, 0) - one_hot  # earlier tokens of the same class in this block
         position = tl.sum((rank + running[None, :]) * one_hot, axis=1)
         in_range = rows < n_tokens
         tl.store(order_ptr + position, rows.to(tl.int64), mask=in_range)
         tl.store(inverse_ptr + rows, position.to(tl.int64), mask=in_range)
         if HAS_GATES:
-            expert = _token_classes(map_ptr, rows, n_tokens, stride_t, stride_e, first, n_experts, cols)
             gate = tl.load(gates_ptr + rows * gate_stride_t + (first + expert) * gate_stride_e,
                            mask=in_range & (expert < n_experts), other=0.0)
             tl.store(sorted_gates_ptr + position, gate, mask=in_range)
