@@ -51,6 +51,7 @@ from ..runtime import say_once
 from . import documents
 from .context_parallel import PrecedingRows, preceding_rows
 from .core_attention import SDPAttention
+from .module_hooks import call_module_hooks
 from .norm import residual_dtype
 from .recompute import Recompute, drop_until_gradient, recomputes
 
@@ -262,8 +263,7 @@ class CompressedConvAttention(MegatronModule):
 
     def _one_op_qkv(self, residual, input_norm, rotary_pos_emb, offsets):
         """As :meth:`_qkv`, from the residual stream by the ``cca_sublayer`` op, its recomputation inside."""
-        for module in (input_norm, self.linear_q, self.linear_k, self.linear_v, self.conv, self.qk_norm):
-            call_module_hooks(module)
+        call_module_hooks(input_norm, self.linear_q, self.linear_k, self.linear_v, self.conv, self.qk_norm)
         recompute_qk = recomputes(self.config, "cca_qk", self.training)
         cp_group = self.pg_collection.cp
         halos = None if cp_group is None or cp_group.size() == 1 else partial(PrecedingRows, cp_group=cp_group)
@@ -274,14 +274,3 @@ class CompressedConvAttention(MegatronModule):
         if not recompute_qk:
             return q, k, v, None
         return q, k, v, partial(drop_until_gradient, [q, k], recompute=partial(run.qk_again, (q, k)))
-
-
-def call_module_hooks(module: torch.nn.Module) -> None:
-    """Call ``module`` for its hooks, without its forward: the sublayer ops read the weights of modules that keep
-    their spec slots and checkpoint names but not their forward, and Megatron's DDP waits for
-    ``--overlap-param-gather``'s all-gather of a module's weights in its forward pre-hook."""
-    module.forward = lambda: None  # an instance attribute: hides the class's forward for this call
-    try:
-        module()
-    finally:
-        del module.forward

@@ -14,6 +14,7 @@ import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from ..ops import experts
+from .module_hooks import call_module_hooks
 
 
 class ZayaExperts(SequentialMLP):
@@ -32,7 +33,9 @@ class ZayaExperts(SequentialMLP):
         self.grouped = experts.choose(self.config, self.tp_group.size(), self.backends)  # None: the loop
 
     def weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The local experts' fc1 ``[2F, D]`` and fc2 ``[D, F]`` weights, for the grouped GEMMs to read in place."""
+        """The local experts' fc1 ``[2F, D]`` and fc2 ``[D, F]`` weights, for the grouped GEMMs to read in place; their
+        modules called for their hooks first."""
+        call_module_hooks(*(fc for expert in self.local_experts for fc in (expert.linear_fc1, expert.linear_fc2)))
         return ([expert.linear_fc1.weight for expert in self.local_experts],
                 [expert.linear_fc2.weight for expert in self.local_experts])
 

@@ -33,7 +33,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 from ..ops import experts as experts_ops
 from ..ops import moe as moe_ops
 from ..runtime import say_once
-from .cca import call_module_hooks
+from .module_hooks import call_module_hooks
 from .norm import ResidualScaling, RMSNorm
 from .recompute import recomputes
 
@@ -123,8 +123,7 @@ class ZayaMoELayer(MoELayer):
         the output into the stream (``merge``, the layer's ``self_attn_bda``) and normalises it (``norm``, its
         ``pre_mlp_layernorm``) first -> (output, the new stream, the next router state). Where
         :meth:`takes_the_stream`."""
-        for module in (merge, norm):
-            call_module_hooks(module)
+        call_module_hooks(merge, norm)
         output, next_state, _, new_residual = self._one_op_forward(
             attention_output, router_state, _merge_and_norm(residual, merge, norm), norm.eps)
         return output, new_residual, next_state
@@ -154,6 +153,7 @@ class ZayaMoELayer(MoELayer):
         recompute = next((name for name in ("moe", "router") if recomputes(cfg, name, self.training)), None)
         settings = moe_ops.Settings(cfg.layernorm_epsilon, self.num_local_experts, self.experts.backends, recompute,
                                     norm_eps, recomputes(cfg, "layernorm", self.training))
+        call_module_hooks(self.router)  # its norm and EDA weights; weights() calls the rest
         output, next_state, skip_gate, _, new_residual = moe_ops.moe_sublayer(
             hidden_states, router_state, self.router.weights(), *self.experts.weights(), self.router.balancing_biases,
             settings, merge, self.router.tokens_per_class if self.router.counting() else None)

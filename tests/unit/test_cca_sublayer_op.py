@@ -69,22 +69,6 @@ def test_cca_sublayer_op_equals_the_kernels_op_by_op(recompute, packed, one_op_c
     assert ready == ({"ready": calls * len(cca_sublayer_ops.CCAWeights._fields)} if packed else {}), ready
 
 
-def test_the_op_calls_the_module_of_every_parameter(one_op_calls):
-    """As test_every_parameter_trains.py checks without the op: Megatron's DDP waits for ``--overlap-param-gather``'s
-    all-gather of a module's weights in the module's forward pre-hook, which the op runs for the modules it reads."""
-    model = build_single_process_model(zaya_config("test", kernels=PER_KERNEL + ",cca_sublayer",
-                                                   use_cpu_initialization=True, params_dtype=torch.float32))
-    called = set()
-    for module in model.modules():
-        module.register_forward_pre_hook(lambda module, args: called.add(module))
-    ids = torch.randint(0, 512, TOKENS, generator=torch.Generator().manual_seed(0))
-    model(ids, labels=ids)
-    assert one_op_calls["forward"] == len(model.decoder.layers)
-    unwaited = [f"{name}.{param_name}" for name, module in model.named_modules() if module not in called
-                for param_name, _ in module.named_parameters(recurse=False)]
-    assert not unwaited, unwaited
-
-
 def test_cca_sublayer_op_needs_its_pieces_named():
     with pytest.raises(ZayaConfigError, match="--zaya-kernels cca,cca_sublayer,residual"):
         zaya_config("test", kernels="cca,cca_sublayer")
