@@ -7,7 +7,9 @@ The entry runs as ``__main__`` (as ``python -m megatron_zaya.pretrain`` / ``pyth
 script finds the repository root, not its own folder, on ``sys.path``: ``--spec benchmarks.gqa_sdpa ...``). The probes
 are torch's global module hooks, so nothing of the library, Megatron or torch is replaced:
 
-* ``DIR/memory.json`` (``memory.rank<r>.json`` on ranks other than 0): peak device memory (``torch.cuda.max_memory_allocated`` / ``_reserved``) at exit;
+* ``DIR/memory.json`` (``memory.rank<r>.json`` on ranks other than 0): peak device memory
+  (``torch.cuda.max_memory_allocated`` / ``_reserved``) at exit, and the caching allocator's retries, device
+  allocations and frees over the run;
 * ``DIR/routing.json``: tokens the ZAYA1 routers sent to an expert / all tokens (the skip class costs nothing);
 * ``DIR/gc.json``: Python's garbage collections from the first model forward on (``gc.callbacks``): count and
   seconds per generation, and the longest pause;
@@ -164,8 +166,14 @@ class Probe:
     def write(self):
         memory = {}
         if torch.cuda.is_available():
+            stats = torch.cuda.memory_stats()
             memory = {"peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-                      "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+                      "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+                      # a retry frees the allocator's cached blocks after a failed device allocation: it waits for
+                      # the device, a stall of an eager step that graphs (a private pool) do not have
+                      "alloc_retries": stats.get("num_alloc_retries", 0),
+                      "device_allocs": stats.get("num_device_alloc", 0),
+                      "device_frees": stats.get("num_device_free", 0)}
         (self.out / f"memory{self.suffix}.json").write_text(json.dumps(memory))
         (self.out / f"gc{self.suffix}.json").write_text(json.dumps(
             {**self.collections, "longest_ms": 1e3 * self.longest_collection}))

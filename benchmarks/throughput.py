@@ -555,6 +555,11 @@ def real_depth_markdown(results: dict, args) -> list[str]:
         lines.append(f"| {labels[part]} | {chosen} | {r['ms_per_iteration']:,.0f} ± {r['ms_stdev']:,.0f} | "
                      f"{r['tokens_per_s_per_gpu']:,.0f} | {100 * r['mfu']:.1f}% | {100 * r['mfu_datasheet']:.1f}% | "
                      f"{'–' if memory is None else f'{memory:.1f}'} / {r['plan'].get('peak_gib', float('nan')):.1f} |")
+    retries = {labels[p]: results[p]["memory"]["alloc_retries"] for p in ran
+               if "alloc_retries" in results[p].get("memory", {})}
+    if retries:
+        lines += ["", "The caching allocator's retries over the run (each frees its cached blocks and waits for the "
+                  "device): " + ", ".join(f"{label} {count}" for label, count in retries.items()) + "."]
     done = [p for p in ran if "breakdown_ms" in results[p]]
     if len(done) == 2:
         eager, graphs = (results[p]["tokens_per_s_per_gpu"] for p in REAL_DEPTH)
