@@ -17,6 +17,11 @@ def interpret_and_count(monkeypatch, model_kernels, function: type[torch.autogra
     """While the test runs, the model's ops run their kernels interpreted (``model_kernels``); counts the forwards
     and backwards of ``function``, a sublayer op."""
     install_model_kernels(monkeypatch, model_kernels, lambda module, kernel: contextlib.nullcontext())
+    return count_calls(monkeypatch, function)
+
+
+def count_calls(monkeypatch, function: type[torch.autograd.Function]) -> Counter:
+    """While the test runs, counts the forwards and backwards of ``function``, a sublayer op."""
     calls = Counter()
     for name in ("forward", "backward"):
         original = getattr(function, name)

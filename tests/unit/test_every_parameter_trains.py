@@ -5,9 +5,12 @@ import contextlib
 
 import pytest
 import torch
+from op_by_op import count_calls
 from triton_interpreter import install_model_kernels
 
 from megatron_zaya.config import zaya_config
+from megatron_zaya.ops import cca_sublayer as cca_sublayer_ops
+from megatron_zaya.ops import moe as moe_ops
 from megatron_zaya.pretrained import build_single_process_model
 
 
@@ -34,6 +37,7 @@ def test_the_forward_calls_the_module_of_every_parameter(kernels, model_kernels,
     launched = set()
     install_model_kernels(monkeypatch, model_kernels,
                           lambda module, kernel: launched.add(kernel) or contextlib.nullcontext())
+    one_op_calls = [count_calls(monkeypatch, op) for op in (cca_sublayer_ops.CCASublayer, moe_ops.MoESublayer)]
     config = zaya_config("test", use_cpu_initialization=True, params_dtype=torch.float32, kernels=kernels)
     model = build_single_process_model(config)
     called = set()
@@ -42,6 +46,8 @@ def test_the_forward_calls_the_module_of_every_parameter(kernels, model_kernels,
     tokens = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
     model(tokens[:, :-1], labels=tokens[:, 1:])
     assert bool(launched) == (kernels != "none"), launched
+    ops_ran = len(model.decoder.layers) if kernels.endswith("cca_sublayer") else 0
+    assert [calls["forward"] for calls in one_op_calls] == [ops_ran, ops_ran]
     unwaited = [f"{name}.{param_name}" for name, module in model.named_modules() if module not in called
                 for param_name, _ in module.named_parameters(recurse=False)]
     assert not unwaited, unwaited
