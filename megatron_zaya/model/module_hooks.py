@@ -1,8 +1,9 @@
 """The hooks of modules whose weights a fused op reads without calling them.
 
-The sublayer ops and the grouped experts read the weights of modules that keep their spec slots and checkpoint
-names but not their forward. Megatron's DDP waits for ``--overlap-param-gather``'s all-gather of a module's weights
-in its forward pre-hook, which runs only when the module is called: each such module is called here first.
+The sublayer ops, the grouped experts and the router read the weights of modules that keep their spec slots and
+checkpoint names but not their forward. Megatron's DDP waits for ``--overlap-param-gather``'s all-gather of a
+module's weights in its forward pre-hook, which runs only when the module is called: each such module is called
+here first.
 """
 
 from __future__ import annotations

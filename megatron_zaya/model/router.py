@@ -27,21 +27,18 @@ from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
 from ..ops import router as router_ops
+from .module_hooks import call_module_hooks
 from .recompute import Recompute, recomputes
 
 
 class LinearWeights(nn.Module):
     """An ``nn.Linear``'s ``weight`` [out, in] and ``bias``, initialised as it initialises them, for a fused op to
-    read. Calling it returns itself: hooks on a module run only when it is called, and Megatron's DDP waits for
-    ``--overlap-param-gather``'s all-gather in one."""
+    read: no forward of its own; :meth:`ZayaRouter.weights` runs its hooks (``module_hooks``)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
         linear = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
         self.weight, self.bias = linear.weight, linear.bias
-
-    def forward(self) -> LinearWeights:
-        return self
 
 
 class ZayaRouter(MegatronModule):
@@ -115,8 +112,9 @@ class ZayaRouter(MegatronModule):
             self.tokens_per_class += counts
 
     def weights(self) -> router_ops.RouterWeights:
-        """The router's parameters, each ``LinearWeights`` called (see there)."""
-        down, fc1, fc2, out = self.down_proj(), self.fc1(), self.fc2(), self.out_proj()
+        """The router's parameters, the hooks of each ``LinearWeights`` run first (``module_hooks``)."""
+        down, fc1, fc2, out = self.down_proj, self.fc1, self.fc2, self.out_proj
+        call_module_hooks(down, fc1, fc2, out)
         return router_ops.RouterWeights(down.weight, down.bias, self.eda_scale, self.norm_weight, fc1.weight, fc1.bias,
                                         fc2.weight, fc2.bias, out.weight)
 
