@@ -1,11 +1,10 @@
-"""The node self-test: a healthy CPU passes within a second, and the ECC counters of nvidia-smi and amd-smi are read
+"""The node self-test: a healthy CPU passes, and the ECC counters of nvidia-smi and amd-smi are read
 from the tools' real output formats (fake tools on PATH print them). A failing node through the CLI:
 tests/functional/test_watchdog_cli.py."""
 
 from __future__ import annotations
 
 import json
-import time
 
 import torch
 
@@ -18,10 +17,8 @@ def _tool(directory, name, output):
     path.chmod(0o755)
 
 
-def test_a_healthy_cpu_passes_in_a_second():
-    start = time.monotonic()
+def test_a_healthy_cpu_passes():
     assert health.self_test(torch.device("cpu"), check_ecc=False) == []
-    assert time.monotonic() - start < 1.0
 
 
 def test_a_wrong_gemm_is_named(monkeypatch):

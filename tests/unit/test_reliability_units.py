@@ -131,7 +131,7 @@ def test_sigterm_deadline_exits_when_the_save_does_not_finish(tmp_path, capsys, 
     finally:
         for sig, handler in originals.items():
             signal.signal(sig, handler)
-    assert exits == [3] and 0.3 <= elapsed < 2.0, (exits, elapsed)
+    assert exits == [3] and 0.3 <= elapsed < 5.0, (exits, elapsed)  # at the deadline, not never
     assert f"{tmp_path}/iter_0000012 (iteration 12)" in capsys.readouterr().err
 
 
