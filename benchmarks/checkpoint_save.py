@@ -168,14 +168,18 @@ def restore(args) -> None:
         with log.open("w") as out:
             started, first_step = time.time(), None
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-            while proc.poll() is None:
-                steps = iterations(log.read_text())
-                first_step = first_step or (time.time() - started if steps else None)
-                if (max(steps, default=0) >= last) if log is logs[0] else len(steps) >= 2:
-                    break
-                time.sleep(0.05)
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            try:
+                while proc.poll() is None:
+                    steps = iterations(log.read_text())
+                    first_step = first_step or (time.time() - started if steps else None)
+                    if (max(steps, default=0) >= last) if log is logs[0] else len(steps) >= 2:
+                        break
+                    time.sleep(0.05)
+            finally:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        print(f"{log.name}: steps {sorted(iterations(log.read_text()))} in {time.time() - started:.1f} s, the first "
+              f"{first_step or float('nan'):.1f} s after launch", flush=True)  # (a call's time limit may end the rest)
     killed, resumed, text = iterations(logs[0].read_text()), iterations(logs[1].read_text()), logs[1].read_text()
     calls = [float(high) / 1000 for _, high in CALL.findall(logs[0].read_text())]
     load = [float(high) / 1000 for _, high in LOAD.findall(text)]
@@ -293,8 +297,13 @@ def run(mode: str, args) -> dict:
                                 env={k: v for k, v in os.environ.items() if k != "WORLD_SIZE"})
         watcher = threading.Thread(target=_watch_device_memory, args=(proc.pid, peak, stop), daemon=True)
         watcher.start()
-        code = proc.wait()
-        stop.set()
+        try:
+            code = proc.wait()
+        finally:
+            stop.set()
+            if proc.poll() is None:  # this benchmark stopped (SIGTERM, Ctrl-C): the run and its helpers too
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     text = log.read_text()
     if code:
         sys.stderr.write(text[-5000:])
@@ -347,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="part_restore: restores per package")
     parser.add_argument("--baseline", help="part_restore: a directory holding another version's megatron_zaya")
     args = parser.parse_args(argv)
+    # SIGTERM (a time limit's) unwinds like Ctrl-C, so that the runs, each in a session of its own, end with it
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.smoke:
         args.seq, args.iters, args.interval = 64, 8, 2
     count = parameters(args)
