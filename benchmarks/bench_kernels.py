@@ -31,7 +31,11 @@ from types import SimpleNamespace
 
 import torch
 
-from megatron_zaya import ops
+from megatron_zaya.ops import cca as cca_ops
+from megatron_zaya.ops import experts as expert_ops
+from megatron_zaya.ops import lm_head as lm_head_ops
+from megatron_zaya.ops import residual_norm
+from megatron_zaya.ops import router as router_ops
 from megatron_zaya.kernels import cca, cross_entropy, grouped_gemm, residual_rmsnorm, router, swiglu
 
 from .timing import gpu_or_smoke
@@ -51,13 +55,15 @@ class Shapes:
     n_q: int = 8
     n_kv: int = 2
     ce_tokens: int = 8192  # tokens for the cross-entropy cases
+    router: int = 256  # the router MLP's width R
 
     @property
     def tokens(self) -> int:
         return self.seq * self.batch
 
 
-SMOKE = Shapes(seq=32, batch=2, hidden=64, ffn=32, vocab=1000, experts=4, head_dim=16, n_q=4, n_kv=2, ce_tokens=64)
+SMOKE = Shapes(seq=32, batch=2, hidden=64, ffn=32, vocab=1000, experts=4, head_dim=16, n_q=4, n_kv=2, ce_tokens=64,
+               router=32)
 
 
 @dataclasses.dataclass
@@ -76,7 +82,7 @@ def cases(s: Shapes, device: str) -> list[Case]:
     def randn(*shape, dtype=BF16, scale=1.0):
         return (scale * torch.randn(*shape, device=device)).to(dtype).requires_grad_()
 
-    t, d, f, v, e = s.tokens, s.hidden, s.ffn, s.vocab, s.experts
+    t, d, f, v, e, r = s.tokens, s.hidden, s.ffn, s.vocab, s.experts, s.router
     q_ch, k_ch, rot = s.n_q * s.head_dim, s.n_kv * s.head_dim, s.head_dim // 2
     angles = torch.outer(torch.arange(s.seq, device=device, dtype=FP32),
                          1e4 ** (-torch.arange(0, rot, 2, device=device) / rot))  # fmt: skip
@@ -89,30 +95,35 @@ def cases(s: Shapes, device: str) -> list[Case]:
 
     lm_head_flops = (2 * s.ce_tokens * v * d, 4 * s.ce_tokens * v * d)
     return [
-        Case("rmsnorm", residual_rmsnorm.rms_norm, ops.residual_norm.rms_norm,
+        Case("rmsnorm", residual_rmsnorm.rms_norm, residual_norm.rms_norm,
              lambda: ([randn(t, d), randn(d)], (1e-5,)), bytes=(4 * t * d, 6 * t * d)),
-        Case("residual_rmsnorm", residual_rmsnorm.residual_rms_norm, ops.residual_norm.residual_rms_norm,
+        Case("residual_rmsnorm", residual_rmsnorm.residual_rms_norm, residual_norm.residual_rms_norm,
              lambda: ([randn(t, d), randn(t, d, dtype=FP32), *(randn(d) for _ in range(5))], (1e-5,)),
              bytes=(12 * t * d, 18 * t * d)),
-        Case("residual_norm", residual_rmsnorm.residual_norm, ops.residual_norm.residual_norm,
+        Case("residual_norm", residual_rmsnorm.residual_norm, residual_norm.residual_norm,
              lambda: ([randn(t, d, dtype=FP32), randn(d)], (1e-5,)), bytes=(6 * t * d, 10 * t * d)),
-        Case("residual_merge", residual_rmsnorm.residual_merge, ops.residual_norm.residual_merge,
+        Case("residual_merge", residual_rmsnorm.residual_merge, residual_norm.residual_merge,
              lambda: ([randn(t, d), randn(t, d, dtype=FP32), *(randn(d) for _ in range(4))], ()),
              bytes=(10 * t * d, 16 * t * d)),
-        Case("swiglu", swiglu.swiglu, ops.experts.swiglu, lambda: ([randn(t, 2 * f)], ()),
+        Case("swiglu", swiglu.swiglu, expert_ops.swiglu, lambda: ([randn(t, 2 * f)], ()),
              bytes=(6 * t * f, 10 * t * f)),
-        Case("swiglu_weighted", swiglu.swiglu, ops.experts.swiglu,
+        Case("swiglu_weighted", swiglu.swiglu, expert_ops.swiglu,
              lambda: ([randn(t, 2 * f), torch.rand(t, 1, device=device, requires_grad=True)], ()),
              bytes=(6 * t * f, 10 * t * f)),
-        Case("router", router.route_top1, ops.router.route_top1,
+        Case("router", router.route_top1, router_ops.route_top1,
              lambda: ([randn(t, e + 1, dtype=FP32)], (torch.zeros(e + 1, device=device), e)),
              bytes=(4 * t * (e + 1) + 5 * t * e + 4 * t, 8 * t * (e + 1) + 4 * t * e + 4 * t)),
-        Case("cross_entropy", cross_entropy.cross_entropy, ops.lm_head.cross_entropy,
+        Case("router_head", router.route_head, router_ops.route_head,
+             lambda: ([randn(t, r, dtype=FP32), randn(t, r, dtype=FP32), randn(r), randn(r),
+                       randn(r, r, scale=r ** -0.5), randn(r), randn(r, r, scale=r ** -0.5), randn(r),
+                       randn(e + 1, r, scale=r ** -0.5)], (torch.zeros(e + 1, device=device), 1e-5, e)),
+             flops=(2 * t * (2 * r * r + r * (e + 1)), 4 * t * (2 * r * r + r * (e + 1)))),
+        Case("cross_entropy", cross_entropy.cross_entropy, lm_head_ops.cross_entropy,
              lambda: ([randn(s.ce_tokens, v, scale=3)], (labels,)), bytes=(2 * s.ce_tokens * v, 4 * s.ce_tokens * v)),
-        Case("linear_cross_entropy", cross_entropy.linear_cross_entropy, ops.lm_head.linear_cross_entropy,
+        Case("linear_cross_entropy", cross_entropy.linear_cross_entropy, lm_head_ops.linear_cross_entropy,
              lm_head_inputs, flops=lm_head_flops, uniform_grad=True),
         Case("linear_ce_recompute", functools.partial(cross_entropy.linear_cross_entropy, grad_in_forward=False),
-             ops.lm_head.linear_cross_entropy, lm_head_inputs, flops=lm_head_flops, compile=False,
+             lm_head_ops.linear_cross_entropy, lm_head_inputs, flops=lm_head_flops, compile=False,
              uniform_grad=True),
         Case("cca_qk", _cca_qk_kernel, _cca_qk_reference,
              lambda: ([randn(s.seq, s.batch, q_ch), randn(s.seq, s.batch, k_ch), randn(q_ch, 2), randn(q_ch),
@@ -120,14 +131,14 @@ def cases(s: Shapes, device: str) -> list[Case]:
                        randn(k_ch, s.head_dim, 2, scale=0.05), randn(k_ch), randn(s.n_kv)],
                       (angles[:, None],)),
              bytes=(4 * t * (q_ch + k_ch), 8 * t * (q_ch + k_ch))),
-        Case("cca_convs", cca.causal_qk_convs_fused, ops.cca.causal_convs,
+        Case("cca_convs", cca.causal_qk_convs_fused, cca_ops.causal_convs,
              lambda: ([randn(s.seq, s.batch, q_ch), randn(q_ch, 2), randn(q_ch), randn(q_ch, s.head_dim, 2, scale=0.05),
                        randn(q_ch)], (s.n_q,)),
              bytes=(4 * t * q_ch, 6 * t * q_ch)),
-        Case("grouped_gemm_fc1", grouped_gemm.grouped_gemm, ops.experts.grouped_gemm,
+        Case("grouped_gemm_fc1", grouped_gemm.grouped_gemm, expert_ops.grouped_gemm,
              lambda: ([randn(t, d), randn(e, 2 * f, d, scale=0.02)], (counts,)),
              flops=(2 * t * 2 * f * d, 4 * t * 2 * f * d), compile=False),
-        Case("grouped_gemm_fc2", grouped_gemm.grouped_gemm, ops.experts.grouped_gemm,
+        Case("grouped_gemm_fc2", grouped_gemm.grouped_gemm, expert_ops.grouped_gemm,
              lambda: ([randn(t, f), randn(e, d, f, scale=0.02)], (counts,)),
              flops=(2 * t * d * f, 4 * t * d * f), compile=False),
     ]  # fmt: skip
@@ -144,7 +155,7 @@ def _cca_qk_reference(q0, k0, wq1, bq1, wk1, bk1, wq2, bq2, wk2, bk2, temp, angl
     conv = SimpleNamespace(q_depthwise_weight=wq1.unsqueeze(1), q_depthwise_bias=bq1, q_grouped_weight=wq2,
                            q_grouped_bias=bq2, k_depthwise_weight=wk1.unsqueeze(1), k_depthwise_bias=bk1,
                            k_grouped_weight=wk2, k_grouped_bias=bk2)
-    return ops.cca.cca_qk(q0, k0, conv, temp, angles[:, :, None], head_dim=wq2.shape[1])
+    return cca_ops.cca_qk(q0, k0, conv, temp, angles[:, :, None], head_dim=wq2.shape[1])
 
 
 def _differentiable(outputs) -> list[torch.Tensor]:

@@ -1,8 +1,9 @@
-"""Tune a small kernel's per-platform launch table on this GPU: SwiGLU (``swiglu.SWIGLU_TUNING``) or the router
-epilogue (``router.ROUTER_TUNING``).
+"""Tune a small kernel's per-platform launch table on this GPU: SwiGLU (``swiglu.SWIGLU_TUNING``), the router
+epilogue (``router.ROUTER_TUNING``) or the fused router head (``router.ROUTER_HEAD_TUNING``).
 
     python -m benchmarks.tune_launch --kernel swiglu    # CUDA or ROCm GPU, about a minute each
     python -m benchmarks.tune_launch --kernel router
+    python -m benchmarks.tune_launch --kernel router_head   # a few minutes: each setting compiles
     python -m benchmarks.tune_launch --kernel router --smoke    # tiny shapes, any device: checks the script runs
 
 It times the kernel's ``bench_kernels.py`` cases (T = 4096 x ``--batch``) as CUDA-graph replays: the forward
@@ -31,6 +32,9 @@ TUNABLE = {
     "router": (router.ROUTER_TUNING, ("router",),
                settings_grid(tokens=(16, 32, 64, 128, 256), warps=(1, 2, 4, 8)),
                settings_grid(backward_tokens=(16, 32, 64, 128, 256), backward_warps=(1, 2, 4, 8))),
+    "router_head": (router.ROUTER_HEAD_TUNING, ("router_head",),
+                    settings_grid(tokens=(16, 32, 64), warps=(4, 8), chunk=(32, 64), stages=(1, 2)),
+                    settings_grid(backward_tokens=(16, 32), backward_warps=(4, 8))),
 }  # fmt: skip
 
 

@@ -215,7 +215,8 @@ def route_top1(
 #: (each stage holds a chunk of W1 and of W2 in shared memory); ``precision``: of the fp32 ``tl.dot``s.
 #: "tf32x3" on CUDA (three TF32 products, ~fp32 accuracy, on tensor cores; ``tests/gpu/test_kernels_gpu.py``
 #: holds it to the fp32 reference's error), "ieee" elsewhere (the interpreter; MI300X: not measured yet).
-#: Not tuned yet, only compiled (tests/unit/test_kernel_compile.py): on sm_90 96 KB of shared memory per program;
+#: Not tuned yet (``benchmarks/tune_launch.py --kernel router_head``), only compiled
+#: (tests/unit/test_kernel_compile.py): on sm_90 96 KB of shared memory per program;
 #: on gfx942 chunks of 16 and a 4-warp backward are what fit in 64 KB of LDS without spills at R = 256.
 ROUTER_HEAD_TUNING = {
     "cuda": {"tokens": 32, "warps": 8, "backward_tokens": 16, "backward_warps": 8, "chunk": 64, "stages": 1,
