@@ -16,12 +16,14 @@ test:
 	scripts/venv.sh
 	.venv/bin/python -m pytest -n 2 --dist worksteal --timeout 900 --durations 25 tests
 
-# The GPU suite on one GPU: workers share it (most tests wait on the host), one per 20 GiB of its memory up to six
-# (the largest kernel tests take ~12 GiB), tests that share an uninterrupted run stay on one worker (xdist groups);
-# then the tests that need the whole GPU, alone.
-GPU_WORKERS = import torch; print(min(6, max(1, torch.cuda.mem_get_info()[1] // (20 << 30) if torch.cuda.is_available() else 1)))
+# The GPU suite on one GPU: workers share it (most tests wait on the host), one per 20 GiB of its memory, up to six
+# (a worker peaks at up to ~27 GiB, rarely at once); tests that share an uninterrupted run stay on one worker
+# (xdist groups); then the tests that need the whole GPU, alone.
+GPU_WORKERS = import torch; total = torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else 0; \
+	print(min(6, max(1, total // (20 << 30))))
 
 test-gpu:
 	$(VENV)
-	$(PYTHON) -m pytest -n $$($(PYTHON) -c "$(GPU_WORKERS)") --dist loadgroup --timeout 600 --durations 15 -m "not whole_gpu" tests/gpu
+	$(PYTHON) -m pytest -n $$($(PYTHON) -c "$(GPU_WORKERS)") --dist loadgroup --timeout 600 --durations 15 \
+		-m "not whole_gpu" tests/gpu
 	$(PYTHON) -m pytest --timeout 600 --durations 5 -m whole_gpu tests/gpu
