@@ -31,12 +31,12 @@ from types import SimpleNamespace
 
 import torch
 
+from megatron_zaya.kernels import cca, cross_entropy, grouped_gemm, residual_rmsnorm, router, swiglu
 from megatron_zaya.ops import cca as cca_ops
 from megatron_zaya.ops import experts as expert_ops
 from megatron_zaya.ops import lm_head as lm_head_ops
 from megatron_zaya.ops import residual_norm
 from megatron_zaya.ops import router as router_ops
-from megatron_zaya.kernels import cca, cross_entropy, grouped_gemm, residual_rmsnorm, router, swiglu
 
 from .timing import gpu_or_smoke
 
