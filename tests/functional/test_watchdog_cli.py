@@ -153,8 +153,11 @@ def test_faults_under_torchrun_restart_from_the_newest_checkpoint_and_the_ledger
     pending = {int(pg): s["last_enqueued_collective"] for pg, s in trace["pg_status"].items()
                if s["last_completed_collective"] < s["last_enqueued_collective"]}
     waiting = [e for e in trace["entries"] if pending.get(e["pg_id"]) == e["collective_seq_id"]]
-    assert [e for e in waiting if e["process_group"][1].startswith("DATA_PARALLEL")
-            and e["profiling_name"] == "gloo:all_reduce" and not e["retired"]], waiting
+    # Megatron all-reduces the gradients per data-parallel group, the dense one's and then the experts': rank 1 can
+    # stop between the two, so the one waiting is either group's, from the gradients' sync.
+    assert [e for e in waiting if e["process_group"][1] in ("DATA_PARALLEL_GROUP_WITH_CP", "EXPERT_DATA_PARALLEL_GROUP")
+            and e["profiling_name"] == "gloo:all_reduce" and not e["retired"]
+            and "finish_grad_sync" in [frame["name"] for frame in e["frames"]]], waiting
     # Rank 1 killed leaves no line of its own: rank 0's collective fails at the next step and names the lost peer.
     assert launches[3]["cause"].startswith("crash on rank 0 (") and "remote worker" in launches[3]["cause"], launches[3]
     # The damage found at the restart: it resumes from 3, and its loss reaches back there (steps 4-7).
