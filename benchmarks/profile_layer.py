@@ -15,6 +15,8 @@ Megatron's linears accumulating theirs there directly where the CLI would, and `
 selective``'s default pieces recomputed, as the 40-layer runs of docs/benchmarks.md train; without it the
 layer's gradients accumulate in ``.grad`` and nothing is recomputed)
 
+* with ``--against-triton-launch``, the same layer with every kernel launched through ``kernel[grid](...)`` rather
+  than ``kernels.launch``'s cached launcher, timed in alternating rounds as below;
 * with ``--against KERNELS`` or ``--against-on-the-graph``, a second layer, the baseline, built in the same process
   with that kernel set, or with the sublayer ops' parameters left on autograd's graph (as without the
   ``training_loop.gradient_ready_calls`` patch): both timed in alternating rounds, their median wall times and ratio
@@ -37,6 +39,8 @@ import statistics
 from collections import defaultdict
 
 import torch
+
+from megatron_zaya.kernels import launch
 
 from .inprocess import DEVICE, GPU, setup_single_process, zaya_cfg
 from .probe import busy_ms
@@ -194,6 +198,8 @@ def main() -> None:
     parser.add_argument("--against", metavar="KERNELS", help="a baseline layer with this kernel set, same process")
     parser.add_argument("--against-on-the-graph", action="store_true",
                         help="a baseline layer whose sublayer ops leave their parameters on autograd's graph")
+    parser.add_argument("--against-triton-launch", action="store_true",
+                        help="a baseline: the same layer with every kernel launched through kernel[grid](...)")
     parser.add_argument("--rounds", type=int, default=6, help="alternating rounds of 10 steps with a baseline")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
@@ -211,6 +217,10 @@ def main() -> None:
         print(f"same process, {args.rounds} alternating rounds of 10 steps: wall {wall:.3f} ms/step against the "
               f"baseline's {baseline_wall:.3f} ({wall / baseline_wall:.3f}x; baseline: "
               f"--kernels {args.against or args.kernels}{', on the graph' if args.against_on_the_graph else ''})")
+    if args.against_triton_launch:
+        wall, baseline_wall = in_turns(step, through_triton(step), args.rounds)
+        print(f"same process, {args.rounds} alternating rounds of 10 steps: wall {wall:.3f} ms/step against "
+              f"{baseline_wall:.3f} with Triton's launch path ({wall / baseline_wall:.3f}x)")
 
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if GPU else [])
     with torch.profiler.profile(activities=activities) as prof:
@@ -239,6 +249,17 @@ def main() -> None:
         print(f"host: {sum(parts.values()):.3f} ms/step in the layer's parts and autograd nodes (wall {wall:.3f})")
         for name, ms in parts.items():
             print(f"{ms:9.3f}  {name}")
+
+
+def through_triton(step):
+    """``step`` with every kernel launched through ``kernel[grid](...)`` rather than ``kernels.launch``'s cache."""
+    def baseline():
+        launch.DIRECT = False
+        try:
+            step()
+        finally:
+            launch.DIRECT = True
+    return baseline
 
 
 def in_turns(step, baseline, rounds: int) -> tuple[float, float]:

@@ -1,6 +1,7 @@
 """Triton kernels for ZAYA1 (CUDA and ROCm), forward and backward. Triton only: each op's torch reference, the
 fallback where a kernel cannot run and the choice between them live in ``megatron_zaya/ops``, which imports
-these modules when a kernel is chosen. A kernel module imports nothing of the package but ``utils.py``.
+these modules when a kernel is chosen. A kernel module imports nothing of the package but ``utils.py`` and
+``launch.py`` (each launch through a cache of the compiled kernels, for less host time than ``kernel[grid]``).
 
 Each module's ``runs_on(*tensors)`` says whether its kernels run on the tensors (on a GPU, or interpreted
 under ``TRITON_INTERPRET=1``).

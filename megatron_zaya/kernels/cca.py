@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .utils import (added_to_main_grad, column_sums, main_grad_targets, persistent_programs, platform, store_sum,
                     triton_runs)
 
@@ -564,7 +565,7 @@ class QKEpilogue(torch.autograd.Function):
         else:
             q, k = out[0].view(q0.shape), out[1].view(k0.shape)
         eps = torch.finfo(torch.float32).eps  # the model's, whatever the input dtype
-        _qk_epilogue_forward_kernel[(seq * batch,)](
+        launch(_qk_epilogue_forward_kernel, (seq * batch,),
             q_conv, k_conv, q0, k0, temp, cos, sin, q, k, batch, *_rope_strides(cos, batch), eps,
             **_meta_params(n_q, n_kv, head_dim, rot),
         )  # fmt: skip
@@ -579,7 +580,7 @@ class QKEpilogue(torch.autograd.Function):
         n_q, n_kv, rot = q0.shape[-1] // ctx.head_dim, temp.numel(), cos.shape[-1]
         grads = [torch.empty_like(t) for t in (q_conv, k_conv, q0, k0)]
         grad_temp = torch.empty((seq * batch, n_kv), dtype=torch.float32, device=q0.device)
-        _qk_epilogue_backward_kernel[(seq * batch,)](
+        launch(_qk_epilogue_backward_kernel, (seq * batch,),
             grad_q, grad_k, q_conv, k_conv, q0, k0, temp, cos, sin, *grads, grad_temp,
             batch, *_rope_strides(cos, batch), torch.finfo(torch.float32).eps, *grad_q.stride(), *grad_k.stride(),
             **_meta_params(n_q, n_kv, ctx.head_dim, rot),
@@ -588,8 +589,8 @@ class QKEpilogue(torch.autograd.Function):
         targets = main_grad_targets([temp])
         out = torch.empty_like(temp) if targets is None else targets[0]
         block_c = triton.next_power_of_2(n_kv)
-        _sum_rows_kernel[(1,)](grad_temp, out, seq * batch, n_kv, ACCUMULATE=targets is not None,
-                               BLOCK_R=max(1, 4096 // block_c), BLOCK_C=block_c)  # fmt: skip
+        launch(_sum_rows_kernel, (1,), grad_temp, out, seq * batch, n_kv, ACCUMULATE=targets is not None,
+               BLOCK_R=max(1, 4096 // block_c), BLOCK_C=block_c)  # fmt: skip
         if targets is None:
             return *grads, out, None, None, None, None
         return *grads, *added_to_main_grad([temp]), None, None, None, None
@@ -614,7 +615,7 @@ def _delay(src: torch.Tensor, first: int, previous: torch.Tensor | None, offsets
     dst = torch.empty((seq, batch, channels), dtype=src.dtype, device=src.device)
     rows, block_c = 32, min(128, triton.next_power_of_2(channels))
     length = seq if previous is None else seq // previous.shape[0]
-    _delay_kernel[(triton.cdiv(seq * batch, rows), triton.cdiv(channels, block_c))](
+    launch(_delay_kernel, (triton.cdiv(seq * batch, rows), triton.cdiv(channels, block_c)),
         src, dst, src if offsets is None else offsets, src if previous is None else previous, length, seq, batch,
         channels, first, *src.stride(), SHIFT=shift, HAS_DOCS=offsets is not None, HAS_PREVIOUS=previous is not None,
         BLOCK_ROWS=rows, BLOCK_C=block_c)  # fmt: skip
@@ -659,7 +660,7 @@ class CausalConvs(torch.autograd.Function):
         tuning, head_dim = CONV_TUNING[platform(x.device)], w2.shape[1]
         out = torch.empty_like(x)
         grid = (chunks * triton.cdiv(seq // chunks * batch, tuning["rows"]), channels // head_dim)
-        _conv_forward_kernel[grid](
+        launch(_conv_forward_kernel, grid,
             x, x if history is None else history, x if offsets is None else offsets, w1, b1, w2, b2, out, seq // chunks,
             batch, channels, T0=w1.shape[-1], T1=w2.shape[-1], HEAD_DIM=head_dim, BLOCK_ROWS=tuning["rows"],
             HAS_HISTORY=history is not None, HAS_DOCS=offsets is not None, DOT_PRECISION=_dot_precision(x),
@@ -688,9 +689,10 @@ class CausalConvs(torch.autograd.Function):
         grad_y = torch.empty((chunks, length + t1 - 1, batch, channels), dtype=x.dtype, device=x.device)
         w2_by_tap = w2.view(heads, head_dim, head_dim, t1).permute(0, 3, 2, 1).contiguous()  # [H, T1, in, out]
         grid = (chunks * triton.cdiv((length + t1 - 1) * batch, tuning["grouped_rows"]), heads)
-        _conv_grouped_grad_kernel[grid](grad, w2_by_tap, offsets_or_x, grad_y, length, batch, channels, T1=t1,
-                                        HEAD_DIM=head_dim, BLOCK_ROWS=tuning["grouped_rows"], HAS_DOCS=has_docs,
-                                        DOT_PRECISION=precision, num_warps=tuning["grouped_warps"])  # fmt: skip
+        launch(_conv_grouped_grad_kernel, grid,
+            grad, w2_by_tap, offsets_or_x, grad_y, length, batch, channels, T1=t1, HEAD_DIM=head_dim,
+            BLOCK_ROWS=tuning["grouped_rows"], HAS_DOCS=has_docs, DOT_PRECISION=precision,
+            num_warps=tuning["grouped_warps"])  # fmt: skip
 
         grad_x = torch.empty_like(x) if other_grad_x is None else other_grad_x
         if other_grad_x is not None and (other_grad_x.shape != x.shape or other_grad_x.dtype != x.dtype
@@ -699,7 +701,7 @@ class CausalConvs(torch.autograd.Function):
         grad_history = None if history is None else torch.empty_like(history)
         blocks = chunks * triton.cdiv((length + t0 + t1 - 2) * batch, tuning["depthwise_rows"])
         partial = torch.empty((blocks, 1 + t0, channels), dtype=torch.float32, device=x.device)
-        _conv_depthwise_grad_kernel[(blocks, heads)](
+        launch(_conv_depthwise_grad_kernel, (blocks, heads),
             grad, grad_y, x, history_or_x, w1, offsets_or_x, grad_x, grad_x if history is None else grad_history,
             partial, length, batch, channels, T0=t0, T1=t1, HEAD_DIM=head_dim, BLOCK_ROWS=tuning["depthwise_rows"],
             HAS_HISTORY=history is not None, HAS_DOCS=has_docs, ADD_INTO=other_grad_x is not None,
@@ -710,7 +712,7 @@ class CausalConvs(torch.autograd.Function):
         rows_per_program = triton.cdiv(triton.cdiv(total, splits), rows) * rows
         splits = triton.cdiv(total, rows_per_program)
         partial_w = torch.empty((splits, *w2.shape), dtype=torch.float32, device=x.device)
-        _conv_weight_grad_kernel[(heads, t1, splits)](
+        launch(_conv_weight_grad_kernel, (heads, t1, splits),
             grad, x, history_or_x, offsets_or_x, w1, b1, partial_w, length, batch, channels, total, rows_per_program,
             T0=t0, T1=t1, HEAD_DIM=head_dim, BLOCK_ROWS=rows, HAS_HISTORY=history is not None, HAS_DOCS=has_docs,
             DOT_PRECISION=precision, num_warps=tuning["weight_warps"], num_stages=tuning["weight_stages"])  # fmt: skip
@@ -719,7 +721,7 @@ class CausalConvs(torch.autograd.Function):
         targets = main_grad_targets(ctx.params)
         outs = targets or [torch.empty_like(p, memory_format=torch.contiguous_format) for p in ctx.params]
         block_w = 128
-        _conv_param_grads_kernel[(heads + triton.cdiv(w2.numel(), block_w),)](
+        launch(_conv_param_grads_kernel, (heads + triton.cdiv(w2.numel(), block_w),),
             partial, partial_w, w2, *outs, blocks, splits, heads, channels, T0=t0, T1=t1, HEAD_DIM=head_dim,
             ACCUMULATE=targets is not None, BLOCK_I=min(head_dim, 32), BLOCK_R=32, BLOCK_W=block_w)  # fmt: skip
         param_grads = outs if targets is None else added_to_main_grad(ctx.params)

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .utils import flat_rows, matmul_fp32, matmul_fp32_into, triton_runs
 
 IGNORE_INDEX = -100
@@ -106,7 +107,7 @@ def _cross_entropy_grad_kernel(
 
 
 def _accumulate_logsumexp(logits, labels, label_offset, running_max, running_sum, target):
-    _logsumexp_kernel[(logits.shape[0],)](
+    launch(_logsumexp_kernel, (logits.shape[0],),
         logits, logits.stride(0), labels, label_offset, logits.shape[1], running_max, running_sum, target,
         BLOCK=min(BLOCK_V, triton.next_power_of_2(logits.shape[1])), num_warps=8,
     )  # fmt: skip
@@ -115,8 +116,8 @@ def _accumulate_logsumexp(logits, labels, label_offset, running_max, running_sum
 def _softmax_grad(logits, labels, label_offset, lse, grad_loss, out):
     block = min(BLOCK_V, triton.next_power_of_2(logits.shape[1]))
     grid = (logits.shape[0], triton.cdiv(logits.shape[1], block))
-    _cross_entropy_grad_kernel[grid](logits, logits.stride(0), labels, label_offset, lse, grad_loss, out,
-                                     out.stride(0), logits.shape[1], BLOCK=block, num_warps=8)  # fmt: skip
+    launch(_cross_entropy_grad_kernel, grid, logits, logits.stride(0), labels, label_offset, lse, grad_loss, out,
+           out.stride(0), logits.shape[1], BLOCK=block, num_warps=8)  # fmt: skip
     return out
 
 

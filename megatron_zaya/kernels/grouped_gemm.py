@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .launch import launch
 from .utils import ACCUMULATE_INTO_MAIN_GRAD, platform, triton_runs
 
 #: Launch settings per platform (``utils.platform()``). The row-tile kernel (forward and input gradient): output
@@ -198,8 +199,8 @@ def _row_tiles(tokens_per_expert: torch.Tensor, n_rows: int, padded_rows: bool, 
     n_tiles = triton.cdiv(n_rows, block_m) + n_experts + spare
     expert, first_row, row_end = (torch.empty(n_tiles, dtype=torch.int64, device=device) for _ in range(3))
     row_start = torch.empty(n_experts, dtype=torch.int64, device=device)
-    _row_tiles_kernel[(1,)](tokens_per_expert, expert, first_row, row_end, row_start, n_experts, n_rows, n_tiles,
-                            BLOCK_M=block_m, EXPERTS=triton.next_power_of_2(n_experts), BLOCK=128, num_warps=4)
+    launch(_row_tiles_kernel, (1,), tokens_per_expert, expert, first_row, row_end, row_start, n_experts, n_rows,
+           n_tiles, BLOCK_M=block_m, EXPERTS=triton.next_power_of_2(n_experts), BLOCK=128, num_warps=4)
     return expert, first_row, row_end, row_start
 
 
@@ -256,7 +257,7 @@ def _grouped_matmul(a, operand: _Operand, transposed: bool, n_out, tiles, tuning
     tile_expert, tile_row, tile_row_end, _ = tiles
     c = torch.empty((a.shape[0], n_out), dtype=a.dtype, device=a.device)
     grid = (tile_expert.numel(), triton.cdiv(n_out, tuning["block_n"]))
-    _grouped_matmul_kernel[grid](
+    launch(_grouped_matmul_kernel, grid,
         a, operand.base, operand.base if operand.table is None else operand.table,  # (table unread when stacked)
         c, *_row_tables(tile_row, gather, scatter), tile_expert, tile_row, tile_row_end, n_out, a.shape[1],
         a.stride(0), *operand.strides(transposed), c.stride(0), BLOCK_M=tuning["block_m"],
@@ -299,11 +300,10 @@ def weight_grad(grad_out, x, tokens_per_expert, padded_rows: bool, weights, main
         target, table, aligned = main_grads
     block_m, block_n = tuning["wgrad_block_m"], tuning["wgrad_block_n"]
     grid = (n_experts, triton.cdiv(m_dim, block_m), triton.cdiv(k_dim, block_n))
-    _grouped_weight_grad_kernel[grid](grad_out, x, target, target if table is None else table, row_start,
-                                      tokens_per_expert, m_dim, k_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-                                      BLOCK_R=tuning["wgrad_block_r"], W_TABLE=table is not None, W_ALIGNED=aligned,
-                                      ACCUMULATE=table is not None, num_warps=tuning["wgrad_warps"],
-                                      num_stages=tuning["wgrad_stages"])  # fmt: skip
+    launch(_grouped_weight_grad_kernel, grid, grad_out, x, target, target if table is None else table, row_start,
+           tokens_per_expert, m_dim, k_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=tuning["wgrad_block_r"],
+           W_TABLE=table is not None, W_ALIGNED=aligned, ACCUMULATE=table is not None,
+           num_warps=tuning["wgrad_warps"], num_stages=tuning["wgrad_stages"])  # fmt: skip
     if main_grads is not None:  # grad_w is a placeholder: Megatron's gradient hooks skip it, as for its own
         for weight in weights:  # layers with gradient-accumulation fusion, but need a gradient to fire
             weight.grad_added_to_main_grad = True

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .utils import triton_runs
 
 
@@ -129,7 +130,7 @@ def gram(
     block_m, block_k, num_warps = _tile_sizes(Y, block_m, block_k)
     tiles = triton.cdiv(M, block_m)
     aux_t = aux if aux is not None else out  # never read when HAS_AUX is False
-    _gram_kernel[(tiles * (tiles + 1) // 2, batch)](
+    launch(_gram_kernel, (tiles * (tiles + 1) // 2, batch),
         Y, Z, out, aux_t, M, K,
         *Y.stride(), *Z.stride(), *out.stride(), *aux_t.stride(),
         alpha, beta, diag,

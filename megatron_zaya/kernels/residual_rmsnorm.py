@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .utils import (added_to_main_grad, column_sums, flat_rows, main_grad_targets, persistent_programs, platform,
                     row_block, store_sum, triton_runs)
 
@@ -219,7 +220,7 @@ def _launch_forward(hidden, residual, vectors, weight, eps, out_dtype, has_norm=
     out = torch.empty((rows, n_cols), dtype=out_dtype, device=hidden.device) if has_norm else None
     rstd = torch.empty(rows, dtype=torch.float32, device=hidden.device) if has_norm else None
     new_residual = torch.empty((rows, n_cols), dtype=torch.float32, device=hidden.device) if vectors else None
-    _norm_forward_kernel[(rows,)](
+    launch(_norm_forward_kernel, (rows,),
         hidden, residual, *(vectors or (weight,) * 4), weight, out, new_residual, rstd, n_cols, eps,
         HAS_RESIDUAL=bool(vectors), HAS_NORM=has_norm, ROUND_INPUT=round_input, BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
@@ -241,7 +242,7 @@ def _launch_backward(grad_out, grad_new_residual, hidden, residual, vectors, wei
     grad_hidden = torch.empty_like(hidden)
     grad_residual = torch.empty_like(residual) if vectors else None
     partials = torch.empty((5 if vectors else 1, programs, n_cols), dtype=torch.float32, device=hidden.device)
-    _norm_backward_kernel[(programs,)](
+    launch(_norm_backward_kernel, (programs,),
         grad_out, grad_new_residual, hidden, residual, *(vectors or (weight,) * 4), weight, rstd,
         grad_hidden, grad_residual, partials, rows, n_cols,
         HAS_RESIDUAL=bool(vectors), HAS_NORM=grad_out is not None, ROUND_INPUT=round_input, ROWS=tile_rows,
@@ -252,7 +253,7 @@ def _launch_backward(grad_out, grad_new_residual, hidden, residual, vectors, wei
     outs = targets or [torch.empty(n_cols, dtype=p.dtype, device=hidden.device) for p in params]
     block_c = min(128, triton.next_power_of_2(n_cols))
     unused = outs[:1] * (5 - len(outs))  # the kernel's spare output pointers, never stored to
-    _norm_sum_partials_kernel[(triton.cdiv(n_cols, block_c), len(outs))](
+    launch(_norm_sum_partials_kernel, (triton.cdiv(n_cols, block_c), len(outs)),
         partials, *outs, *unused, programs, n_cols, FIRST=0 if grad_out is not None else 1,
         ACCUMULATE=targets is not None, BLOCK_P=32, BLOCK_C=block_c,
     )  # fmt: skip

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .utils import added_to_main_grad, main_grad_targets, matmul_fp32, matmul_fp32_into, platform, triton_runs
 
 #: Launch settings per platform (``benchmarks/tune_launch.py --kernel router``): each program of the forward
@@ -173,10 +174,10 @@ class _RouteTop1(torch.autograd.Function):
         skip_gate = torch.empty(n_tokens, dtype=torch.float32, device=device)
         choice = torch.empty(n_tokens, dtype=torch.int32, device=device)
         counts = torch.zeros(n_classes, dtype=torch.int64, device=device)
-        grid, launch = _launch(device, n_tokens, n_classes, backward=False)
-        _router_forward_kernel[grid](
+        grid, settings = _launch(device, n_tokens, n_classes, backward=False)
+        launch(_router_forward_kernel, grid,
             logits2d, biases.float().contiguous(), probs, routing_map.view(torch.uint8), skip_gate, choice, counts,
-            n_tokens, n_classes, **launch,
+            n_tokens, n_classes, **settings,
         )  # fmt: skip
         ctx.save_for_backward(logits2d, choice)
         ctx.mark_non_differentiable(routing_map, counts)
@@ -187,10 +188,10 @@ class _RouteTop1(torch.autograd.Function):
         logits2d, choice = ctx.saved_tensors
         n_tokens, n_classes = logits2d.shape
         grad_logits = torch.empty_like(logits2d)
-        grid, launch = _launch(logits2d.device, n_tokens, n_classes, backward=True)
-        _router_backward_kernel[grid](
+        grid, settings = _launch(logits2d.device, n_tokens, n_classes, backward=True)
+        launch(_router_backward_kernel, grid,
             grad_probs, *grad_probs.stride(), grad_skip.contiguous(), logits2d, choice, grad_logits, n_tokens,
-            n_classes, **launch,
+            n_classes, **settings,
         )  # fmt: skip
         return grad_logits, None
 
@@ -422,12 +423,12 @@ class RouteHead(torch.autograd.Function):
         choice = torch.empty(n_tokens, dtype=torch.int32, device=device)
         counts = torch.zeros(n_classes, dtype=torch.int64, device=device) if counts_into is None else counts_into
         has_state = state_in2d is not None
-        grid, launch = _head_launch(device, n_tokens, width, n_classes, backward=False)
-        _head_forward_kernel[grid](
+        grid, settings = _head_launch(device, n_tokens, width, n_classes, backward=False)
+        launch(_head_forward_kernel, grid,
             u2d, state_in2d if has_state else u2d, eda_scale if has_state else norm_weight,
             norm_weight if down_bias is None else down_bias, norm_weight, w1, b1, w2, b2, w3, biases, state, probs,
             routing_map.view(torch.uint8), skip_gate, choice, counts, n_tokens, eps, width, n_classes,
-            HAS_STATE=has_state, HAS_BIAS=down_bias is not None, **launch,
+            HAS_STATE=has_state, HAS_BIAS=down_bias is not None, **settings,
         )  # fmt: skip
         ctx.save_for_backward(u2d, state_in2d, eda_scale, norm_weight, w1, b1, w2, b2, w3, choice, down_bias)
         ctx.eps = eps
@@ -445,16 +446,16 @@ class RouteHead(torch.autograd.Function):
         fp32 = {"dtype": torch.float32, "device": device}
         acts, grads = torch.empty((3, n_tokens, width), **fp32), torch.empty((4, n_tokens, width), **fp32)
         grad_logits = torch.empty((n_tokens, n_classes), **fp32)
-        grid, launch = _head_launch(device, n_tokens, width, n_classes, backward=True)
+        grid, settings = _head_launch(device, n_tokens, width, n_classes, backward=True)
         partials = torch.empty((grid[0], 4, width), **fp32)
-        _head_backward_kernel[grid](
+        launch(_head_backward_kernel, grid,
             u2d, state_in2d if has_state else u2d, eda_scale if has_state else norm_weight,
             norm_weight if down_bias is None else down_bias, norm_weight, w1, b1, w2, b2, w3, choice, grad_probs,
             grads if grad_skip is None else grad_skip.contiguous(),
             grads if grad_state is None else grad_state.contiguous(),
             *grad_probs.stride(), acts, grads, grad_logits, partials, n_tokens, ctx.eps, n_tokens * width, width,
             n_classes, HAS_STATE=has_state, HAS_BIAS=down_bias is not None, HAS_GRAD_SKIP=grad_skip is not None,
-            HAS_GRAD_STATE=grad_state is not None, **launch,
+            HAS_GRAD_STATE=grad_state is not None, **settings,
         )  # fmt: skip
         grad_state_in = grads[3].to(state_in2d.dtype) if has_state else None
         # d norm, d eda, d b1, d b2; and the projection's d bias as RouterProjection sums it, the same bits

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .utils import platform, triton_runs
 
 #: Launch settings per platform: tokens per block of a pass, warps of the one program.
@@ -84,7 +85,7 @@ def sort_by_expert(routing_map: torch.Tensor, first: int, num_experts: int, gate
     counts = torch.empty(num_experts, dtype=torch.int64, device=device)
     sorted_gates = None if gates is None else torch.empty(n_tokens, dtype=torch.float32, device=device)
     tuning = SORT_TUNING[platform(device)]
-    _sort_by_expert_kernel[(1,)](
+    launch(_sort_by_expert_kernel, (1,),
         routing_map, order, inverse, counts, routing_map if gates is None else gates,
         order if gates is None else sorted_gates, n_tokens, *routing_map.stride(),
         *(routing_map if gates is None else gates).stride(), first, num_experts,

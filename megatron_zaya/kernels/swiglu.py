@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .utils import flat_rows, platform, triton_runs
 
 #: Launch settings per platform (``benchmarks/tune_launch.py --kernel swiglu``): each program takes ``rows``
@@ -112,8 +113,8 @@ class SwiGLU(torch.autograd.Function):
         n_rows, n_cols = x2d.shape[0], x2d.shape[1] // 2
         w1d = None if weights is None else weights.reshape(n_rows).contiguous()
         out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-        grid, launch = _launch(x.device, n_rows, n_cols, backward=False)
-        _swiglu_forward_kernel[grid](x2d, bias, w1d, out, n_rows, n_cols, **launch)
+        grid, settings = _launch(x.device, n_rows, n_cols, backward=False)
+        launch(_swiglu_forward_kernel, grid, x2d, bias, w1d, out, n_rows, n_cols, **settings)
         ctx.save_for_backward(x2d, w1d, bias)
         ctx.weights_shape = None if weights is None else weights.shape
         return out.view(*x.shape[:-1], n_cols)
@@ -122,10 +123,11 @@ class SwiGLU(torch.autograd.Function):
     def backward(ctx, grad_out):
         x2d, w1d, bias = ctx.saved_tensors
         n_rows, n_cols = x2d.shape[0], x2d.shape[1] // 2
-        grid, launch = _launch(x2d.device, n_rows, n_cols, backward=True)
+        grid, settings = _launch(x2d.device, n_rows, n_cols, backward=True)
         grad_x = torch.empty_like(x2d)
         grad_w = None if w1d is None else torch.empty((n_rows, grid[1]), dtype=torch.float32, device=x2d.device)
-        _swiglu_backward_kernel[grid](flat_rows(grad_out), x2d, bias, w1d, grad_x, grad_w, n_rows, n_cols, **launch)
+        launch(_swiglu_backward_kernel, grid, flat_rows(grad_out), x2d, bias, w1d, grad_x, grad_w, n_rows, n_cols,
+               **settings)
         grad_x = grad_x.view(*grad_out.shape[:-1], 2 * n_cols)
         grad_weights = None if w1d is None else grad_w.sum(1).to(w1d.dtype).view(ctx.weights_shape)
         grad_bias = None if bias is None or not ctx.needs_input_grad[2] else grad_x.reshape(n_rows, -1).sum(0)
