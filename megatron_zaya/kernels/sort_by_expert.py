@@ -1,14 +1,16 @@
 """Top-1 tokens sorted by expert in one launch (Triton): a stable counting sort of the routing map.
 
-Reads the routing map ``[T, ≥ first + E]`` (bool, at most one chosen column per token among the E from
-``first``) and writes the sorted order (token indices by expert, then by token; tokens of none of the E last),
-its inverse (each token's sorted position) and the tokens per expert. One program makes two passes over the
-tokens in blocks: the first counts each class, the second places each token at its class's running offset plus
-its rank within the block. Given the gates ``[T, ≥ first + E]`` (fp32, the chosen expert's probability in its
-column), it also writes each token's gate in sorted order (0 for tokens of none), what the experts scale their
-outputs by. It stands for a dozen launches of the torch reference (the chosen column, a
-multi-pass radix sort, the inverse's scatter, the counts), which dominate a host-bound MoE dispatch. The
-reference, the fallback and the choice live in ``ops/experts.py``.
+Reads the routing map ``[T, ≥ first + E]`` (bool, at most one chosen column per token among the E from ``first``)
+and writes the sorted order (token indices by expert, then by token; tokens of none of the E last), its inverse
+(each token's sorted position) and the tokens per expert. Each program places one block of tokens. It first counts
+the classes over the whole map itself, in steps: the map is small (a byte per token and column), so every program
+reading it costs little, and the programs need no second launch, atomics or communication. A token's position is its
+class's start (the exclusive cumsum of the totals) plus its class's tokens in earlier blocks plus its rank within
+its own block. Given the gates ``[T, ≥ first + E]`` (fp32, the chosen expert's probability in its column), it also
+writes each token's gate in sorted order (0 for tokens of none), what the experts scale their outputs by. It stands
+for a dozen launches of the torch reference (the chosen column, a multi-pass radix sort, the inverse's scatter, the
+counts), which dominate a host-bound MoE dispatch. The reference, the fallback and the choice live in
+``ops/experts.py``.
 """
 
 from __future__ import annotations
@@ -20,17 +22,19 @@ import triton.language as tl
 from .launch import launch
 from .utils import platform, triton_runs
 
-#: Launch settings per platform: tokens per block of a pass, warps of the one program.
+#: Launch settings per platform: tokens per program (its block), tokens per step of each program's counting pass,
+#: warps per program.
 SORT_TUNING = {
-    "cuda": {"block": 1024, "warps": 8},  # not tuned
-    "rocm": {"block": 256, "warps": 16},  # not tuned: the largest block of 16 warps that keeps gfx942 from spilling
-    "cpu": {"block": 16, "warps": 4},  # the interpreter: several blocks, a partial last one
+    "cuda": {"block": 512, "count_block": 2048, "warps": 8},  # not tuned
+    # not tuned; on gfx942 a block of 512 or a count block of 1024 spills (a map whose rows are not 16-byte aligned)
+    "rocm": {"block": 256, "count_block": 512, "warps": 16},
+    "cpu": {"block": 8, "count_block": 32, "warps": 4},  # the interpreter: several programs, steps, partial last ones
 }
 
 
 @triton.jit
 def _token_classes(map_ptr, rows, n_tokens, stride_t, stride_e, first, n_experts, cols):
-    """Each token's class [BLOCK] int32: its expert among the E, else E."""
+    """Each token's class, int32 shaped as ``rows``: its expert among the E, else E."""
     chosen = tl.load(map_ptr + rows[:, None] * stride_t + (first + cols)[None, :] * stride_e,
                      mask=(rows < n_tokens)[:, None] & (cols < n_experts)[None, :], other=0).to(tl.int32)
     return tl.where(tl.sum(chosen, axis=1) > 0, tl.sum(chosen * cols[None, :], axis=1), n_experts)
@@ -45,29 +49,32 @@ def _one_hot(expert, rows, n_tokens, cols):
 @triton.jit
 def _sort_by_expert_kernel(map_ptr, order_ptr, inverse_ptr, counts_ptr, gates_ptr, sorted_gates_ptr, n_tokens,
                            stride_t, stride_e, gate_stride_t, gate_stride_e, first, n_experts, CLASSES: tl.constexpr,
-                           BLOCK: tl.constexpr, HAS_GATES: tl.constexpr):
+                           BLOCK: tl.constexpr, COUNT_BLOCK: tl.constexpr, HAS_GATES: tl.constexpr):
     cols = tl.arange(0, CLASSES)
-    totals = tl.zeros([CLASSES], dtype=tl.int32)
-    for start in range(0, n_tokens, BLOCK):
-        rows = start + tl.arange(0, BLOCK)
+    pid = tl.program_id(0)
+    block_start = pid * BLOCK
+    totals = tl.zeros([CLASSES], dtype=tl.int32)  # each class's tokens, counted by every program: no sync needed
+    before = tl.zeros([CLASSES], dtype=tl.int32)  # each class's tokens in the blocks before this program's
+    for start in range(0, n_tokens, COUNT_BLOCK):
+        rows = start + tl.arange(0, COUNT_BLOCK)
         expert = _token_classes(map_ptr, rows, n_tokens, stride_t, stride_e, first, n_experts, cols)
-        totals += tl.sum(_one_hot(expert, rows, n_tokens, cols), 0)
-    tl.store(counts_ptr + cols, totals.to(tl.int64), mask=cols < n_experts)
-    running = tl.cumsum(totals, 0) - totals  # where each class starts
-    for start in range(0, n_tokens, BLOCK):
-        rows = start + tl.arange(0, BLOCK)
-        expert = _token_classes(map_ptr, rows, n_tokens, stride_t, stride_e, first, n_experts, cols)
-        one_hot = _one_hot(expert, rows, n_tokens, cols)
-        rank = tl.cumsum(one_hot, 0) - one_hot  # earlier tokens of the same class in this block
-        position = tl.sum((rank + running[None, :]) * one_hot, axis=1)
-        in_range = rows < n_tokens
-        tl.store(order_ptr + position, rows.to(tl.int64), mask=in_range)
-        tl.store(inverse_ptr + rows, position.to(tl.int64), mask=in_range)
-        if HAS_GATES:
-            gate = tl.load(gates_ptr + rows * gate_stride_t + (first + expert) * gate_stride_e,
-                           mask=in_range & (expert < n_experts), other=0.0)
-            tl.store(sorted_gates_ptr + position, gate, mask=in_range)
-        running += tl.sum(one_hot, 0)
+        totals += tl.histogram(expert, CLASSES, mask=rows < n_tokens)
+        before += tl.histogram(expert, CLASSES, mask=rows < block_start)
+    if pid == 0:
+        tl.store(counts_ptr + cols, totals.to(tl.int64), mask=cols < n_experts)
+    offset = tl.cumsum(totals, 0) - totals + before  # where this block's tokens of each class start
+    rows = block_start + tl.arange(0, BLOCK)
+    expert = _token_classes(map_ptr, rows, n_tokens, stride_t, stride_e, first, n_experts, cols)
+    one_hot = _one_hot(expert, rows, n_tokens, cols)
+    rank = tl.cumsum(one_hot, 0) - one_hot  # earlier tokens of the same class in this block
+    position = tl.sum((rank + offset[None, :]) * one_hot, axis=1)
+    in_range = rows < n_tokens
+    tl.store(order_ptr + position, rows.to(tl.int64), mask=in_range)
+    tl.store(inverse_ptr + rows, position.to(tl.int64), mask=in_range)
+    if HAS_GATES:
+        gate = tl.load(gates_ptr + rows * gate_stride_t + (first + expert) * gate_stride_e,
+                       mask=in_range & (expert < n_experts), other=0.0)
+        tl.store(sorted_gates_ptr + position, gate, mask=in_range)
 
 
 def sort_by_expert(routing_map: torch.Tensor, first: int, num_experts: int, gates: torch.Tensor | None = None):
@@ -85,12 +92,13 @@ def sort_by_expert(routing_map: torch.Tensor, first: int, num_experts: int, gate
     counts = torch.empty(num_experts, dtype=torch.int64, device=device)
     sorted_gates = None if gates is None else torch.empty(n_tokens, dtype=torch.float32, device=device)
     tuning = SORT_TUNING[platform(device)]
-    launch(_sort_by_expert_kernel, (1,),
+    programs = max(1, triton.cdiv(n_tokens, tuning["block"]))  # no tokens: program 0 still writes the counts
+    launch(_sort_by_expert_kernel, (programs,),
         routing_map, order, inverse, counts, routing_map if gates is None else gates,
         order if gates is None else sorted_gates, n_tokens, *routing_map.stride(),
         *(routing_map if gates is None else gates).stride(), first, num_experts,
-        CLASSES=triton.next_power_of_2(num_experts + 1), BLOCK=tuning["block"], HAS_GATES=gates is not None,
-        num_warps=tuning["warps"])  # fmt: skip
+        CLASSES=triton.next_power_of_2(num_experts + 1), BLOCK=tuning["block"], COUNT_BLOCK=tuning["count_block"],
+        HAS_GATES=gates is not None, num_warps=tuning["warps"])  # fmt: skip
     return (order, inverse, counts) if gates is None else (order, inverse, counts, sorted_gates)
 
 

@@ -104,6 +104,9 @@ def _sort_by_expert(k):
     routing_map = torch.empty(TOKENS, EXPERTS, dtype=torch.bool, device="meta")
     k.sort_by_expert(routing_map, 0, EXPERTS)
     k.sort_by_expert(routing_map, 0, EXPERTS, _meta(TOKENS, EXPERTS, dtype=FP32).detach())  # the gates sorted too
+    # rows not 16-byte aligned (17 columns, or a view of a wider map): no vector loads, other layouts
+    unaligned = torch.empty(TOKENS, EXPERTS + 1, dtype=torch.bool, device="meta")
+    k.sort_by_expert(unaligned, 0, EXPERTS, _meta(TOKENS, EXPERTS + 1, dtype=FP32).detach())
 
 
 # module: (run forward+backward on meta tensors, the kernels that must have been compiled)

@@ -1,5 +1,5 @@
 """The sort-by-expert Triton kernel (CPU interpreter) against its reference (ops/experts.py) and against Python's
-stable ``sorted`` of (class, token): order, inverse and counts equal exactly."""
+stable ``sorted`` of (class, token): order, inverse, counts and sorted gates equal exactly, whatever the blocks."""
 
 import pytest
 import torch
@@ -30,27 +30,53 @@ def _python_sort(routing_map: torch.Tensor, first: int, num_experts: int):
     return [torch.tensor(x, dtype=torch.int64) for x in (order, inverse, counts)]
 
 
+def _assert_sorts_as_the_reference(routing_map: torch.Tensor, first: int, num_experts: int, gen: torch.Generator):
+    """The kernel's order, inverse and counts equal the reference's, without and with the gates (nonzero in every
+    column, the chosen one's and the others'), whose sorted values are each token's chosen gate."""
+    expected = ops.sort_by_expert(routing_map, first, num_experts)
+    got = kernels.sort_by_expert(routing_map, first, num_experts)
+    for name, g, e in zip(("order", "inverse", "counts"), got, expected):
+        assert g.dtype == torch.int64 and torch.equal(g, e), (name, g, e)
+    gates = torch.rand(routing_map.shape, generator=gen) + 0.5
+    *got, sorted_gates = kernels.sort_by_expert(routing_map, first, num_experts, gates)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    chosen = (gates * routing_map)[:, first:first + num_experts].sum(-1)
+    assert torch.equal(sorted_gates, chosen[expected[0]]), (sorted_gates, chosen[expected[0]])
+
+
+# The interpreter's tuning (blocks of 8 tokens, counted in steps of 32) gives the larger maps several programs, two
+# count steps and a partial last block; the next test varies both sizes.
 @pytest.mark.parametrize("tokens,classes,first,num_experts,skipped,only", [
-    (53, 17, 0, 16, 0.2, None),  # ZAYA1: 16 experts + the skip class; several blocks of 16, a partial last one
+    (53, 17, 0, 16, 0.2, None),  # ZAYA1: 16 experts + the skip class; 7 blocks, a partial last one
     (40, 17, 4, 4, 0.1, None),  # an EP rank's 4 experts of 16: the other ranks' tokens last
-    (16, 9, 0, 8, 0.0, 3),  # every token to one expert: one block
+    (16, 9, 0, 8, 0.0, 3),  # every token to one expert, none to the others
     (21, 5, 0, 4, 1.0, None),  # every token skipped
     (1, 3, 0, 2, 0.0, None),
+    (0, 5, 0, 4, 0.0, None),  # no tokens: zero counts
 ])
 def test_the_kernel_sorts_as_the_reference_and_as_python(tokens, classes, first, num_experts, skipped, only):
     gen = torch.Generator().manual_seed(tokens * classes)
     routing_map = _routing_map(tokens, classes, skipped, gen, only)
     expected = _python_sort(routing_map, first, num_experts)
-    for fn in (kernels.sort_by_expert, ops.sort_by_expert):
-        got = fn(routing_map, first, num_experts)
-        for name, g, e in zip(("order", "inverse", "counts"), got, expected):
-            assert g.dtype == torch.int64 and torch.equal(g, e), (fn.__module__, name, g, e)
-    # with the gates (nonzero in every column, the chosen one's and the others'): each token's chosen gate, sorted
-    gates = torch.rand(tokens, classes, generator=gen) + 0.5
-    *got, sorted_gates = kernels.sort_by_expert(routing_map, first, num_experts, gates)
-    assert all(torch.equal(g, e) for g, e in zip(got, expected))
-    chosen = (gates * routing_map)[:, first:first + num_experts].sum(-1)
-    assert torch.equal(sorted_gates, chosen[expected[0]]), (sorted_gates, chosen[expected[0]])
+    got = ops.sort_by_expert(routing_map, first, num_experts)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected)), (got, expected)
+    _assert_sorts_as_the_reference(routing_map, first, num_experts, gen)
+
+
+@pytest.mark.parametrize("block,count_block", [
+    (4, 4),  # 12 programs, 12 count steps, a last block of one token
+    (16, 8),  # count steps smaller than the blocks
+    (32, 64),  # one count step past the end
+    (64, 16),  # one program
+])
+def test_any_blocks_and_count_steps_give_the_same_sort(block, count_block, monkeypatch):
+    """Each program's offsets (the classes' starts and their tokens in earlier blocks) whatever the blocks."""
+    monkeypatch.setitem(kernels.SORT_TUNING, "cpu", {"block": block, "count_block": count_block, "warps": 4})
+    gen = torch.Generator().manual_seed(block * count_block)
+    routing_map = _routing_map(45, 17, 0.2, gen)
+    routing_map[:, 2 + 5] = False  # expert 5 of the 12 from column 2 gets no tokens
+    _assert_sorts_as_the_reference(routing_map, 2, 12, gen)
+    assert ops.sort_by_expert(routing_map, 2, 12)[2][5] == 0
 
 
 def test_a_strided_map_is_read_in_place():
