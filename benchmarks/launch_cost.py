@@ -56,11 +56,8 @@ def main() -> None:
     print(f"{'':48s} {'direct':>7s}    {'Triton path':>11s}")
     for name, fn in triton_calls:
         direct = per_call_us(fn)
-        launch.DIRECT = False
-        try:
+        with launch.through_triton():
             through_triton = per_call_us(fn)
-        finally:
-            launch.DIRECT = True
         print(f"{name:48s} {direct:7.1f} us {through_triton:8.1f} us")
 
 

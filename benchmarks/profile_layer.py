@@ -254,11 +254,8 @@ def main() -> None:
 def through_triton(step):
     """``step`` with every kernel launched through ``kernel[grid](...)`` rather than ``kernels.launch``'s cache."""
     def baseline():
-        launch.DIRECT = False
-        try:
+        with launch.through_triton():
             step()
-        finally:
-            launch.DIRECT = True
     return baseline
 
 

@@ -20,6 +20,8 @@ against Triton's own binder.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from triton import knobs
 from triton.runtime import JITFunction, driver
@@ -48,8 +50,18 @@ class _Plan:
 
 _MISSING = object()
 _PLANS: dict[int, _Plan] = {}
-#: False: every launch takes Triton's path (the same-process baseline of benchmarks/profile_layer.py).
-DIRECT = True
+_direct = True  # False within :func:`through_triton`
+
+
+@contextlib.contextmanager
+def through_triton():
+    """Within: every launch takes Triton's path, ``kernel[grid](...)`` (the benchmarks' same-process baseline)."""
+    global _direct
+    _direct = False
+    try:
+        yield
+    finally:
+        _direct = True
 
 
 def _hooks_set(kernel: JITFunction) -> bool:
@@ -108,7 +120,7 @@ def specialization_key(plan: _Plan, values: list, options: tuple) -> tuple:
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)``, through the compiled kernel's launcher once this key has been compiled."""
-    if not DIRECT or not isinstance(kernel, JITFunction) or not isinstance(grid, tuple) or _hooks_set(kernel):
+    if not _direct or not isinstance(kernel, JITFunction) or not isinstance(grid, tuple) or _hooks_set(kernel):
         kernel[grid](*args, **kwargs)
         return
     plan = _PLANS.get(id(kernel))
