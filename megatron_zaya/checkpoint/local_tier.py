@@ -98,18 +98,36 @@ def read_part(part: Path) -> tuple[object | None, list[str], ReadBack | None]:
     saved = None if problems else torch.load(part / STATE, map_location="cpu", weights_only=False)
     read = []
 
+    devices = saved and _devices_to_read_onto(part, saved["tensors"], saved.get("devices"))
+
     def read_data(paths: list[Path]) -> list[int]:  # the data files of their recorded sizes
         if saved is None or len(paths) < len(data):  # the tensors or their files are amiss: checksums only
             return file_crcs(paths)
-        read.append(read_tensors(paths, saved["tensors"], saved.get("devices")))
+        read.append(read_tensors(paths, saved["tensors"], devices))
         return read[0].crcs
 
     problems += damage(part, data, recorded, read_data)
     if problems:
         return None, problems, None
     saved["state"].insert_tensors(read[0].tensors)
-    saved["state"].restore_tensor_device(non_blocking=False)  # a part saved without its devices: read to the host
     return saved["state"], [], read[0]
+
+
+def _devices_to_read_onto(part: Path, specs: list, devices: list[str] | None) -> list[str] | None:
+    """The devices a part's tensors are read onto: those they were saved from, or the host (None) when their
+    device bytes exceed half the device memory free now. Megatron merges split tensors (the SwiGLU halves, say)
+    into new ones beside their pieces, so a part read onto a full device runs it out of memory there: read to
+    the host, the merges run there and Megatron's loads copy the values to the device."""
+    if not devices or not torch.cuda.is_available():
+        return devices
+    nbytes = sum(torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+                 for (dtype, shape), device in zip(specs, devices, strict=True) if device != "cpu")
+    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    if 2 * nbytes <= free:
+        return devices
+    print(f"[zaya] local checkpoint part {part}: its {nbytes / 2**30:.1f} GiB of device tensors "
+          f"exceed half the device's free {free / 2**30:.1f} GiB: read to host memory", flush=True)
+    return None
 
 
 def _synced(path: Path, write) -> None:
