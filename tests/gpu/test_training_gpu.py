@@ -1,6 +1,6 @@
 """On GPUs, through the CLI in bf16 under ``--deterministic-mode`` (GPU runs repeat bit for bit): exact resume with
 Megatron's distributed optimizer, Adam and Muon's ZeRO-1; a background save, written while training went on,
-resumed exactly; a NaN on one rank skipped on every rank; the fused weight gradients against the unfused ones; the
+resumed exactly; a run SIGKILLed, resumed exactly from the in-memory tier; a NaN on one rank skipped on every rank; the fused weight gradients against the unfused ones; the
 MoE sublayer and the CCA sublayer's part before its attention, each as one op, against their kernels op by op.
 
 Two uninterrupted runs (one per optimizer, module fixtures) serve every test of their optimizer: each is a
@@ -15,13 +15,19 @@ reset to the fresh optimizer's value: step 6 still matches and steps 7-10 drift 
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from zaya_cli import QUICK, losses, pretrain, with_faults
 
+from megatron_zaya.checkpoint import CHECKSUMS
 from megatron_zaya.config import KERNEL_OPS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
@@ -78,6 +84,36 @@ def test_zero1_muon_resumes_exactly_from_a_background_save(muon_run, tmp_path):
     expected, got = _loss_csv(run_dir / "loss.csv"), _resumed_from_step_5("zaya_muon", run_dir, tmp_path)
     assert sorted(expected) == list(range(1, 11)) and sorted(got) == list(range(6, 11)), (expected, got)
     assert got == {i: expected[i] for i in got}
+
+
+@pytest.mark.xdist_group("zaya_muon")
+def test_zero1_muon_killed_resumes_exactly_from_the_in_memory_tier(muon_run, tmp_path):
+    """The Muon run with in-memory checkpoints every 3 steps as well, SIGKILLed (every process of it) after step 7
+    once every rank's part of step 6 is complete: relaunched, it resumes from the in-memory tier's step 6, newer
+    than the persistent checkpoint of step 5, and repeats the uninterrupted run's losses 7-10 bit for bit."""
+    run_dir, _ = muon_run
+    flags = COMMON + OPTIMIZER["zaya_muon"] + ["--save", "ck", "--load", "ck", "--save-interval", "5", "--async-save",
+                                              "--zaya-replica-check-interval", "5", "--zaya-memory-ckpt-interval",
+                                              "3", "--zaya-memory-ckpt-dir", "mem"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **ENV, **with_faults(f"nan_grad@{NAN_STEP}@{GPUS - 1}")}
+    parts = [tmp_path / "mem" / "iter_0000006" / f"rank_{r:05d}" / CHECKSUMS for r in range(GPUS)]
+    with (tmp_path / "killed.log").open("w") as log:
+        killed = subprocess.Popen([sys.executable, "-m", "megatron_zaya.pretrain", *flags], cwd=tmp_path, env=env,
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 300
+    while (max(losses((tmp_path / "killed.log").read_text()), default=0) < 7 or not all(p.exists() for p in parts)) \
+            and killed.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    out = (tmp_path / "killed.log").read_text()
+    assert all(p.exists() for p in parts) and 7 <= max(losses(out)) < 10, out[-4000:]
+
+    resumed = pretrain(flags, cwd=tmp_path, extra_env=ENV)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "[zaya] local checkpoint found and read in" in resumed.stdout + resumed.stderr, resumed.stdout[-4000:]
+    expected, got = _loss_csv(run_dir / "loss.csv"), _loss_csv(tmp_path / "ck" / "loss.csv")
+    assert {i: got[i] for i in range(7, 11)} == {i: expected[i] for i in range(7, 11)}, (expected, got)
 
 
 @pytest.mark.xdist_group("zaya_muon")
