@@ -1,6 +1,7 @@
 """Tune the sort by expert's launch table (``sort_by_expert.SORT_TUNING``) on this GPU, on the map the MoE layer
 sorts: top-1 ``[T, E]`` bool with its gates ``[T, E]`` fp32 (T = 4096 x ``--batch``, E = 16 experts, a share of
-tokens routed to none); a map whose rows are not 16-byte aligned (``[T, E + 1]``) is timed beside it.
+tokens routed to none); a map whose rows are not 16-byte aligned (``[T, E + 1]``) is timed beside it, with the
+table's setting first (a sweep cut short still answers it) and with the best setting last.
 
     python -m benchmarks.tune_sort            # CUDA or ROCm GPU, a few minutes: each setting compiles
     python -m benchmarks.tune_sort --smoke    # tiny shapes, the kernel interpreted on CPU: checks the script
@@ -66,6 +67,8 @@ def main() -> None:
         return lambda: median_ms(lambda: sort_by_expert.sort_by_expert(routing_map, 0, EXPERTS, gates), device, True)
 
     candidates = SMOKE_CANDIDATES if args.smoke else CANDIDATES
+    current = {key: table[key] for key in candidates[0]}
+    sweep_groups(table, {"[T, E + 1], the table's setting": [current]}, measure("[T, E + 1]"))  # before the sweep
     best = sweep_groups(table, {"[T, E]": candidates}, measure("[T, E]"))
     sweep_groups(table, {"[T, E + 1]": [best]}, measure("[T, E + 1]"))
     print(f"best on the model's [T, E] map: {best}")
