@@ -30,6 +30,7 @@ from tqdm import tqdm
 from ..errors import InputError
 from .documents import expand_inputs, read_documents
 from .embedded import EMBEDDED_CORPUS, EMBEDDED_DIR, embedded_tokenizer_dir
+from .tokenizer_json import TokenizerJson
 
 DOCUMENTS_PER_BATCH = 64
 BATCH_CHARS = 1 << 20  # a batch ends at this many characters too, so that long documents are not held 64 at a time
@@ -44,14 +45,17 @@ class DatasetSummary:
 
 
 def load_tokenizer(name_or_dir: str):
-    """A transformers fast tokenizer, loaded the way Megatron's HuggingFaceTokenizer loads it."""
+    """A transformers fast tokenizer, loaded the way Megatron's HuggingFaceTokenizer loads it; a directory of the
+    generic fast class is read without transformers (:class:`~.tokenizer_json.TokenizerJson`, the same ids)."""
+    path = os.path.expanduser(name_or_dir)
+    if name_or_dir.startswith(("/", ".", "~")) and not os.path.isdir(path):
+        raise InputError(f"tokenizer directory {name_or_dir} does not exist; check --tokenizer")
+    if os.path.isdir(path) and TokenizerJson.serves(path):
+        return TokenizerJson(path)
     try:
         from transformers import AutoTokenizer
     except ModuleNotFoundError:
         raise InputError("transformers is not installed; pip install 'megatron-zaya[hf]'") from None
-    path = os.path.expanduser(name_or_dir)
-    if name_or_dir.startswith(("/", ".", "~")) and not os.path.isdir(path):
-        raise InputError(f"tokenizer directory {name_or_dir} does not exist; check --tokenizer")
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers raises many types (OSError, ValueError, HF hub errors)

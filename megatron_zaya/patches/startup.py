@@ -112,3 +112,47 @@ def compile_disabled() -> None:
     import torch
 
     replace_attr(torch, "compile", _uncompiled)
+
+
+def _serves_without_transformers(args) -> bool:
+    """Whether ``args`` ask Megatron for a Hugging Face tokenizer that :class:`TokenizerJson` reads the same."""
+    from megatron_zaya.data.tokenizer_json import TokenizerJson
+
+    plain = not any(getattr(args, flag, None) for flag in ("special_tokens", "vocab_file", "merge_file",
+                                                           "chat_template", "metadata_path"))
+    model = args.tokenizer_model
+    return (args.tokenizer_type == "HuggingFaceTokenizer" and plain and model is not None
+            and os.path.isdir(model) and TokenizerJson.serves(model))
+
+
+@register("startup.tokenizer_json", target="megatron.training.global_vars.build_tokenizer")
+def tokenizer_json() -> None:
+    """Build a Hugging Face tokenizer of the generic fast class with the ``tokenizers`` library, not transformers.
+
+    Megatron's ``HuggingFaceTokenizer`` loads every tokenizer through transformers' ``AutoTokenizer``: importing
+    transformers takes 5-7 s of CPU per process (it indexes its 1,100 model files), in every launch that trains
+    on the embedded corpus. A directory whose ``tokenizer_config.json`` names ``PreTrainedTokenizerFast`` (no
+    Python-side logic: transformers runs the same Rust tokenizer) with no chat template or added tokens, given
+    without Megatron's tokenizer options (special tokens, vocabulary and merge files, metadata), is read by
+    :class:`megatron_zaya.data.tokenizer_json.TokenizerJson`: the same ids, vocabulary and special tokens (and so
+    the same tokenizer identity in checkpoints), with the properties Megatron's GPT datasets use; the padded
+    vocabulary is set as Megatron sets it. Any other tokenizer goes through Megatron's. The replacement is
+    patched on ``megatron.training.global_vars``, whose ``_build_tokenizer`` calls it.
+    Off: leave ``startup.tokenizer_json`` out of ``--zaya-patches`` / ``ZAYA_PATCHES``.
+    """
+    from megatron.core.tokenizers.utils.build_tokenizer import _set_padded_vocab_size
+    from megatron.training import global_vars
+
+    from megatron_zaya.data.tokenizer_json import TokenizerJson
+
+    original = global_vars.build_tokenizer
+
+    def build_tokenizer(args, **kwargs):
+        if not _serves_without_transformers(args):
+            return original(args, **kwargs)
+        tokenizer = TokenizerJson(args.tokenizer_model)
+        if args.pad_vocab_size:
+            _set_padded_vocab_size(args, tokenizer)
+        return tokenizer
+
+    replace_attr(global_vars, "build_tokenizer", build_tokenizer)
