@@ -84,7 +84,8 @@ class TokenizerJson:
 
     @property
     def unique_identifiers(self) -> OrderedDict:
-        return OrderedDict(**{"class": f"{type(self).__module__}.{type(self).__qualname__}", "tokenizer_path": self.path})
+        name = f"{type(self).__module__}.{type(self).__qualname__}"
+        return OrderedDict([("class", name), ("tokenizer_path", self.path)])
 
     def tokenize(self, text: str) -> list[int]:
         return self._tokenizer.encode(text).ids

@@ -1,7 +1,8 @@
 """On GPUs, through the CLI in bf16 under ``--deterministic-mode`` (GPU runs repeat bit for bit): exact resume with
 Megatron's distributed optimizer, Adam and Muon's ZeRO-1; a background save, written while training went on,
-resumed exactly; a run SIGKILLed, resumed exactly from the in-memory tier; a NaN on one rank skipped on every rank; the fused weight gradients against the unfused ones; the
-MoE sublayer and the CCA sublayer's part before its attention, each as one op, against their kernels op by op.
+resumed exactly; a run SIGKILLed, resumed exactly from the in-memory tier; a NaN on one rank skipped on every
+rank; the fused weight gradients against the unfused ones; the MoE sublayer and the CCA sublayer's part before its
+attention, each as one op, against their kernels op by op.
 
 Two uninterrupted runs (one per optimizer, module fixtures) serve every test of their optimizer: each is a
 reference that a test repeats from its checkpoint of step 5. Up to two GPUs (data parallel; the CLI relaunches
