@@ -46,7 +46,7 @@ from ..errors import UsageError
 from . import peer_copy
 from .format import CHECKSUMS, TRACKER, file_crcs, read_tracker, recorded_files, step_name, write_checksums
 from .integrity import damage
-from .staging import ReadBack, Snapshot, read_tensors
+from .staging import ReadBack, Snapshot, read_tensors, spec_bytes
 
 STATE = "state.pt"
 LAYOUT = "layout.json"
@@ -120,8 +120,7 @@ def _devices_to_read_onto(part: Path, specs: list, devices: list[str] | None) ->
     the host, the merges run there and Megatron's loads copy the values to the device."""
     if not devices or not torch.cuda.is_available():
         return devices
-    nbytes = sum(torch.Size(shape).numel() * getattr(torch, dtype).itemsize
-                 for (dtype, shape), device in zip(specs, devices, strict=True) if device != "cpu")
+    nbytes = sum(size for size, device in zip(spec_bytes(specs), devices, strict=True) if device != "cpu")
     free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     if 2 * nbytes <= free:
         return devices

@@ -320,6 +320,11 @@ class ReadBack(NamedTuple):
     seconds: dict[str, float]
 
 
+def spec_bytes(specs: list[tuple[str, tuple[int, ...]]]) -> list[int]:
+    """The bytes of each tensor of ``specs`` (:attr:`Snapshot.specs`: dtype name, shape)."""
+    return [torch.Size(shape).numel() * getattr(torch, dtype).itemsize for dtype, shape in specs]
+
+
 def read_tensors(paths: list[Path], specs: list[tuple[str, tuple[int, ...]]], devices: list[str] | None = None,
                  threads: int = THREADS, chunk: int = READ_CHUNK_BYTES) -> ReadBack:
     """The tensors :class:`Snapshot` wrote into the files ``paths`` (in order), each on its device of ``devices``
@@ -330,7 +335,7 @@ def read_tensors(paths: list[Path], specs: list[tuple[str, tuple[int, ...]]], de
     keep the whole part alive as long as any tensor of it) and filled from the file's chunks, on a GPU from two
     pinned ones taking turns, on a CUDA stream of the file's."""
     paths = [Path(p) for p in paths]
-    sizes = [torch.Size(shape).numel() * getattr(torch, dtype).itemsize for dtype, shape in specs]
+    sizes = spec_bytes(specs)
     offsets, end = _offsets(sizes)
     starts = list(itertools.accumulate((p.stat().st_size for p in paths), initial=0))
     if starts[-1] != end:

@@ -50,7 +50,7 @@ def load_tokenizer(name_or_dir: str):
     path = os.path.expanduser(name_or_dir)
     if name_or_dir.startswith(("/", ".", "~")) and not os.path.isdir(path):
         raise InputError(f"tokenizer directory {name_or_dir} does not exist; check --tokenizer")
-    if os.path.isdir(path) and TokenizerJson.serves(path):
+    if TokenizerJson.serves(path):
         return TokenizerJson(path)
     try:
         from transformers import AutoTokenizer

@@ -4,13 +4,14 @@
 Such a tokenizer has no Python-side logic: transformers' ``PreTrainedTokenizerFast`` runs the same Rust tokenizer,
 so the ids, the vocabulary and the special tokens are the same. Loading it this way skips importing transformers,
 seconds of every launch that trains on the embedded corpus (or any such tokenizer) and of each tokenisation. It
-serves Megatron as its ``HuggingFaceTokenizer`` does (the ``tokenizer.json_for_huggingface`` patch) and
+serves Megatron as its ``HuggingFaceTokenizer`` does (the ``startup.tokenizer_json`` patch) and
 ``zaya-preprocess`` as transformers' tokenizer does (``__call__``); any other tokenizer goes through transformers.
 """
 
 from __future__ import annotations
 
 import json
+import operator
 from collections import OrderedDict
 from pathlib import Path
 
@@ -55,32 +56,18 @@ class TokenizerJson:
     @property
     def vocab(self) -> list[str]:
         """Each id's token, in id order (Megatron's ``HuggingFaceTokenizer.vocab``)."""
-        by_id = {i: token for token, i in self._vocab.items()}
+        by_id = self.inv_vocab
         return [by_id[i] for i in range(len(by_id))]
 
     @property
     def inv_vocab(self) -> dict[int, str]:
         return {i: token for token, i in self._vocab.items()}
 
-    @property
-    def eod(self) -> int | None:
-        return self.eos_id
-
-    @property
-    def eos(self) -> int | None:
-        return self.eos_id
-
-    @property
-    def bos(self) -> int | None:
-        return self.bos_id
-
-    @property
-    def pad(self) -> int | None:
-        return self.pad_id
-
-    @property
-    def unk(self) -> int | None:
-        return self.unk_id
+    # the special tokens' ids under Megatron's names (and transformers' eos_token_id, below)
+    eod = eos = property(operator.attrgetter("eos_id"))
+    bos = property(operator.attrgetter("bos_id"))
+    pad = property(operator.attrgetter("pad_id"))
+    unk = property(operator.attrgetter("unk_id"))
 
     @property
     def unique_identifiers(self) -> OrderedDict:
@@ -94,9 +81,7 @@ class TokenizerJson:
         return self._tokenizer.decode(ids, skip_special_tokens=False)
 
     # transformers' interface, as zaya-preprocess uses it
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.eos_id
+    eos_token_id = eod
 
     def __len__(self) -> int:
         return self.vocab_size

@@ -122,7 +122,7 @@ def _serves_without_transformers(args) -> bool:
                                                            "chat_template", "metadata_path"))
     model = args.tokenizer_model
     return (args.tokenizer_type == "HuggingFaceTokenizer" and plain and model is not None
-            and os.path.isdir(model) and TokenizerJson.serves(model))
+            and TokenizerJson.serves(model))
 
 
 @register("startup.tokenizer_json", target="megatron.training.global_vars.build_tokenizer")
