@@ -86,6 +86,41 @@ def _run_with_private_triton(kernel, module: ModuleType) -> None:
     kernel.run = run
 
 
+def _patch_lang_once_per_launch(interpreter: ModuleType) -> None:
+    """Make the interpreter patch ``triton.language`` for a module's ``@triton.jit`` functions once per launch,
+    not again at every call of a helper.
+
+    A launch patches the language's builtins that its kernel's module sees for its duration
+    (``GridExecutor.__call__`` calls ``_patch_lang`` and restores it after); triton 3.8 patches them again, never
+    restored, at each call of a helper (``InterpretedFunction.__call__``), once per program instance. Each time
+    lists the members of four modules and wraps every builtin, already wrapped, in another layer, so a kernel
+    calling helpers got slower with every program: 55,997 such patches took most of a layer step's 130 s. Here
+    a helper's call patches only for the first function of its module (``triton.language.standard``'s see
+    ``core``, which the kernel's may not) in a launch, and the launch's end restores those patches too."""
+    original = interpreter._patch_lang
+    launch: dict[int, object] = {}  # the launch's patch scopes by the patched function's module (its globals)
+
+    def patch_lang(fn):
+        if launch:  # a helper's call inside a launch
+            if id(fn.__globals__) not in launch:
+                launch[id(fn.__globals__)] = original(fn)
+            return interpreter._LangPatchScope()  # nothing for the helper's caller to restore
+        scope = original(fn)
+        restore = scope.restore
+
+        def restore_all():
+            for helper_scope in reversed([s for s in launch.values() if s is not scope]):
+                helper_scope.restore()
+            launch.clear()
+            restore()
+
+        scope.restore = restore_all
+        launch[id(fn.__globals__)] = scope
+        return scope
+
+    interpreter._patch_lang = patch_lang
+
+
 def load_kernel_module(module_name: str, *, interpret: bool = True) -> ModuleType:
     """A private import of ``module_name`` with its kernels interpreted (CPU) or compiled (see compile_only)."""
     package = importlib.import_module(_PACKAGE)
@@ -107,6 +142,7 @@ def load_kernel_module(module_name: str, *, interpret: bool = True) -> ModuleTyp
     if not kernels or any(type(kernel).__name__ != kind for kernel in kernels):
         raise RuntimeError(f"{module_name}: expected its Triton kernels to load as {kind}s")
     if interpret:
+        _patch_lang_once_per_launch(module.private_triton_modules["triton.runtime.interpreter"])
         for kernel in kernels:
             _run_with_private_triton(kernel, module)
     return module
