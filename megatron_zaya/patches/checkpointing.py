@@ -150,6 +150,39 @@ def checksums_while_writing() -> None:
     replace_attr(FileSystemWriterAsync, "get_save_function_and_args", get_save_function_and_args)
 
 
+@register("checkpointing.no_record_crc_in_writes", target="megatron.core.dist_checkpointing.strategies."
+          "filesystem_async.FileSystemWriterAsync.write_preloaded_data_multithread")
+def no_record_crc_in_writes() -> None:
+    """While Megatron's ``torch_dist`` writer runs in this process, ``torch.save`` writes its zip records without
+    their CRC-32: the files are checksummed whole as they are written (``checkpointing.checksums_while_writing``).
+
+    Megatron's writer threads ``torch.save`` each tensor into their file (``_write_item``,
+    torch/distributed/checkpoint/filesystem.py). ``torch.save`` computes every record's CRC-32 in
+    ``PyTorchFileWriter.write_record``, which holds the GIL, so the 8 writer threads took turns at ~1.4 GB/s: most of
+    a 24 GB background write's 31-38 s on one H200. ``torch.load`` never checks those CRCs, and the integrity
+    checks read the files' own (``zaya_checksums.json``). Wraps
+    ``FileSystemWriterAsync.write_preloaded_data_multithread`` (filesystem_async.py:253, what a synchronous and a
+    background save run) to set torch's ``config.save.compute_crc32`` off while it runs, and back after it; other
+    ``torch.save`` calls keep it.
+    Off: leave ``checkpointing.no_record_crc_in_writes`` out of ``--zaya-patches``.
+    """
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    from torch.utils.serialization import config
+
+    original = FileSystemWriterAsync.write_preloaded_data_multithread
+
+    @functools.wraps(original)
+    def write_preloaded_data_multithread(*args, **kwargs):
+        before, config.save.compute_crc32 = config.save.compute_crc32, False
+        try:
+            return original(*args, **kwargs)
+        finally:
+            config.save.compute_crc32 = before
+
+    replace_attr(FileSystemWriterAsync, "write_preloaded_data_multithread",
+                 staticmethod(write_preloaded_data_multithread))
+
+
 @register("checkpointing.one_write_in_flight", target="megatron.training.training.save_checkpoint",
           wraps=("reliability.watchdog_saves",))
 def one_write_in_flight() -> None:

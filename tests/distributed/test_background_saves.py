@@ -4,6 +4,7 @@ synchronous save, checksums its files as it writes them, never reading them back
 
 from __future__ import annotations
 
+import re
 import zlib
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def _save_change_and_load(rank, world, root):
     from megatron_zaya.checkpoint import staging
     from megatron_zaya.patches import apply_patches
 
-    apply_patches("cpu,checkpointing.checksums_while_writing")
+    apply_patches("cpu,checkpointing.checksums_while_writing,checkpointing.no_record_crc_in_writes")
     training = _state(rank, world, fill=True)
     results = []
     for save in ("first", "second"):  # the second reuses the pool
@@ -95,22 +96,24 @@ def test_a_background_save_writes_the_state_of_its_step_from_the_host_pool(tmp_p
                                      == size_crc for file, size_crc in table.items()), (name, table)
 
 
-def _save_synchronously(rank, world, root):
-    """A synchronous ``torch_dist`` save of the two tensors, then rank 0's ``zaya_checksums.json`` as the tracker
-    writes it; returns (the files read back to checksum them during the save, and while writing the record)."""
+def _save_synchronously(rank, world, root, patches="cpu,checkpointing.checksums_while_writing"):
+    """A synchronous ``torch_dist`` save of the two tensors with ``patches``, then rank 0's ``zaya_checksums.json``
+    as the tracker writes it; returns (the files read back to checksum them during the save, and while writing the
+    record), and the tensors loaded back."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     from megatron_zaya.checkpoint import format as checkpoint_format
     from megatron_zaya.patches import apply_patches
 
-    apply_patches("cpu,checkpointing.checksums_while_writing")
+    apply_patches(patches)
     hashed = _count_reads(checkpoint_format)
     dist_checkpointing.save(_state(rank, world, fill=True), root, TorchDistSaveShardedStrategy("torch_dist", 1))
     during = [Path(p).name for p in hashed]
     if rank == 0:
         checkpoint_format.write_checksums(root)
-    return during, sorted(Path(p).name for p in hashed[len(during):])
+    loaded = dist_checkpointing.load(_state(rank, world, fill=False), root)
+    return during, sorted(Path(p).name for p in hashed[len(during):]), loaded
 
 
 def test_a_synchronous_save_checksums_its_files_as_it_writes_them(tmp_path):
@@ -120,7 +123,7 @@ def test_a_synchronous_save_checksums_its_files_as_it_writes_them(tmp_path):
 
     root = tmp_path / "ckpt"
     root.mkdir()
-    (during_0, record_0), (during_1, record_1) = run_ranks(_save_synchronously, 2, tmp_path, str(root))
+    (during_0, record_0, _), (during_1, record_1, _) = run_ranks(_save_synchronously, 2, tmp_path, str(root))
     assert during_0 == during_1 == [] and record_1 == []  # the writers read nothing back
     assert record_0 == [".metadata", "metadata.json"], record_0
     files = sorted(p.name for p in root.iterdir() if p.name != CHECKSUMS)
@@ -131,3 +134,38 @@ def test_a_synchronous_save_checksums_its_files_as_it_writes_them(tmp_path):
     shard[len(shard) // 2] ^= 0xFF
     (root / "__1_0.distcp").write_bytes(bytes(shard))
     assert damage(root, files, table) == ["__1_0.distcp differs from its checksum at save"]
+
+
+def _storage_crcs(data: bytes) -> list[int]:
+    """The CRC-32 of every tensor storage record (``archive/data/<n>``) in ``data``, from the zip central
+    directories' entries: a ``.distcp`` file is the ``torch.save`` zips of its items one after the other."""
+    crcs = []
+    for entry in re.finditer(rb"PK\x01\x02", data):
+        at = entry.start()
+        name = data[at + 46:at + 46 + int.from_bytes(data[at + 28:at + 30], "little")]
+        if re.fullmatch(rb"[^/]+/data/\d+", name):
+            crcs.append(int.from_bytes(data[at + 16:at + 20], "little"))
+    return crcs
+
+
+def test_the_writers_torch_save_skips_the_record_crcs_the_file_checksums_cover(tmp_path):
+    """``checkpointing.no_record_crc_in_writes``: the tensors' zip records in the ``.distcp`` files carry no CRC-32
+    (the pass that held the GIL was skipped), where a plain ``torch.save`` of this process has them; the tensors
+    load back equal and the files match their checksums."""
+    import io
+
+    from megatron_zaya.checkpoint import recorded_files
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    patches = "cpu,checkpointing.checksums_while_writing,checkpointing.no_record_crc_in_writes"
+    for rank, (_, _, loaded) in enumerate(run_ranks(_save_synchronously, 2, tmp_path, str(root), patches)):
+        for key, value in _state(rank, 2, fill=True).items():
+            torch.testing.assert_close(loaded[key], value.data, rtol=0, atol=0)
+    table, shards = recorded_files(root), sorted(root.glob("*.distcp"))
+    assert len(shards) == 2 and all(table[p.name] == [len(d := p.read_bytes()), zlib.crc32(d)] for p in shards)
+    written = [crc for p in shards for crc in _storage_crcs(p.read_bytes())]
+    assert written == [0, 0, 0], written  # two shards and the replicated tensor
+    plain = io.BytesIO()
+    torch.save(_state(0, 2, fill=True)["replicated"].data, plain)
+    assert _storage_crcs(plain.getvalue()) == [zlib.crc32(_state(0, 2, fill=True)["replicated"].data.numpy())]
