@@ -36,7 +36,7 @@ newest and the one being written); they are deleted once the mode is summarized.
 At 10.98 bytes per parameter (measured on an H200), two of the 8-layer model's (2.2B parameters) fit a 64 GiB
 disk, and two of the 12-layer model's (3.0B) 128 GiB of host memory (``/dev/shm``).
 
-A background write of the 8-layer model takes 45-60 s on one H200 (its log's ``[zaya] background save
+A background write of the 8-layer model takes 20-28 s on one H100 (its log's ``[zaya] background save
 written`` lines); an interval shorter than that measures the wait for the previous write. One H200 (the
 ``none`` run is each call's baseline; about 2.5 minutes per mode at 60 iterations)::
 
