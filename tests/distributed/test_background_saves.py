@@ -166,6 +166,6 @@ def test_the_writers_torch_save_skips_the_record_crcs_the_file_checksums_cover(t
     assert len(shards) == 2 and all(table[p.name] == [len(d := p.read_bytes()), zlib.crc32(d)] for p in shards)
     written = [crc for p in shards for crc in _storage_crcs(p.read_bytes())]
     assert written == [0, 0, 0], written  # two shards and the replicated tensor
-    plain = io.BytesIO()
-    torch.save(_state(0, 2, fill=True)["replicated"].data, plain)
-    assert _storage_crcs(plain.getvalue()) == [zlib.crc32(_state(0, 2, fill=True)["replicated"].data.numpy())]
+    replicated, plain = _state(0, 2, fill=True)["replicated"].data, io.BytesIO()
+    torch.save(replicated, plain)
+    assert _storage_crcs(plain.getvalue()) == [zlib.crc32(replicated.numpy())]
