@@ -118,13 +118,17 @@ def test_a_kill_while_the_writer_writes_leaves_an_intact_latest(tmp_path):
 
 def test_two_ranks_resume_exactly_from_a_background_save(tmp_path):
     """Two gloo ranks (distributed optimizer, overlapped reductions) save in the background at steps 3 and 6, each
-    trainer's thread staging its part through the host pool and writing it while the next steps train; a relaunch
-    from 3 repeats that run's losses 4-6 bit for bit."""
+    trainer's thread staging its part through the host pool and writing it, with ``--dist-ckpt-workers`` threads
+    into as many files, while the next steps train; a relaunch from 3 repeats that run's losses 4-6 bit for bit."""
     flags = QUICK + ["--train-iters", "6", "--async-save", "--save-interval", "3", "--save", "ck", "--load", "ck",
-                     "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+                     "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                     "--dist-ckpt-workers", "3"]
     first = pretrain(flags, cwd=tmp_path, nproc=2)
     assert first.returncode == 0, first.stderr[-3000:]
     assert first.stdout.count("[zaya] background save written in ") == 2, first.stdout[-3000:]
+    for step in ("iter_0000003", "iter_0000006"):
+        files = sorted(path.name for path in (tmp_path / "ck" / step).glob("*.distcp"))
+        assert files == [f"__{rank}_{thread}.distcp" for rank in (0, 1) for thread in range(3)], files
     uninterrupted = loss_csv(tmp_path / "ck" / "loss.csv")
     assert sorted(uninterrupted) == list(range(1, 7)) and newest_intact_checkpoint(str(tmp_path / "ck")) == "6"
     (tmp_path / "ck" / TRACKER).write_text("3")
