@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import warm_launch
-
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 
 # Small and quick: the tiny preset on the embedded corpus, short sequences.
@@ -30,17 +28,13 @@ def with_faults(spec: str) -> dict[str, str]:
     return {"ZAYA_FAULT_INJECT": spec, "PYTHONPATH": path}
 
 
-def pretrain(args: list[str], cwd: Path, timeout: int = 600, extra_env: dict | None = None, nproc: int = 1,
-             warm: bool = True):
-    """``zaya-pretrain ARGS`` in a subprocess; with ``nproc`` > 1 under torchrun (gloo on CPU). One process is
-    forked from the worker's zygote (``warm_launch``) where it would see the same, unless ``warm`` is False."""
+def pretrain(args: list[str], cwd: Path, timeout: int = 600, extra_env: dict | None = None, nproc: int = 1):
+    """``zaya-pretrain ARGS`` in a subprocess; with ``nproc`` > 1 under torchrun (gloo on CPU)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     env.pop("WORLD_SIZE", None)
-    command = warm_launch.command("megatron_zaya.pretrain", args, env) if warm and nproc == 1 else None
-    if command is None:
-        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
-        command = [sys.executable, *launcher, "-m", "megatron_zaya.pretrain", *args]
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
+    return subprocess.run([sys.executable, *launcher, "-m", "megatron_zaya.pretrain", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def losses(stdout: str) -> dict[int, float]:
