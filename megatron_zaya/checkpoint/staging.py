@@ -464,9 +464,9 @@ def write_from_host(snapshot: Snapshot, write, rank: int, write_buckets: list, r
                 for name, key, (raw, items) in write_buckets]
         write(rank, host, results_queue)
         if rank == 0:  # what sets the shortest save interval that does not wait for the previous write
-            items = sum(len(raw) + len(items) for _, _, (raw, items) in host)
+            count = sum(len(raw) + len(items) for _, _, (raw, items) in host)
             print(f"[zaya] background save written in {time.perf_counter() - start:.1f} s: copied to host memory "
-                  f"{staged - start:.1f} s, written {time.perf_counter() - staged:.1f} s ({items} items in "
+                  f"{staged - start:.1f} s, written {time.perf_counter() - staged:.1f} s ({count} items in "
                   f"{len(host)} files)", flush=True)
     finally:
         written[0] = 1

@@ -192,10 +192,10 @@ def async_save_workers() -> None:
     ``save_checkpoint`` (checkpointing.py:775) builds ``TorchDistSaveShardedStrategy`` with its default of one
     thread and applies ``--dist-ckpt-workers`` only with ``--ckpt-assume-constant-structure``: otherwise the flag
     is ignored without a word, and one thread writes the whole part into one file. A background save of the
-    8-layer model (24 GB in 2,452 items) was written in 12-14 s that way, in 3.3 s by 8 threads (one H100,
-    docs/benchmarks.md). The replacement, a subclass in ``megatron.training.checkpointing``'s namespace, takes
-    ``--dist-ckpt-workers`` threads when ``--async-save`` is on and the caller names no thread count;
-    synchronous saves keep one, as Megatron wants.
+    8-layer model (24 GB in 2,452 items) was written in 12-14 s that way, in 3.3 s by 8 threads (one H100, with
+    ``--ckpt-assume-constant-structure``; docs/benchmarks.md). The replacement, a subclass in
+    ``megatron.training.checkpointing``'s namespace, takes ``--dist-ckpt-workers`` threads when ``--async-save`` is
+    on and the caller names no thread count; synchronous saves keep one, as Megatron wants.
     Off: leave ``checkpointing.async_save_workers`` out of ``--zaya-patches``.
     """
     from megatron.training import checkpointing
