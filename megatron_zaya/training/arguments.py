@@ -284,7 +284,8 @@ def _check_flag_combinations(args) -> None:
     if args.bf16 and args.fp16:
         raise UsageError("--bf16 and --fp16 both given; choose one")
     for flag, value in (("--micro-batch-size", args.micro_batch_size), ("--global-batch-size", args.global_batch_size),
-                        ("--train-iters", args.train_iters), ("--seq-length", args.seq_length)):
+                        ("--train-iters", args.train_iters), ("--seq-length", args.seq_length),
+                        ("--dist-ckpt-workers", args.dist_ckpt_workers)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} {value}: must be at least 1")
     for flag, value in (("--lr", args.lr), ("--min-lr", args.min_lr), ("--weight-decay", args.weight_decay)):

@@ -82,6 +82,7 @@ def results(tmp_path_factory):
     cases.update({
         "negative learning rate": [*mock, "--lr", "-0.001"],
         "micro-batch size 0": [*mock, "--micro-batch-size", "0"],
+        "no checkpoint writer threads": [*mock, "--async-save", "--dist-ckpt-workers", "0"],
         "bf16 and fp16": [*mock, "--bf16", "--fp16"],
         "a global batch no multiple of the micro-batch": [*mock, "--micro-batch-size", "2", "--global-batch-size",
                                                           "3"],
@@ -181,6 +182,7 @@ EXPECTED = {  # case -> words the one error line must hold
     "a tokenizer that does not load": ["does not load", "give the tokenizer's directory"],
     "negative learning rate": ["--lr -0.001 is negative"],
     "micro-batch size 0": ["--micro-batch-size 0: must be at least 1"],
+    "no checkpoint writer threads": ["--dist-ckpt-workers 0: must be at least 1"],
     "no micro-batch size": ["invalid arguments: --micro-batch-size is missing; give it (Megatron's check "
                             "`assert args.micro_batch_size is not None` failed)"],
     "no sequence length": ["invalid arguments: --seq-length is missing; give it (Megatron's check "
