@@ -298,7 +298,8 @@ def loss_curve_at_saves() -> None:
 
     Otherwise the curve is written at the end of the run (or at a clean early stop) only. Wraps the name
     ``save_checkpoint`` that ``megatron.training.training`` imported, outside the other save patches (a save that
-    fails raises before the curve is written); every rank pools its losses there, as every rank saves.
+    fails raises before the curve is written); every rank pools its losses there, as every rank saves, before the
+    save (the losses' read-back then waits for no copy the save queued).
     Off: leave ``checkpointing.loss_curve_at_saves`` out of ``--zaya-patches`` (a crash then loses the curve of
     its launch).
     """
@@ -310,8 +311,9 @@ def loss_curve_at_saves() -> None:
 
     @functools.wraps(original)
     def save_checkpoint(*args, **kwargs):
+        LOSS_CURVE.pool_for_save()
         saved = original(*args, **kwargs)
-        LOSS_CURVE.pool_and_save()
+        LOSS_CURVE.save_csv()
         return saved
 
     replace_attr(training, "save_checkpoint", save_checkpoint)

@@ -36,16 +36,18 @@ class LossCurve:
 
     def pool(self, group) -> None:
         """Sum every rank's per-iteration loss and token counts recorded since the last pool over ``group`` (every
-        rank of it must call)."""
+        rank of it must call), read back from the device in one copy."""
         import torch.distributed as dist
 
         iterations = sorted(self._sums)
-        pooled = [[float(s), float(n)] for s, n in (self._sums[i] for i in iterations)]
-        if pooled and group is not None and dist.get_world_size(group) > 1:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            totals = torch.tensor(pooled, dtype=torch.float64, device=device)
+        if not iterations:
+            return
+        totals = torch.stack([torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in self._sums[i]])
+                              for i in iterations])
+        if group is not None and dist.get_world_size(group) > 1:
+            totals = totals.to("cuda" if torch.cuda.is_available() else "cpu")
             dist.all_reduce(totals, group=group)
-            pooled = totals.cpu().tolist()
+        pooled = totals.cpu().tolist()
         self._pooled.update({i: (total[0], total[1]) for i, total in zip(iterations, pooled, strict=True)})
         self._sums.clear()
 
@@ -53,13 +55,15 @@ class LossCurve:
         """The pooled iterations' token-weighted mean losses."""
         return [(it, s / max(n, 1.0)) for it, (s, n) in sorted(self._pooled.items())]
 
-    def pool_and_save(self) -> None:
-        """At a checkpoint save, on every rank: pool the steps since the last pool; the rank that writes the curve
-        writes its CSV."""
-        if not self.enabled:
-            return
-        self.pool(curve_group())
-        if writes_curve():
+    def pool_for_save(self) -> None:
+        """Before a checkpoint save, on every rank: pool the steps since the last pool, so that its read-back from
+        the device does not queue behind the copies to host memory that the save starts."""
+        if self.enabled:
+            self.pool(curve_group())
+
+    def save_csv(self) -> None:
+        """After a checkpoint save: the rank that writes the curve writes its CSV."""
+        if self.enabled and writes_curve():
             self.write_csv()
 
     def write_csv(self) -> list[tuple[int, float]]:
