@@ -62,7 +62,9 @@ The restore of a 3 GiB part against another version (median of 3, a fresh proces
     python -m benchmarks.checkpoint_save --modes part_restore --part-gib 3 --repeats 3 --baseline /tmp/base \\
         --local-dir /dev/shm/ckpt-part
 
-``--smoke`` runs the ``test`` preset on any device (CPU: fp32, gloo) to check the script.
+``--smoke`` runs the ``test`` preset on any device (CPU: fp32, gloo) to check the script. ``--sample-saves``
+prints, per save call, what the trainer's main thread and the save's threads ran, sampled every 2 ms
+(``benchmarks/save_sampler``; the sampling slows the process a little).
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ import time
 from pathlib import Path
 
 from benchmarks.megatron_log import iterations
+
+SAMPLER = Path(__file__).parent / "save_sampler"  # its sitecustomize samples the save calls (--sample-saves)
 
 MODES = {
     "none": [],
@@ -313,9 +317,13 @@ def run(mode: str, args) -> dict:
     log = Path(args.dir) / f"{mode}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     peak, stop = {}, threading.Event()
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    samples = Path(args.dir).resolve() / f"{mode}-save-samples"
+    if args.sample_saves:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SAMPLER), env.get("PYTHONPATH")]))
+        env["ZAYA_SAVE_SAMPLES"] = str(samples)
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={k: v for k, v in os.environ.items() if k != "WORLD_SIZE"})
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         watcher = threading.Thread(target=_watch_device_memory, args=(proc.pid, peak, stop), daemon=True)
         watcher.start()
         try:
@@ -325,6 +333,9 @@ def run(mode: str, args) -> dict:
             if proc.poll() is None:  # this benchmark stopped (SIGTERM, Ctrl-C): the run and its helpers too
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+    for path in sorted(samples.parent.glob(f"{samples.name}.*.txt")) if args.sample_saves else ():
+        print(f"{mode}: the save calls sampled ({path.name}):\n{path.read_text()}", flush=True)
+        path.unlink()
     text = log.read_text()
     if code:
         sys.stderr.write(text[-5000:])
@@ -373,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gbs", type=int, default=2, help="global batch (micro-batch 1)")
     parser.add_argument("--extra", default="", help="flags added to every mode's command, e.g. '--dist-ckpt-workers 4'")
     parser.add_argument("--smoke", action="store_true", help="the test preset, anywhere (checks the script)")
+    parser.add_argument("--sample-saves", action="store_true",
+                        help="print what the trainer's threads run during each save call, sampled every 2 ms")
     parser.add_argument("--part-gib", type=float, default=3.0, help="part_restore: GiB of tensors in the part")
     parser.add_argument("--repeats", type=int, default=3, help="part_restore: restores per package")
     parser.add_argument("--baseline", help="part_restore: a directory holding another version's megatron_zaya")
