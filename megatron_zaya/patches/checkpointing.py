@@ -248,6 +248,79 @@ def one_write_in_flight() -> None:
     replace_attr(training, "save_checkpoint", save_checkpoint)
 
 
+SAVE_TIMERS = ("save-checkpoint", "save-checkpoint-non-persistent")  # the names save_checkpoint_and_time times
+
+
+@register("checkpointing.save_timers_on_training_stream", target="megatron.training.training.save_checkpoint_and_time",
+          platforms=("cuda", "rocm"))
+def save_timers_on_training_stream() -> None:
+    """The save timers synchronize the training stream at their start and stop, not the whole device, so that a
+    save call can return while its copies to host memory run on their own stream beside the next step.
+
+    Megatron's ``Timer`` calls ``torch.cuda.synchronize()`` at each start and stop (timers.py:152, 165), and
+    ``save_checkpoint_and_time`` stops its timer after ``save_checkpoint`` (training.py:3103): that stop waits for
+    every copy of a background or local-tier save (``megatron_zaya.checkpoint.staging``) queued by then, which
+    nothing reads before the next step's ``finalize_model_grads``; the 8-layer model's 24 GB take 0.5 s on one GPU.
+    Wraps ``save_checkpoint_and_time``, which ``train`` looks up in ``megatron.training.training``, to give the two
+    save timers (:data:`SAVE_TIMERS`) the class of :func:`time_on_training_stream` before they run. Every other
+    timer still synchronizes the device: the one that ends a logged step waits there for copies that outlast it.
+    Off: leave ``checkpointing.save_timers_on_training_stream`` out of ``--zaya-patches``.
+    """
+    import megatron.training.training as training
+
+    original = training.save_checkpoint_and_time
+
+    @functools.wraps(original)
+    def save_checkpoint_and_time(*args, **kwargs):
+        timers = training.get_timers()
+        for name in SAVE_TIMERS:
+            time_on_training_stream(timers(name, log_level=0))
+        return original(*args, **kwargs)
+
+    replace_attr(training, "save_checkpoint_and_time", save_checkpoint_and_time)
+
+
+def time_on_training_stream(timer) -> None:
+    """Make one of Megatron's timers synchronize ``torch.cuda.current_stream()`` where it synchronized the device.
+    Its class is swapped in place: ``Timers`` hands out this one object by name. A timer that is off (Megatron's
+    ``DummyTimer``) stays as it is."""
+    from megatron.core.timers import Timer
+
+    if type(timer) is Timer:
+        timer.__class__ = _training_stream_timer()
+
+
+@functools.cache
+def _training_stream_timer() -> type:
+    import time
+
+    import torch
+    from megatron.core.timers import Timer
+
+    class TrainingStreamTimer(Timer):
+        """Megatron's ``Timer`` (timers.py:143-170) with ``torch.cuda.current_stream().synchronize()`` for
+        ``torch.cuda.synchronize()``."""
+
+        def start(self, barrier: bool = False) -> None:
+            assert not self._started, "timer has already been started"
+            if barrier:
+                torch.distributed.barrier(group=self._barrier_group)
+            torch.cuda.current_stream().synchronize()
+            self._start_time, self._started = time.time(), True
+
+        def stop(self, barrier: bool = False) -> None:
+            assert self._started, "timer is not started"
+            if barrier:
+                torch.distributed.barrier(group=self._barrier_group)
+            torch.cuda.current_stream().synchronize()
+            elapsed = time.time() - self._start_time
+            self._elapsed += elapsed
+            self._active_time += elapsed
+            self._started = False
+
+    return TrainingStreamTimer
+
+
 @register("checkpointing.one_writer_per_run", target="megatron.training.training.train",
           wraps=("training_loop.frozen_setup_objects",))
 def one_writer_per_run() -> None:

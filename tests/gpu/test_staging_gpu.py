@@ -2,7 +2,7 @@
 queued before it, the training stream's writes queued after :func:`wait_for_copies` do not reach them, and the
 device holds no copy of the state (at most a chunk or two of a non-contiguous tensor); read back onto the device
 (from pinned chunks, on a stream per file), the tensors are the snapshot's; the pool pinned at start-up by its
-thread serves the save."""
+thread serves the save; the save call's timer does not wait for the copies."""
 
 from __future__ import annotations
 
@@ -43,3 +43,36 @@ def test_a_snapshot_of_device_tensors_holds_its_moment(tmp_path, monkeypatch):
     assert torch.cuda.max_memory_allocated() - before <= 2 * CHUNK_BYTES
     back = read_tensors(sorted(tmp_path.glob("t.*.bin")), snapshot.specs, ["cuda"] * len(tensors), chunk=1 << 20)
     assert all(a.is_cuda and torch.equal(a.cpu(), b) for a, b in zip(back.tensors, expected, strict=True))
+
+
+def test_the_save_timers_wait_for_the_training_stream_not_for_the_copies():
+    """A save call's timer (``checkpointing.save_timers_on_training_stream``) ends once the training stream's work
+    is done, while copies on another stream run on; Megatron's own timer waits for both."""
+    from megatron.core.timers import Timers
+
+    from megatron_zaya.patches.checkpointing import SAVE_TIMERS, time_on_training_stream
+
+    timers = Timers(0, "minmax")
+    save, megatrons = timers(SAVE_TIMERS[0], log_level=0), timers("reference", log_level=0)
+    time_on_training_stream(save)
+    copies = torch.cuda.Stream()
+
+    def timed(timer, stream) -> tuple[float, float]:
+        """The timer's seconds around 0.2 s of GPU work queued on ``stream``, and that work's own seconds."""
+        torch.cuda.synchronize()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        timer.start()
+        with torch.cuda.stream(stream):
+            begin.record()
+            torch.cuda._sleep(400_000_000)  # clock cycles: ~0.2 s
+            end.record()
+        timer.stop()
+        torch.cuda.synchronize()
+        return timer.elapsed(), begin.elapsed_time(end) / 1000
+
+    elapsed, busy = timed(save, copies)
+    assert busy > 0.05 and elapsed < 0.25 * busy, (elapsed, busy)
+    elapsed, busy = timed(megatrons, copies)
+    assert elapsed >= 0.9 * busy, (elapsed, busy)
+    elapsed, busy = timed(save, torch.cuda.current_stream())
+    assert elapsed >= 0.9 * busy, (elapsed, busy)
