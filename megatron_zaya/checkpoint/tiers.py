@@ -16,8 +16,10 @@ from ..memory_plan import GIB
 
 # The flags --async-save implies, placed before the user's (an explicit one wins): --async-save alone gives a
 # background save. Megatron turns --async-save off without --use-persistent-ckpt-worker (arguments.py:1740), and its
-# default strategy imports NVIDIA's resiliency package; Megatron's own ("mcore") writer needs neither.
-ASYNC_FLAGS = ["--use-persistent-ckpt-worker", "--async-strategy", "mcore"]
+# default strategy imports NVIDIA's resiliency package; Megatron's own ("mcore") writer needs neither. The save plan
+# kept from the first save (--ckpt-assume-constant-structure) shortens every later save call; the patch
+# checkpointing.replan_on_new_structure plans afresh a save whose structure changed.
+ASYNC_FLAGS = ["--use-persistent-ckpt-worker", "--async-strategy", "mcore", "--ckpt-assume-constant-structure"]
 
 
 MEMORY_ROOT = "/dev/shm"

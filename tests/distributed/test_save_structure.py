@@ -1,0 +1,71 @@
+"""Saves through a strategy that keeps the first save's plan (``--ckpt-assume-constant-structure``, which
+``--async-save`` implies), on two gloo ranks: a save whose structure changed, on one rank or on all, is planned
+afresh and validated (``checkpointing.replan_on_new_structure``), and every save loads back as it was saved."""
+
+from __future__ import annotations
+
+import torch
+from gloo import run_ranks
+
+# Per save: the shared tensor's elements per rank, and whether rank 1 also saves a tensor of its own.
+SAVES = [(64, False), (64, False), (64, True), (96, True), (96, True)]
+
+
+def _state(rank, world, save, fill):
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    per_rank, own = SAVES[save]
+    sharded = torch.arange(per_rank, dtype=torch.float32) + 1000 * rank + 10 * save
+    state = {"sharded": ShardedTensor.from_rank_offsets("sharded", sharded, (0, rank, world)),
+             "replicated": ShardedTensor.from_rank_offsets("replicated", torch.linspace(save, 1, 32), replica_id=rank)}
+    if own and rank == 1:  # a tensor only rank 1 holds: the other rank's structure is unchanged
+        state["rank_1_only"] = ShardedTensor.from_rank_offsets("rank_1_only", torch.full((8,), 3.0 + save))
+    if not fill:
+        for value in state.values():
+            value.data = torch.zeros_like(value.data)
+    return state
+
+
+def _saves(rank, world, root):
+    """The saves of ``SAVES`` through one caching strategy, as Megatron's ``save_checkpoint`` makes them (the
+    sharding validated only at the first); per save, the sharding validations run and the tensors loaded back."""
+    from pathlib import Path
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import state_dict_utils
+    from megatron.core.dist_checkpointing.strategies import fully_parallel
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    from megatron_zaya.patches import apply_patches
+
+    apply_patches("cpu,checkpointing.replan_on_new_structure")
+    validations = []
+    for module in (state_dict_utils, fully_parallel):
+        original = module.validate_sharding_integrity
+        module.validate_sharding_integrity = (
+            lambda *a, original=original, **k: validations.append(1) or original(*a, **k))
+    strategy = fully_parallel.FullyParallelSaveStrategyWrapper(
+        TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True), do_cache_distribution=True)
+    results = []
+    for save in range(len(SAVES)):
+        directory = Path(root) / str(save)
+        directory.mkdir(parents=True, exist_ok=True)
+        before = len(validations)
+        dist_checkpointing.save(_state(rank, world, save, fill=True), directory, strategy,
+                                validate_access_integrity=save == 0)
+        loaded = dist_checkpointing.load(_state(rank, world, save, fill=False), directory)
+        results.append((len(validations) - before, {key: value.clone() for key, value in loaded.items()}))
+    return results
+
+
+def test_a_save_whose_structure_changed_is_planned_afresh_on_every_rank(tmp_path):
+    """The second save reuses the plan (no validation); the third, where only rank 1 saves one more tensor, and
+    the fourth, where the shared tensor grows, are validated on both ranks, and the fifth reuses the new plan.
+    Every save loads back equal to the tensors saved."""
+    for rank, saves in enumerate(run_ranks(_saves, 2, tmp_path, str(tmp_path / "ckpt"))):
+        assert [validated for validated, _ in saves] == [2, 0, 2, 2, 0], (rank, saves)
+        for save, (_, loaded) in enumerate(saves):
+            expected = {key: value.data for key, value in _state(rank, 2, save, fill=True).items()}
+            assert sorted(loaded) == sorted(expected), (rank, save)
+            for key, value in expected.items():
+                torch.testing.assert_close(loaded[key], value, rtol=0, atol=0)
