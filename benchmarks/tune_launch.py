@@ -34,7 +34,8 @@ TUNABLE = {
                settings_grid(backward_tokens=(16, 32, 64, 128, 256), backward_warps=(1, 2, 4, 8))),
     "router_head": (router.ROUTER_HEAD_TUNING, ("router_head",),
                     settings_grid(tokens=(16, 32, 64), warps=(4, 8), chunk=(32, 64), stages=(1, 2)),
-                    settings_grid(backward_tokens=(16, 32), backward_warps=(4, 8))),
+                    settings_grid(backward_tokens=(16, 32), backward_warps=(4, 8), backward_chunk=(32, 64),
+                                  backward_stages=(1, 2))),
 }  # fmt: skip
 
 

@@ -210,22 +210,24 @@ def route_top1(
     return _RouteTop1.apply(logits.reshape(-1, num_experts + 1).contiguous(), biases.detach())
 
 
-#: Launch settings of the fused head per platform: ``tokens`` (``backward_tokens``) tokens per program with
-#: ``warps`` (``backward_warps``) warps; ``chunk``: fc1's outputs taken ``chunk`` at a time (fc1's activation then
-#: never exists whole: each chunk feeds fc2's accumulator); ``stages``: software pipelining of the chunk loop
-#: (each stage holds a chunk of W1 and of W2 in shared memory); ``precision``: of the fp32 ``tl.dot``s.
-#: "tf32x3" on CUDA (three TF32 products, ~fp32 accuracy, on tensor cores; ``tests/gpu/test_kernels_gpu.py``
-#: holds it to the fp32 reference's error), "ieee" elsewhere (the interpreter; MI300X: not measured yet).
-#: Not tuned yet (``benchmarks/tune_launch.py --kernel router_head``), only compiled
-#: (tests/unit/test_kernel_compile.py): on sm_90 96 KB of shared memory per program;
-#: on gfx942 chunks of 16 and a 4-warp backward are what fit in 64 KB of LDS without spills at R = 256.
+#: Launch settings of the fused head per platform, forward (backward): ``tokens`` (``backward_tokens``) tokens per
+#: program with ``warps`` (``backward_warps``) warps; ``chunk`` (``backward_chunk``): fc1's outputs taken that many
+#: at a time (fc1's activation then never exists whole: each chunk feeds fc2's accumulator); ``stages``
+#: (``backward_stages``): software pipelining of the chunk loop (each stage holds a chunk of W1 and of W2 in shared
+#: memory); ``precision``: of the fp32 ``tl.dot``s. "tf32x3" on CUDA (three TF32 products, ~fp32 accuracy, on tensor
+#: cores; ``tests/gpu/test_kernels_gpu.py`` holds it to the fp32 reference's error), "ieee" elsewhere (the
+#: interpreter; MI300X: not measured yet). The CUDA forward: the best of 24 settings on one H100 at T = 8192
+#: (``benchmarks/tune_launch.py --kernel router_head``), 0.112 ms against 0.258 ms for (32, 8, 64, 1) before it; the
+#: backward: not tuned yet. On gfx942 chunks of 16 and a 4-warp backward are what fit in 64 KB of LDS without
+#: spills at R = 256 (compiled by tests/unit/test_kernel_compile.py).
 ROUTER_HEAD_TUNING = {
-    "cuda": {"tokens": 32, "warps": 8, "backward_tokens": 16, "backward_warps": 8, "chunk": 64, "stages": 1,
-             "precision": "tf32x3"},
-    "rocm": {"tokens": 32, "warps": 8, "backward_tokens": 16, "backward_warps": 4, "chunk": 16, "stages": 1,
-             "precision": "ieee"},
-    "cpu": {"tokens": 16, "warps": 4, "backward_tokens": 16, "backward_warps": 4, "chunk": 16, "stages": 1,
-            "precision": "ieee"},  # the interpreter: several programs and chunks at the tests' shapes
+    "cuda": {"tokens": 16, "warps": 4, "chunk": 32, "stages": 2, "backward_tokens": 16, "backward_warps": 8,
+             "backward_chunk": 64, "backward_stages": 1, "precision": "tf32x3"},
+    "rocm": {"tokens": 32, "warps": 8, "chunk": 16, "stages": 1, "backward_tokens": 16, "backward_warps": 4,
+             "backward_chunk": 16, "backward_stages": 1, "precision": "ieee"},
+    # the interpreter: several programs and chunks at the tests' shapes
+    "cpu": {"tokens": 16, "warps": 4, "chunk": 16, "stages": 1, "backward_tokens": 16, "backward_warps": 4,
+            "backward_chunk": 16, "backward_stages": 1, "precision": "ieee"},
 }  # fmt: skip
 #: The widest router (R) the fused head keeps in registers (ZAYA1-8B: 256); wider ones run the reference head.
 HEAD_MAX_WIDTH = 256
@@ -399,8 +401,8 @@ def _head_launch(device: torch.device, n_tokens: int, width: int, n_classes: int
     tokens, block_r = tuning[prefix + "tokens"], max(16, triton.next_power_of_2(width))  # tl.dot: sizes >= 16
     return (triton.cdiv(n_tokens, tokens),), {
         "BLOCK_T": tokens, "BLOCK_R": block_r, "BLOCK_C": max(16, triton.next_power_of_2(n_classes)),
-        "CHUNK": min(tuning["chunk"], block_r), "PRECISION": tuning["precision"], "num_warps": tuning[prefix + "warps"],
-        "num_stages": tuning["stages"],
+        "CHUNK": min(tuning[prefix + "chunk"], block_r), "PRECISION": tuning["precision"],
+        "num_warps": tuning[prefix + "warps"], "num_stages": tuning[prefix + "stages"],
     }  # fmt: skip
 
 
