@@ -26,7 +26,9 @@ def test_a_forward_and_backward_of_the_eager_model_never_synchronizes():
                       bf16=True, kernels="all")
     torch.manual_seed(0)
     model = build_single_process_model(cfg).cuda().train()
-    ids = torch.randint(0, cfg.vocab_size, (4, 256), device="cuda")
+    # drawn on the CPU: a CUDA-graph test earlier in this worker can leave the default CUDA generator registered
+    # with a graph, and a draw outside capture then fails ("Offset increment outside graph capture")
+    ids = torch.randint(0, cfg.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0)).cuda()
 
     def step():
         loss = model(ids, labels=ids).float().mean()
