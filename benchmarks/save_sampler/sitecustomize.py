@@ -18,6 +18,9 @@ PHASES = {
     "_wait_landed", "copy_to_host", "write_preloaded_data_multithread", "wait",
 }
 PERIOD = 0.002
+# Samples further apart than this belong to different save calls. Within one call the sampler can miss tens of ms
+# while the main thread holds the GIL in a long C call; save calls are whole training steps apart.
+SAVE_GAP = 0.3
 SAVE_THREADS = ("zaya-background-save", "zaya-local-save")  # name prefixes (checkpoint/staging.py, local_tier.py)
 
 
@@ -56,7 +59,7 @@ def _write(prefix: str, samples: list) -> None:
         return
     saves = [[samples[0]]]
     for sample in samples[1:]:
-        if sample[0] - saves[-1][-1][0] < 10 * PERIOD:  # the same save call
+        if sample[0] - saves[-1][-1][0] < SAVE_GAP:  # the same save call
             saves[-1].append(sample)
         else:
             saves.append([sample])
