@@ -36,9 +36,8 @@ newest and the one being written); they are deleted once the mode is summarized.
 At 10.98 bytes per parameter (measured on an H200), two of the 8-layer model's (2.2B parameters) fit a 64 GiB
 disk, and two of the 12-layer model's (3.0B) 128 GiB of host memory (``/dev/shm``).
 
-A background write of the 8-layer model takes 3.3 s with 8 writer threads on one H100 (measured with
-``--dist-ckpt-workers 8 --ckpt-assume-constant-structure``; 3.4-5.1 s without the second flag), 12-14 s with one
-(its log's ``[zaya] background save written`` lines); an interval shorter than that measures the wait for the
+A background write of the 8-layer model takes 3.3-5.1 s with 8 writer threads on one H100
+(``--dist-ckpt-workers 8``), 12-14 s with one (its log's ``[zaya] background save written`` lines); an interval shorter than that measures the wait for the
 previous write. One H200 (the ``none`` run is each call's baseline; about 2.5 minutes per mode at 60 iterations)::
 
     python -m benchmarks.checkpoint_save --modes none,async,local --iters 60 --interval 25 \\
