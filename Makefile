@@ -10,11 +10,12 @@ train:
 	scripts/venv.sh
 	.venv/bin/zaya-pretrain
 
-# The test suite (CPU; GPU tests run only where CUDA is present). Work stealing: otherwise one worker is
-# handed the long CLI tests at the end of the collection while the other idles.
+# The test suite (CPU; GPU tests run only where CUDA is present). Three workers on a 2-core machine: with two, the
+# cores idled a quarter of the time while workers waited on their tests' launches.
+# Work stealing: otherwise one worker is handed the long CLI tests at the end of the collection while others idle.
 test:
 	scripts/venv.sh
-	.venv/bin/python -m pytest -n 2 --dist worksteal --timeout 900 --durations 25 tests
+	.venv/bin/python -m pytest -n 3 --dist worksteal --timeout 900 --durations 25 tests
 
 # The GPU suite on one GPU: workers share it (most tests wait on the host), one per 20 GiB of its memory, up to six
 # (a worker peaks at up to ~27 GiB, rarely at once); tests that share an uninterrupted run stay on one worker
