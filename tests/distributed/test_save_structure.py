@@ -1,9 +1,12 @@
 """Saves through a strategy that keeps the first save's plan (``--ckpt-assume-constant-structure``, which
-``--async-save`` implies), on two gloo ranks: a save whose structure changed, on one rank or on all, is planned
-afresh and validated (``checkpointing.replan_on_new_structure``), and every save loads back as it was saved."""
+``--async-save`` implies), on one and two gloo ranks: a save whose structure changed, on one rank or on all, is
+planned afresh and validated (``checkpointing.replan_on_new_structure``), an unchanged one is not validated again,
+also on one rank (``checkpointing.validate_once_without_data_parallelism``), and every save loads back as it was
+saved."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from gloo import run_ranks
 
@@ -38,7 +41,7 @@ def _saves(rank, world, root):
 
     from megatron_zaya.patches import apply_patches
 
-    apply_patches("cpu,checkpointing.replan_on_new_structure")
+    apply_patches("cpu,checkpointing.replan_on_new_structure,checkpointing.validate_once_without_data_parallelism")
     validations = []
     for module in (state_dict_utils, fully_parallel):
         original = module.validate_sharding_integrity
@@ -58,14 +61,15 @@ def _saves(rank, world, root):
     return results
 
 
-def test_a_save_whose_structure_changed_is_planned_afresh_on_every_rank(tmp_path):
-    """The second save reuses the plan (no validation); the third, where only rank 1 saves one more tensor, and
-    the fourth, where the shared tensor grows, are validated on both ranks, and the fifth reuses the new plan.
-    Every save loads back equal to the tensors saved."""
-    for rank, saves in enumerate(run_ranks(_saves, 2, tmp_path, str(tmp_path / "ckpt"))):
-        assert [validated for validated, _ in saves] == [2, 0, 2, 2, 0], (rank, saves)
+@pytest.mark.parametrize("world, validations", [(2, [2, 0, 2, 2, 0]), (1, [2, 0, 0, 2, 0])])
+def test_a_save_whose_structure_changed_is_planned_afresh_on_every_rank(tmp_path, world, validations):
+    """The second save reuses the plan (no validation); on two ranks the third, where only rank 1 saves one more
+    tensor, is validated on both; the fourth, where the shared tensor grows, is validated, and the fifth reuses the
+    new plan. Every save loads back equal to the tensors saved."""
+    for rank, saves in enumerate(run_ranks(_saves, world, tmp_path, str(tmp_path / "ckpt"))):
+        assert [validated for validated, _ in saves] == validations, (rank, saves)
         for save, (_, loaded) in enumerate(saves):
-            expected = {key: value.data for key, value in _state(rank, 2, save, fill=True).items()}
+            expected = {key: value.data for key, value in _state(rank, world, save, fill=True).items()}
             assert sorted(loaded) == sorted(expected), (rank, save)
             for key, value in expected.items():
                 torch.testing.assert_close(loaded[key], value, rtol=0, atol=0)
