@@ -2,7 +2,7 @@
 ``--async-save`` implies), on one and two gloo ranks: a save whose structure changed, on one rank or on all, is
 planned afresh and validated (``checkpointing.replan_on_new_structure``), an unchanged one is not validated again,
 also on one rank (``checkpointing.validate_once_without_data_parallelism``), and every save loads back as it was
-saved."""
+saved, each item's shard found by its offset (``checkpointing.shard_lookup_by_offset``)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def _saves(rank, world, root):
 
     from megatron_zaya.patches import apply_patches
 
-    apply_patches("cpu,checkpointing.replan_on_new_structure,checkpointing.validate_once_without_data_parallelism")
+    apply_patches("cpu,checkpointing.replan_on_new_structure,checkpointing.validate_once_without_data_parallelism,"
+                  "checkpointing.shard_lookup_by_offset")
     validations = []
     for module in (state_dict_utils, fully_parallel):
         original = module.validate_sharding_integrity
@@ -73,3 +74,31 @@ def test_a_save_whose_structure_changed_is_planned_afresh_on_every_rank(tmp_path
             assert sorted(loaded) == sorted(expected), (rank, save)
             for key, value in expected.items():
                 torch.testing.assert_close(loaded[key], value, rtol=0, atol=0)
+
+
+def _lookups(rank, world):
+    """Each shard of a 40-shard torch ``ShardedTensor`` looked up by offset through the patch and through torch's
+    own scan, and the error for an offset no shard has."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+    from torch.distributed.checkpoint import utils
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from megatron_zaya.patches import apply_patches
+
+    shards = [Shard(torch.full((2, 3), float(i)), ShardMetadata([2 * i, 0], [2, 3], "rank:0/cpu")) for i in range(40)]
+    tensor, scan = init_from_local_shards(shards, 80, 3), utils._find_shard
+    apply_patches("cpu,checkpointing.shard_lookup_by_offset")
+    same = [utils._find_shard(tensor, MetadataIndex("t", torch.Size([2 * i, 0]))) is scan(
+        tensor, MetadataIndex("t", torch.Size([2 * i, 0]))) for i in reversed(range(40))]
+    try:
+        utils._find_shard(tensor, MetadataIndex("t", torch.Size([1, 0])))
+    except ValueError as error:
+        return same, str(error)
+    return same, None
+
+
+def test_a_shard_is_found_by_its_offset_as_torch_finds_it(tmp_path):
+    (same, missing), = run_ranks(_lookups, 1, tmp_path)
+    assert same == [True] * 40
+    assert missing == "Could not find shard at 'torch.Size([1, 0])' for FQN: 't'", missing
