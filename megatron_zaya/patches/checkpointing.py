@@ -320,6 +320,44 @@ def shard_lookup_by_offset() -> None:
 
 SHARDS_BY_OFFSET = "zaya_shards_by_offset"  # kept on a torch ShardedTensor: its local shards by offset
 
+# The modules that call torch's shard overlap check by the name they imported.
+OVERLAP_CHECK_CALLERS = tuple(f"torch.distributed._shard.{name}" for name in (
+    "sharding_spec._internals", "sharding_spec.api", "sharded_tensor.api", "sharded_tensor.utils"))
+
+
+@register("checkpointing.shard_overlap_checked_once",
+          target="torch.distributed._shard.sharding_spec._internals.validate_non_overlapping_shards_metadata")
+def shard_overlap_checked_once() -> None:
+    """torch checks that the shards of a sharded tensor do not overlap once per layout of its shards in a
+    process, not at every save and load.
+
+    Each ``torch_dist`` save converts Megatron's state dict into torch sharded tensors, and each conversion
+    checks every pair of a tensor's shards for overlap (sharding_spec/_internals.py:28, 91) when they are cut along
+    more than one dimension: 103,296 pairs and 40 ms of a save call of the 8-layer model's structure on a CPU, whose
+    expert weights come in 128-256 shards (docs/benchmarks.md). The check depends on the shards' offsets and sizes
+    alone, and a run saves the same layout again and again. Wraps the check in the modules that call it: a layout
+    that passed it (its shards' offsets and sizes) is not checked again; any other is, and fails as before.
+    Off: leave ``checkpointing.shard_overlap_checked_once`` out of ``--zaya-patches``.
+    """
+    import importlib
+
+    from torch.distributed._shard.sharding_spec import _internals
+
+    original = _internals.validate_non_overlapping_shards_metadata
+    passed: set[tuple] = set()
+
+    @functools.wraps(original)
+    def validate_non_overlapping_shards_metadata(shards) -> None:
+        layout = tuple((tuple(shard.shard_offsets), tuple(shard.shard_sizes)) for shard in shards or ())
+        if layout in passed:
+            return
+        original(shards)
+        passed.add(layout)
+
+    for name in OVERLAP_CHECK_CALLERS:
+        replace_attr(importlib.import_module(name), "validate_non_overlapping_shards_metadata",
+                     validate_non_overlapping_shards_metadata)
+
 
 def _caches_structure(strategy) -> bool:
     """Whether a save strategy (or the fully parallel wrapper around one) reuses a cached structure."""

@@ -2,7 +2,8 @@
 ``--async-save`` implies), on one and two gloo ranks: a save whose structure changed, on one rank or on all, is
 planned afresh and validated (``checkpointing.replan_on_new_structure``), an unchanged one is not validated again,
 also on one rank (``checkpointing.validate_once_without_data_parallelism``), and every save loads back as it was
-saved, each item's shard found by its offset (``checkpointing.shard_lookup_by_offset``)."""
+saved, each item's shard found by its offset (``checkpointing.shard_lookup_by_offset``), each layout of shards
+checked for overlaps once (``checkpointing.shard_overlap_checked_once``)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def _saves(rank, world, root):
     from megatron_zaya.patches import apply_patches
 
     apply_patches("cpu,checkpointing.replan_on_new_structure,checkpointing.validate_once_without_data_parallelism,"
-                  "checkpointing.shard_lookup_by_offset")
+                  "checkpointing.shard_lookup_by_offset,checkpointing.shard_overlap_checked_once")
     validations = []
     for module in (state_dict_utils, fully_parallel):
         original = module.validate_sharding_integrity
@@ -102,3 +103,34 @@ def test_a_shard_is_found_by_its_offset_as_torch_finds_it(tmp_path):
     (same, missing), = run_ranks(_lookups, 1, tmp_path)
     assert same == [True] * 40
     assert missing == "Could not find shard at 'torch.Size([1, 0])' for FQN: 't'", missing
+
+
+def _overlap_checks(rank, world):
+    """torch's pairwise overlap search run by three checks of one 4 x 4 grid of shards, and for a layout with two
+    overlapping shards, checked twice: the searches, and each check's error."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharding_spec import _internals
+    from torch.distributed._shard.sharding_spec import api as spec_api
+
+    from megatron_zaya.patches import apply_patches
+
+    apply_patches("cpu,checkpointing.shard_overlap_checked_once")
+    searches, search = [], _internals._find_nd_overlapping_shards
+    _internals._find_nd_overlapping_shards = lambda *a: searches.append(1) or search(*a)
+    grid = [ShardMetadata([2 * i, 3 * j], [2, 3], "rank:0/cpu") for i in range(4) for j in range(4)]
+    for _ in range(3):
+        spec_api.validate_non_overlapping_shards_metadata(list(grid))
+    on_grid = len(searches)
+    errors = []
+    for _ in range(2):
+        try:
+            spec_api.validate_non_overlapping_shards_metadata(grid + [ShardMetadata([1, 1], [2, 3], "rank:0/cpu")])
+        except ValueError as error:
+            errors.append(str(error).split(" overlap")[0])
+    return on_grid, len(searches) - on_grid, errors
+
+
+def test_a_layout_of_shards_is_checked_for_overlaps_once_and_an_overlap_always_fails(tmp_path):
+    (on_grid, on_overlap, errors), = run_ranks(_overlap_checks, 1, tmp_path)
+    assert (on_grid, on_overlap) == (1, 2)
+    assert len(errors) == 2 and all(error.startswith("Shards ShardMetadata(") for error in errors), errors
