@@ -37,8 +37,9 @@ At 10.98 bytes per parameter (measured on an H200), two of the 8-layer model's (
 disk, and two of the 12-layer model's (3.0B) 128 GiB of host memory (``/dev/shm``).
 
 A background write of the 8-layer model takes 3.3-5.1 s with 8 writer threads on one H100
-(``--dist-ckpt-workers 8``), 12-14 s with one (its log's ``[zaya] background save written`` lines); an interval shorter than that measures the wait for the
-previous write. One H200 (the ``none`` run is each call's baseline; about 2.5 minutes per mode at 60 iterations)::
+(``--dist-ckpt-workers 8``), 12-14 s with one (its log's ``[zaya] background save written`` lines); an interval
+shorter than that measures the wait for the previous write. One H200 (the ``none`` run is each call's baseline;
+about 2.5 minutes per mode at 60 iterations)::
 
     python -m benchmarks.checkpoint_save --modes none,async,local --iters 60 --interval 25 \\
         --extra "--dist-ckpt-workers 8" --dir /dev/shm/ckpt-bench --local-dir /dev/shm/ckpt-local
