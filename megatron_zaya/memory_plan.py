@@ -248,7 +248,8 @@ def plan(cfg, par: Parallel, run: Run, stage: int = 0) -> dict[str, float]:
     last = stage == par.pp - 1
     chunk = 2 ** round(math.log2(max(1, LM_HEAD_TILE_ELEMENTS // V)))
     held = 4 * V * D if run.lm_head_grad_in_forward else 0  # the fp32 weight gradient, forward to backward
-    out["LM-head chunks"] = last * max(held + 6 * V * D, (4 + 2) * V * min(chunk, tokens) + held)
+    # A chunk's fp32 logits and their bf16 gradient beside it; the weight's gradient goes into main_grad in place.
+    out["LM-head chunks"] = last * ((4 + 2) * V * min(chunk, tokens) + held)
     graphs = run.cuda_graphs
     layer_params = params - (V * D if stage == 0 or last else 0)
     out["CUDA-graph pool"] = graphs * (GRAPH_GRAD_BYTES * layer_params + 2 * 4 * (D + cfg.router_hidden_size) * tokens)

@@ -19,7 +19,8 @@ the fp32 logits of 8192 tokens alone take 8.6 GB, their gradient as much again.
   factor that Megatron's loss gives every counted token (training/steps.py turns the loss mask into ignored
   labels). Should the loss gradients still differ between tokens (per-token loss weights), d weight is
   recomputed from the saved inputs as above. This holds an fp32 [V, D] d weight from
-  forward to backward (2.1 GB at ZAYA1-8B's size).
+  forward to backward (2.1 GB at ZAYA1-8B's size), which the backward scales in place, or adds into a given
+  tensor (Megatron's ``main_grad``): no second [V, D] tensor.
 
 Labels must lie in [0, V) or equal ``ignore_index`` (loss 0, no gradient). Tensor-parallel vocabularies
 (logits split over ranks) are out of scope here: Megatron's ``vocab_parallel_cross_entropy`` stays in use
@@ -30,6 +31,7 @@ for TP > 1 (see megatron_zaya/patches/kernels.py). The torch references, the fal
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -177,34 +179,41 @@ def _tiles(tokens: int, vocab: int, token_chunk: int | None, vocab_chunk: int | 
     return _chunks(tokens, token_chunk), _chunks(vocab, vocab_chunk)
 
 
-def _recomputed_grads(hidden, weight, labels, lse, grad_loss, tiles):
-    """(d hidden, d weight) from the saved inputs, recomputing each tile's logits."""
+def _recomputed_grads(hidden, weight, labels, lse, grad_loss, tiles, weight_grad_into=None):
+    """(d hidden, d weight) from the saved inputs, recomputing each tile's logits; with ``weight_grad_into``, d weight
+    is added into it, chunk by chunk, and None is returned for it."""
     token_ranges, vocab_ranges = tiles
     grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    grad_weight = torch.empty_like(weight)
-    one_token_chunk = len(token_ranges) == 1  # then d weight needs no fp32 accumulator: one GEMM per chunk
+    grad_weight = torch.empty_like(weight) if weight_grad_into is None else None
+    # One token chunk writes d weight with one GEMM per vocab chunk; several accumulate it in fp32.
+    written = weight_grad_into is None and len(token_ranges) == 1
     for v0, v1 in vocab_ranges:
         w = weight[v0:v1]
-        grad_w = grad_weight[v0:v1] if one_token_chunk else torch.zeros(w.shape, device=w.device)
+        if weight_grad_into is not None:
+            grad_w = weight_grad_into[v0:v1]
+        else:
+            grad_w = grad_weight[v0:v1] if written else torch.zeros(w.shape, device=w.device)
         for t0, t1 in token_ranges:
             h = hidden[t0:t1]
             grad_logits = torch.empty((t1 - t0, v1 - v0), dtype=hidden.dtype, device=hidden.device)
             _softmax_grad(matmul_fp32(h, w.t()), labels[t0:t1], v0, lse[t0:t1], grad_loss[t0:t1], grad_logits)
             matmul_fp32_into(grad_hidden[t0:t1], grad_logits, w, accumulate=True)
-            if one_token_chunk:
+            if written:
                 torch.mm(grad_logits.t(), h, out=grad_w)
             else:
                 matmul_fp32_into(grad_w, grad_logits.t(), h, accumulate=True)
-        if not one_token_chunk:
+        if grad_weight is not None and not written:
             grad_weight[v0:v1] = grad_w
     return grad_hidden, grad_weight
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, token_chunk, vocab_chunk, grad_in_forward):
+    def forward(ctx, hidden, weight, labels, ignore_index, token_chunk, vocab_chunk, grad_in_forward, weight_grad_into,
+                weight_grad_ready):
         ctx.ignore_index = ignore_index
         ctx.tiles = _tiles(hidden.shape[0], weight.shape[0], token_chunk, vocab_chunk)
+        ctx.weight_grad_into, ctx.weight_grad_ready = weight_grad_into, weight_grad_ready
         if grad_in_forward and any(ctx.needs_input_grad[:2]):
             return _LinearCrossEntropy._forward_with_grads(ctx, hidden, weight, labels, ignore_index, token_chunk)
         token_ranges, vocab_ranges = ctx.tiles
@@ -245,19 +254,28 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         hidden, weight, labels, lse, *unit_grads = ctx.saved_tensors  # unit_grads: saved by _forward_with_grads
         grad_loss = torch.where(labels == ctx.ignore_index, 0.0, grad_loss.float())
+        into = ctx.weight_grad_into
         if not unit_grads:
-            grad_hidden, grad_weight = _recomputed_grads(hidden, weight, labels, lse, grad_loss, ctx.tiles)
-            return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None
-        unit_grad_hidden, unit_grad_weight = unit_grads
-        grad_hidden = (unit_grad_hidden * grad_loss[:, None]).to(hidden.dtype)
-        counted = labels != ctx.ignore_index
-        scale = torch.where(counted, grad_loss, float("-inf")).amax()
-        scale = torch.where(scale.isfinite(), scale, 0.0)  # no counted token: every gradient is 0
-        one_factor = torch.where(counted, grad_loss == scale, True).all()
-        # Checked on the device, as a host sync would stall an eager step: any other loss gradient makes d weight
-        # NaN, which Megatron's check of the gradients stops, rather than silently wrong.
-        grad_weight = (unit_grad_weight * torch.where(one_factor, scale, float("nan"))).to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+            grad_hidden, grad_weight = _recomputed_grads(hidden, weight, labels, lse, grad_loss, ctx.tiles, into)
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        else:
+            unit_grad_hidden, unit_grad_weight = unit_grads
+            grad_hidden = (unit_grad_hidden * grad_loss[:, None]).to(hidden.dtype)
+            counted = labels != ctx.ignore_index
+            scale = torch.where(counted, grad_loss, float("-inf")).amax()
+            scale = torch.where(scale.isfinite(), scale, 0.0)  # no counted token: every gradient is 0
+            one_factor = torch.where(counted, grad_loss == scale, True).all()
+            # Checked on the device, as a host sync would stall an eager step: any other loss gradient makes d weight
+            # NaN, which Megatron's check of the gradients stops, rather than silently wrong.
+            factor = torch.where(one_factor, scale, float("nan"))
+            if into is None:  # scaled in place: no second fp32 [V, D] tensor
+                grad_weight = unit_grad_weight.mul_(factor).to(weight.dtype)
+            else:
+                into.addcmul_(unit_grad_weight, factor)
+                grad_weight = None
+        if ctx.weight_grad_ready is not None:
+            ctx.weight_grad_ready()
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -268,6 +286,8 @@ def linear_cross_entropy(
     token_chunk: int | None = None,
     vocab_chunk: int | None = None,
     grad_in_forward: bool = True,
+    weight_grad_into: torch.Tensor | None = None,
+    weight_grad_ready: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Chunked LM head + cross-entropy; same contract as ``ops.lm_head.linear_cross_entropy``.
 
@@ -277,6 +297,9 @@ def linear_cross_entropy(
     weight's gradient then holds for a loss gradient that is one factor for every counted token (any mean or sum of
     the losses, masked tokens given ``ignore_index`` as training does); another gets a NaN one.
     hidden and weight share a dtype (bf16 in training: the GEMMs take bf16 and accumulate and return fp32).
+    ``weight_grad_into`` (a tensor of the weight's shape, e.g. its ``main_grad``): the backward adds the weight's
+    gradient into it, in place, instead of returning one (pass the weight detached), then calls
+    ``weight_grad_ready`` if given.
     """
     if hidden.shape[:-1] != labels.shape or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
@@ -285,9 +308,12 @@ def linear_cross_entropy(
         )
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype for the GEMM")
+    if weight_grad_into is not None and weight_grad_into.shape != weight.shape:
+        raise ValueError(f"weight_grad_into {list(weight_grad_into.shape)} must have the weight's shape "
+                         f"{list(weight.shape)}")
     loss = _LinearCrossEntropy.apply(
         flat_rows(hidden), weight.contiguous(), labels.reshape(-1).contiguous(), ignore_index, token_chunk, vocab_chunk,
-        grad_in_forward,
+        grad_in_forward, weight_grad_into, weight_grad_ready,
     )
     return loss.view(labels.shape)
 

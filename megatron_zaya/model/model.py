@@ -139,5 +139,6 @@ class ZayaModel(LanguageModule):
         seq, batch, width = hidden.shape
         loss = self.fused_lm_head(hidden.reshape(seq * batch, width), weight.to(hidden.dtype),
                                   labels.transpose(0, 1).reshape(-1),
-                                  grad_in_forward=self.config.lm_head_grad_in_forward)
+                                  grad_in_forward=self.config.lm_head_grad_in_forward,
+                                  weight_shared=self.pre_process and self.share_embeddings_and_output_weights)
         return loss.view(seq, batch).transpose(0, 1).contiguous()

@@ -110,3 +110,30 @@ def test_bad_inputs_raise_clear_errors():
         kernels.cross_entropy(torch.randn(4, 10), torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match="weight"):
         kernels.linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 9), torch.zeros(4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("chunks", [(None, None), (8, 128)])
+@pytest.mark.parametrize("grad_in_forward", [True, False], ids=["grad_in_forward", "recompute"])
+def test_the_weight_gradient_is_added_into_a_given_tensor_then_announced(chunks, grad_in_forward):
+    """``weight_grad_into`` (Megatron's ``main_grad``): d weight is added into it in place, keeping what it held,
+    none is returned, and ``weight_grad_ready`` is called once, after the addition; d hidden is unchanged."""
+    gen = torch.Generator().manual_seed(5)
+    tokens, dim = 19, 24
+    hidden, weight = torch.randn(tokens, dim, generator=gen), 0.5 * torch.randn(VOCAB, dim, generator=gen)
+    labels = _labels((tokens,), gen)
+    grad_loss = torch.full((tokens,), 0.37)
+    before = 0.01 * torch.randn(VOCAB, dim, generator=gen)
+    into, seen_when_ready = before.clone(), []
+    leaf = hidden.clone().requires_grad_()
+    token_chunk, vocab_chunk = chunks
+    loss = kernels.linear_cross_entropy(leaf, weight, labels, token_chunk=token_chunk, vocab_chunk=vocab_chunk,
+                                        grad_in_forward=grad_in_forward, weight_grad_into=into,
+                                        weight_grad_ready=lambda: seen_when_ready.append(into.clone()))
+    (grad_hidden,) = torch.autograd.grad(loss, [leaf], grad_loss)
+
+    reference = _loss_and_grads(ops.linear_cross_entropy, [hidden, weight], labels, grad_loss)
+    oracle = _loss_and_grads(ops.linear_cross_entropy, [hidden, weight], labels, grad_loss, torch.float64)
+    for name, k, r, o in zip(["loss", "d_hidden"], [loss, grad_hidden], reference, oracle):
+        assert_matches_oracle(name, k, o, r)
+    assert_matches_oracle("d_weight in main_grad", into - before, oracle[2])
+    assert len(seen_when_ready) == 1 and torch.equal(seen_when_ready[0], into)
