@@ -173,6 +173,12 @@ def _chunks(n: int, size: int) -> list[tuple[int, int]]:
     return [(start, min(start + step, n)) for start in range(0, n, step)]
 
 
+def forward_token_chunk(vocab: int) -> int:
+    """Tokens per chunk when the gradients are computed in the forward: a power of two near 2^28 / V (1,024 at
+    ZAYA1's vocabulary)."""
+    return max(1, 2 ** round(math.log2(max(1, TILE_ELEMENTS // vocab))))
+
+
 def _tiles(tokens: int, vocab: int, token_chunk: int | None, vocab_chunk: int | None):
     token_chunk = token_chunk or min(tokens, 8192)
     vocab_chunk = vocab_chunk or max(256, TILE_ELEMENTS // token_chunk)
@@ -231,7 +237,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def _forward_with_grads(ctx, hidden, weight, labels, ignore_index, token_chunk):
         """Loss, and the gradients for a unit loss gradient per counted token, whole vocabulary per chunk."""
         tokens, vocab = hidden.shape[0], weight.shape[0]
-        token_chunk = token_chunk or max(1, 2 ** round(math.log2(max(1, TILE_ELEMENTS // vocab))))
+        token_chunk = token_chunk or forward_token_chunk(vocab)
         running_max, running_sum, target = _new_statistics(tokens, hidden.device)
         unit = (labels != ignore_index).float()  # ignored tokens get no gradient, as in the backward
         grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
