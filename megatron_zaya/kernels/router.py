@@ -16,8 +16,8 @@ The backward (w.r.t. logits, through the gate only) recomputes the softmax from 
 fc2 + GELU, out_proj and the epilogue above. An eager ZAYA1 layer is host-bound on GPUs (~340 launches per
 forward + backward), and torch spends ~100 of them on this head (weight casts to fp32, a 7-op RMSNorm, three
 fp32 linears and GELUs, their backward). Fused: forward one kernel (+ the counts' zero fill); backward one
-kernel, one reduction of its per-program vector-gradient partial sums, one batched GEMM (d W1, d W2), one
-GEMM (d W3), plus three casts when the parameters are bf16. Each program takes a block of tokens; fc1's
+kernel, one reduction of its per-program vector-gradient partial sums, two batched GEMMs over slices of the
+tokens (d W1 with d W2, and d W3) and their sums over the slices, plus three casts when the parameters are bf16. Each program takes a block of tokens; fc1's
 outputs come a chunk at a time and feed fc2's accumulator at once, so no [T, R] activation is written in the
 forward but the state r. The backward saves only the inputs and recomputes the forward in its kernel (fc1
 twice: it needs fc2's full gradient before fc1's); it writes the [T, R] operands of the weight GEMMs (fp32,
@@ -222,13 +222,16 @@ def route_top1(
 #: spills at R = 256 (compiled by tests/unit/test_kernel_compile.py).
 ROUTER_HEAD_TUNING = {
     "cuda": {"tokens": 16, "warps": 4, "chunk": 32, "stages": 2, "backward_tokens": 16, "backward_warps": 8,
-             "backward_chunk": 64, "backward_stages": 1, "precision": "tf32x3"},
+             "backward_chunk": 64, "backward_stages": 1, "precision": "tf32x3", "wgrad_slice": 512},
     "rocm": {"tokens": 32, "warps": 8, "chunk": 16, "stages": 1, "backward_tokens": 16, "backward_warps": 4,
-             "backward_chunk": 16, "backward_stages": 1, "precision": "ieee"},
-    # the interpreter: several programs and chunks at the tests' shapes
+             "backward_chunk": 16, "backward_stages": 1, "precision": "ieee", "wgrad_slice": 512},
+    # the interpreter: several programs and chunks at the tests' shapes, token slices with a shorter last one
     "cpu": {"tokens": 16, "warps": 4, "chunk": 16, "stages": 1, "backward_tokens": 16, "backward_warps": 4,
-            "backward_chunk": 16, "backward_stages": 1, "precision": "ieee"},
+            "backward_chunk": 16, "backward_stages": 1, "precision": "ieee", "wgrad_slice": 12},
 }  # fmt: skip
+#: ``wgrad_slice``: the weight gradients sum over all T tokens into outputs of [R, R] and [C, R], a handful of
+#: output tiles: as one GEMM each, most of the GPU idles (an H200 took 0.31 ms for d W1 and d W2 at T = 8192). They
+#: run as a batch of GEMMs over slices of this many tokens, then a sum over the slices (a fixed order).
 #: The widest router (R) the fused head keeps in registers (ZAYA1-8B: 256); wider ones run the reference head.
 HEAD_MAX_WIDTH = 256
 
@@ -464,23 +467,36 @@ class RouteHead(torch.autograd.Function):
         vectors, vector_sums = (norm_weight, eda_scale, b1, b2, down_bias), [*partials.sum(0), None]
         if down_bias is not None:
             vector_sums[-1] = grads[2].sum(0)
+        slice_tokens = ROUTER_HEAD_TUNING[platform(device)]["wgrad_slice"]
+        d_w12 = _sum_over_tokens(grads[:2], acts[:2], slice_tokens)  # d a1ᵀ z0, d a2ᵀ h1
+        d_w3 = _sum_over_tokens(grad_logits[None], acts[2:], slice_tokens)[0]
         params = [p for p in (*vectors, w1, w2, w3) if p is not None]
         targets = main_grad_targets(params)
         if targets is None:  # the parameters share one dtype: one cast for the vectors, one for d W1 and d W2
             d_norm, d_eda, d_b1, d_b2, d_bias = (None if p is None else v.to(p.dtype)
                                                  for v, p in zip(vector_sums, vectors))
-            d_w1, d_w2 = torch.bmm(grads[:2].transpose(1, 2), acts[:2]).to(w1.dtype)  # d a1ᵀ z0, d a2ᵀ h1
-            d_w3 = (grad_logits.t() @ acts[2]).to(w3.dtype)
-        else:  # added into main_grad in fp32: one foreach addition for the vectors, one GEMM for each matrix
-            vector_targets, (w1_target, w2_target, w3_target) = targets[:-3], targets[-3:]
-            torch._foreach_add_(vector_targets, [v for v, p in zip(vector_sums, vectors) if p is not None])
-            for target, operand_grad, operand in ((w1_target, grads[0], acts[0]), (w2_target, grads[1], acts[1]),
-                                                  (w3_target, grad_logits, acts[2])):
-                matmul_fp32_into(target, operand_grad.t(), operand, accumulate=True)
+            d_w1, d_w2 = d_w12.to(w1.dtype)
+            d_w3 = d_w3.to(w3.dtype)
+        else:  # added into main_grad in fp32, all in one foreach addition
+            torch._foreach_add_(targets, [v for v, p in zip(vector_sums, vectors) if p is not None] + [*d_w12, d_w3])
             d_norm, d_eda, d_b1, d_b2, d_bias, d_w1, d_w2, d_w3 = _with_placeholders(
                 (*vectors, w1, w2, w3), added_to_main_grad(params))
         return (grads[2].to(u2d.dtype), grad_state_in, d_eda if eda_scale is not None else None, d_norm, d_w1, d_b1,
                 d_w2, d_b2, d_w3, None, None, d_bias, None)  # fmt: skip
+
+
+def _sum_over_tokens(grads: torch.Tensor, acts: torch.Tensor, slice_tokens: int) -> torch.Tensor:
+    """``grads[b]ᵀ acts[b]`` for each b: [B, T, M] and [B, T, N] fp32 -> [B, M, N], as one batch of GEMMs over
+    slices of ``slice_tokens`` tokens (a shorter last one added after), summed over the slices."""
+    batch, tokens, rows = grads.shape
+    slices = max(1, tokens // slice_tokens)
+    length = tokens // slices
+    whole = slices * length
+    sliced = [t[:, :whole].unflatten(1, (slices, length)).flatten(0, 1) for t in (grads, acts)]  # [B·S, L, ·]
+    sums = torch.bmm(sliced[0].transpose(1, 2), sliced[1]).unflatten(0, (batch, slices)).sum(1)
+    if whole < tokens:
+        sums.baddbmm_(grads[:, whole:].transpose(1, 2), acts[:, whole:])
+    return sums
 
 
 def _with_placeholders(params, placeholders) -> list:
