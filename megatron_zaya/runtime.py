@@ -138,6 +138,17 @@ def print_rank_0(message: str, file=None) -> None:
         print(message, file=file or sys.stdout, flush=True)
 
 
+def on_any_rank(flag: bool, group=None) -> bool:
+    """Whether ``flag`` holds on any rank of ``group`` (every rank when None): one all-reduce, which each rank of the
+    group must make; ``flag`` itself when torch.distributed is not initialised."""
+    if not dist.is_initialized():
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    held = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(held, op=dist.ReduceOp.MAX, group=group)
+    return bool(held.item())
+
+
 @functools.cache
 def say_once(message: str) -> None:
     """``message`` logged as a warning once per process, by the first rank only: a note that every layer would

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UsageError
+from ..runtime import on_any_rank
 from . import peer_copy
 from .format import CHECKSUMS, TRACKER, file_crcs, read_tracker, recorded_files, step_name, write_checksums
 from .integrity import damage
@@ -257,9 +258,7 @@ class LocalTier:
             written = time.perf_counter()
             if self.peer:
                 peer_copy.send_copy(self._part(iteration), functools.partial(self._part, iteration), self._group)
-            failed = torch.tensor([self._error is not None], dtype=torch.int32)
-            torch.distributed.all_reduce(failed, group=self._group)
-            if not failed.item():
+            if not on_any_rank(self._error is not None, self._group):
                 self._prune(iteration)
                 if torch.distributed.get_rank() == 0:
                     print(f"[{datetime.datetime.now():%Y-%m-%d %H:%M:%S.%f}] [zaya] local checkpoint of iteration "

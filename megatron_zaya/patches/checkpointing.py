@@ -232,6 +232,8 @@ def replan_on_new_structure() -> None:
 
     from megatron.core import dist_checkpointing
 
+    from ..runtime import on_any_rank
+
     original = dist_checkpointing.save
     last_structure: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -240,7 +242,7 @@ def replan_on_new_structure() -> None:
         if sharded_strategy is not None and _caches_structure(sharded_strategy):
             structure = _sharded_structure(sharded_state_dict)
             last = last_structure.get(sharded_strategy)
-            if last is not None and _changed_on_any_rank(last != structure):
+            if last is not None and on_any_rank(last != structure):
                 _forget_structure(sharded_strategy)
                 if args:  # validate_access_integrity, the first argument after the strategy
                     args = (True, *args[1:])
@@ -384,17 +386,6 @@ def _sharded_structure(sharded_state_dict) -> tuple:
             structure.append((type(item).__name__, item.key, item.replica_id,
                               (data.dtype, tuple(data.shape)) if hasattr(data, "shape") else None))  # fmt: skip
     return tuple(structure)
-
-
-def _changed_on_any_rank(changed: bool) -> bool:
-    import torch
-
-    if not torch.distributed.is_initialized():
-        return changed
-    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([int(changed)], device=device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 def _forget_structure(strategy) -> None:

@@ -30,6 +30,7 @@ import torch
 
 from ..checkpoint.format import describe_latest_checkpoint, read_tracker
 from ..errors import TrainingFault
+from ..runtime import on_any_rank, print_rank_0
 from .ledger import LEDGER
 from .watchdog import WATCHDOG
 
@@ -44,11 +45,6 @@ def _iteration() -> int:
 
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _print_rank_0(message: str) -> None:
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(message, flush=True)
 
 
 class StepGuard:
@@ -164,7 +160,7 @@ class StepGuard:
         self._undo_balancing()
         self.skipped_in_a_row += 1
         self.skipped_total += 1
-        _print_rank_0(f" [zaya] iteration {iteration:8d} | non-finite step skipped (loss {loss}, grad norm "
+        print_rank_0(f" [zaya] iteration {iteration:8d} | non-finite step skipped (loss {loss}, grad norm "
                       f"{grad_norm}, ranks with a non-finite grad norm: {ranks_with_bad_norm:.0f}) "
                       f"| skipped in a row: {self.skipped_in_a_row} | skipped in total: {self.skipped_total} |")
         if self.max_nonfinite and self.skipped_in_a_row >= self.max_nonfinite:
@@ -190,7 +186,7 @@ class StepGuard:
             mean = sum(window) / len(window)
             std = math.sqrt(sum((x - mean) ** 2 for x in window) / (len(window) - 1))
             if std > 0 and loss > mean + self.spike_sigma * std:
-                _print_rank_0(f" [zaya] iteration {iteration:8d} | loss spike: {loss:.4f} is {(loss - mean) / std:.1f} "
+                print_rank_0(f" [zaya] iteration {iteration:8d} | loss spike: {loss:.4f} is {(loss - mean) / std:.1f} "
                               f"sigma above the mean {mean:.4f} of the last {len(window)} steps |")
         window.append(loss)
 
@@ -230,14 +226,12 @@ def check_replicas(model_chunks, iteration: int, save_dir: str | None) -> None:
                 problems.append(f"rank {torch.distributed.get_global_rank(group, other)} differs from rank "
                                 f"{torch.distributed.get_global_rank(group, 0)} in {params[differing[0]][0]}"
                                 + (f" and {len(differing) - 1} more tensors" if len(differing) > 1 else ""))
-    flag = torch.tensor([float(bool(problems))], device=_device())
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # every rank stops, not just the group
-    if flag.item():
+    if on_any_rank(bool(problems)):  # every rank stops, not just the group
         raise TrainingFault(
             f"data-parallel replicas hold different weights at iteration {iteration} "
             f"({'; '.join(problems) or 'seen by other ranks'}): a silent hardware or communication fault; "
             f"check the nodes involved and restart from the last checkpoint: {describe_latest_checkpoint(save_dir)}")
-    _print_rank_0(f" [zaya] iteration {iteration:8d} | data-parallel replicas identical |")
+    print_rank_0(f" [zaya] iteration {iteration:8d} | data-parallel replicas identical |")
 
 
 # ---------------------------------------------------------------------------------------------- SIGTERM
