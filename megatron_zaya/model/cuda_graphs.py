@@ -18,8 +18,10 @@ the replay: the same addition, so the same bits), and the node hands autograd em
 Megatron's own gradient-accumulation fusion does: the hooks then skip the addition and only do their
 bookkeeping (overlapped reduction). Handing autograd the graph's own gradient tensors instead would make it
 copy each one before the hook adds it, two kernels per parameter outside the graph (64 parameters per layer,
-every micro-batch). Without ``main_grad`` (no DDP) the gradients go to autograd as in eager mode. Evaluation
-and no-grad forwards run eagerly.
+every micro-batch). The graph's gradient tensors of such parameters are dropped once captured: the graphs
+captured after it reuse their memory (one layer's gradients in the pool, not every layer's). Without
+``main_grad`` (no DDP) the gradients go to autograd as in eager mode. Evaluation and no-grad forwards run
+eagerly.
 
 A replay repeats the kernels, not the Python: what a layer's forward does to state outside its tensors is not
 redone, and module hooks do not run. The one such effect in ZAYA1 is the router's in-place token count, which
@@ -259,10 +261,16 @@ class LayerGraphs:
             ]
             with _flags_cleared(captured.params), torch.cuda.graph(captured.backward_graph, pool=pool,
                                                                     capture_error_mode="thread_local"):
-                captured.grads = torch.autograd.grad(captured.outputs, captured.inputs + list(captured.params),
-                                                     grad_outputs=captured.grad_outputs, allow_unused=True)
-                captured.in_main_grad = _add_to_main_grads(captured.params, captured.grads[len(captured.inputs):])
-            next_grads = captured.grads[:len(captured.inputs)]
+                grads = torch.autograd.grad(captured.outputs, captured.inputs + list(captured.params),
+                                            grad_outputs=captured.grad_outputs, allow_unused=True)
+                inputs = len(captured.inputs)
+                captured.in_main_grad = _add_to_main_grads(captured.params, grads[inputs:])
+            # A gradient in main_grad is not read after its graph: its memory goes back to the pool, for the
+            # graphs captured (and so replayed) after this one, as the layer's other temporaries do.
+            captured.grads = (*grads[:inputs], *(None if in_main else grad for grad, in_main
+                                                 in zip(grads[inputs:], captured.in_main_grad)))
+            del grads
+            next_grads = captured.grads[:inputs]
         torch.cuda.synchronize()
         return chain, constants
 

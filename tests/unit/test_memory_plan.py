@@ -130,7 +130,8 @@ def test_a_cluster_command_is_planned_on_a_machine_without_its_gpus_data_or_toke
     assert "TP1 PP1 EP1 CP1 DP64" in result.stdout
     gib = {name: float(value) for name, value in re.findall(r"^  (\S.*?) +([0-9.]+) GiB", result.stdout, re.MULTILINE)}
     cfg = zaya_config("zaya1-8b")
-    layer_params = sum(parameter_counts(cfg, Parallel()).values()) - cfg.vocab_size * cfg.hidden_size
+    # one layer's parameters: the graphs of the layers after it reuse its gradients' memory
+    layer_params = (sum(parameter_counts(cfg, Parallel()).values()) - cfg.vocab_size * cfg.hidden_size) / 40
     tokens = 4096  # micro-batch x sequence
     pool = GRAPH_GRAD_BYTES * layer_params + 2 * 4 * (cfg.hidden_size + cfg.router_hidden_size) * tokens
     assert abs(gib["CUDA-graph pool"] - pool / 2**30) < 0.01
