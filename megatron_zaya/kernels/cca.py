@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 
 from .launch import launch
-from .utils import (added_to_main_grad, column_sums, main_grad_targets, persistent_programs, platform, store_sum,
-                    triton_runs)
+from .utils import (added_to_main_grad, cdiv, column_sums, main_grad_targets, next_power_of_2, persistent_programs,
+                    platform, store_sum, triton_runs)
 
 
 def _split_history(history, q_width: int):
@@ -546,8 +546,8 @@ def _rope_strides(cos: torch.Tensor, batch: int) -> tuple[int, int]:
 
 def _meta_params(n_q: int, n_kv: int, head_dim: int, rot: int) -> dict:
     group, half = n_q // n_kv, rot // 2
-    return dict(N_KV=n_kv, GROUP=group, HEAD_DIM=head_dim, HALF=half, BLOCK_KV=triton.next_power_of_2(n_kv),
-                BLOCK_G=triton.next_power_of_2(group), BLOCK_W=triton.next_power_of_2(max(half, head_dim - rot, 1)),
+    return dict(N_KV=n_kv, GROUP=group, HEAD_DIM=head_dim, HALF=half, BLOCK_KV=next_power_of_2(n_kv),
+                BLOCK_G=next_power_of_2(group), BLOCK_W=next_power_of_2(max(half, head_dim - rot, 1)),
                 num_warps=4)  # fmt: skip
 
 
@@ -588,7 +588,7 @@ class QKEpilogue(torch.autograd.Function):
         # the temperature's gradient: summed in fp32, then added into main_grad or returned in its dtype
         targets = main_grad_targets([temp])
         out = torch.empty_like(temp) if targets is None else targets[0]
-        block_c = triton.next_power_of_2(n_kv)
+        block_c = next_power_of_2(n_kv)
         launch(_sum_rows_kernel, (1,), grad_temp, out, seq * batch, n_kv, ACCUMULATE=targets is not None,
                BLOCK_R=max(1, 4096 // block_c), BLOCK_C=block_c)  # fmt: skip
         if targets is None:
@@ -613,9 +613,9 @@ def _delay(src: torch.Tensor, first: int, previous: torch.Tensor | None, offsets
            shift: int) -> torch.Tensor:
     seq, batch, channels = src.shape
     dst = torch.empty((seq, batch, channels), dtype=src.dtype, device=src.device)
-    rows, block_c = 32, min(128, triton.next_power_of_2(channels))
+    rows, block_c = 32, min(128, next_power_of_2(channels))
     length = seq if previous is None else seq // previous.shape[0]
-    launch(_delay_kernel, (triton.cdiv(seq * batch, rows), triton.cdiv(channels, block_c)),
+    launch(_delay_kernel, (cdiv(seq * batch, rows), cdiv(channels, block_c)),
         src, dst, src if offsets is None else offsets, src if previous is None else previous, length, seq, batch,
         channels, first, *src.stride(), SHIFT=shift, HAS_DOCS=offsets is not None, HAS_PREVIOUS=previous is not None,
         BLOCK_ROWS=rows, BLOCK_C=block_c)  # fmt: skip
@@ -659,7 +659,7 @@ class CausalConvs(torch.autograd.Function):
         seq, batch, channels = x.shape
         tuning, head_dim = CONV_TUNING[platform(x.device)], w2.shape[1]
         out = torch.empty_like(x)
-        grid = (chunks * triton.cdiv(seq // chunks * batch, tuning["rows"]), channels // head_dim)
+        grid = (chunks * cdiv(seq // chunks * batch, tuning["rows"]), channels // head_dim)
         launch(_conv_forward_kernel, grid,
             x, x if history is None else history, x if offsets is None else offsets, w1, b1, w2, b2, out, seq // chunks,
             batch, channels, T0=w1.shape[-1], T1=w2.shape[-1], HEAD_DIM=head_dim, BLOCK_ROWS=tuning["rows"],
@@ -688,7 +688,7 @@ class CausalConvs(torch.autograd.Function):
 
         grad_y = torch.empty((chunks, length + t1 - 1, batch, channels), dtype=x.dtype, device=x.device)
         w2_by_tap = w2.view(heads, head_dim, head_dim, t1).permute(0, 3, 2, 1).contiguous()  # [H, T1, in, out]
-        grid = (chunks * triton.cdiv((length + t1 - 1) * batch, tuning["grouped_rows"]), heads)
+        grid = (chunks * cdiv((length + t1 - 1) * batch, tuning["grouped_rows"]), heads)
         launch(_conv_grouped_grad_kernel, grid,
             grad, w2_by_tap, offsets_or_x, grad_y, length, batch, channels, T1=t1, HEAD_DIM=head_dim,
             BLOCK_ROWS=tuning["grouped_rows"], HAS_DOCS=has_docs, DOT_PRECISION=precision,
@@ -699,7 +699,7 @@ class CausalConvs(torch.autograd.Function):
                                          or not other_grad_x.is_contiguous()):
             raise ValueError(f"the gradient to add x's into must be contiguous like x {tuple(x.shape)} {x.dtype}")
         grad_history = None if history is None else torch.empty_like(history)
-        blocks = chunks * triton.cdiv((length + t0 + t1 - 2) * batch, tuning["depthwise_rows"])
+        blocks = chunks * cdiv((length + t0 + t1 - 2) * batch, tuning["depthwise_rows"])
         partial = torch.empty((blocks, 1 + t0, channels), dtype=torch.float32, device=x.device)
         launch(_conv_depthwise_grad_kernel, (blocks, heads),
             grad, grad_y, x, history_or_x, w1, offsets_or_x, grad_x, grad_x if history is None else grad_history,
@@ -708,9 +708,9 @@ class CausalConvs(torch.autograd.Function):
             num_warps=tuning["depthwise_warps"])  # fmt: skip
 
         rows = tuning["weight_rows"]
-        splits = triton.cdiv(persistent_programs(x.device, triton.cdiv(total, rows) * heads * t1), heads * t1)
-        rows_per_program = triton.cdiv(triton.cdiv(total, splits), rows) * rows
-        splits = triton.cdiv(total, rows_per_program)
+        splits = cdiv(persistent_programs(x.device, cdiv(total, rows) * heads * t1), heads * t1)
+        rows_per_program = cdiv(cdiv(total, splits), rows) * rows
+        splits = cdiv(total, rows_per_program)
         partial_w = torch.empty((splits, *w2.shape), dtype=torch.float32, device=x.device)
         launch(_conv_weight_grad_kernel, (heads, t1, splits),
             grad, x, history_or_x, offsets_or_x, w1, b1, partial_w, length, batch, channels, total, rows_per_program,
@@ -721,7 +721,7 @@ class CausalConvs(torch.autograd.Function):
         targets = main_grad_targets(ctx.params)
         outs = targets or [torch.empty_like(p, memory_format=torch.contiguous_format) for p in ctx.params]
         block_w = 128
-        launch(_conv_param_grads_kernel, (heads + triton.cdiv(w2.numel(), block_w),),
+        launch(_conv_param_grads_kernel, (heads + cdiv(w2.numel(), block_w),),
             partial, partial_w, w2, *outs, blocks, splits, heads, channels, T0=t0, T1=t1, HEAD_DIM=head_dim,
             ACCUMULATE=targets is not None, BLOCK_I=min(head_dim, 32), BLOCK_R=32, BLOCK_W=block_w)  # fmt: skip
         param_grads = outs if targets is None else added_to_main_grad(ctx.params)

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch
-from .utils import flat_rows, matmul_fp32, matmul_fp32_into, triton_runs
+from .utils import cdiv, flat_rows, matmul_fp32, matmul_fp32_into, next_power_of_2, triton_runs
 
 IGNORE_INDEX = -100
 BLOCK_V = 4096  # vocab columns per program iteration
@@ -111,13 +111,13 @@ def _cross_entropy_grad_kernel(
 def _accumulate_logsumexp(logits, labels, label_offset, running_max, running_sum, target):
     launch(_logsumexp_kernel, (logits.shape[0],),
         logits, logits.stride(0), labels, label_offset, logits.shape[1], running_max, running_sum, target,
-        BLOCK=min(BLOCK_V, triton.next_power_of_2(logits.shape[1])), num_warps=8,
+        BLOCK=min(BLOCK_V, next_power_of_2(logits.shape[1])), num_warps=8,
     )  # fmt: skip
 
 
 def _softmax_grad(logits, labels, label_offset, lse, grad_loss, out):
-    block = min(BLOCK_V, triton.next_power_of_2(logits.shape[1]))
-    grid = (logits.shape[0], triton.cdiv(logits.shape[1], block))
+    block = min(BLOCK_V, next_power_of_2(logits.shape[1]))
+    grid = (logits.shape[0], cdiv(logits.shape[1], block))
     launch(_cross_entropy_grad_kernel, grid, logits, logits.stride(0), labels, label_offset, lse, grad_loss, out,
            out.stride(0), logits.shape[1], BLOCK=block, num_warps=8)  # fmt: skip
     return out
@@ -168,8 +168,8 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int 
 
 def _chunks(n: int, size: int) -> list[tuple[int, int]]:
     """Split range(n) into equal chunks of at most ``size``."""
-    count = triton.cdiv(n, size)
-    step = triton.cdiv(n, count)
+    count = cdiv(n, size)
+    step = cdiv(n, count)
     return [(start, min(start + step, n)) for start in range(0, n, step)]
 
 

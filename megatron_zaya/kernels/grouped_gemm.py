@@ -37,7 +37,7 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .launch import launch
-from .utils import ACCUMULATE_INTO_MAIN_GRAD, platform, triton_runs
+from .utils import ACCUMULATE_INTO_MAIN_GRAD, cdiv, next_power_of_2, platform, triton_runs
 
 #: Launch settings per platform (``utils.platform()``). The row-tile kernel (forward and input gradient): output
 #: tile rows x columns, contraction step, warps, software-pipeline depth; the weight-gradient kernel: output tile
@@ -195,12 +195,12 @@ def _row_tiles(tokens_per_expert: torch.Tensor, n_rows: int, padded_rows: bool, 
     output needs no zero fill first.
     """
     n_experts, device = tokens_per_expert.numel(), tokens_per_expert.device
-    spare = triton.cdiv(n_rows, block_m) if padded_rows else 0  # enough for any tail
-    n_tiles = triton.cdiv(n_rows, block_m) + n_experts + spare
+    spare = cdiv(n_rows, block_m) if padded_rows else 0  # enough for any tail
+    n_tiles = cdiv(n_rows, block_m) + n_experts + spare
     expert, first_row, row_end = (torch.empty(n_tiles, dtype=torch.int64, device=device) for _ in range(3))
     row_start = torch.empty(n_experts, dtype=torch.int64, device=device)
     launch(_row_tiles_kernel, (1,), tokens_per_expert, expert, first_row, row_end, row_start, n_experts, n_rows,
-           n_tiles, BLOCK_M=block_m, EXPERTS=triton.next_power_of_2(n_experts), BLOCK=128, num_warps=4)
+           n_tiles, BLOCK_M=block_m, EXPERTS=next_power_of_2(n_experts), BLOCK=128, num_warps=4)
     return expert, first_row, row_end, row_start
 
 
@@ -256,7 +256,7 @@ def _grouped_matmul(a, operand: _Operand, transposed: bool, n_out, tiles, tuning
     expert (spare tiles, ``padded_rows``) are zero. Row i read from a[gather[i]], written to c[scatter[i]]."""
     tile_expert, tile_row, tile_row_end, _ = tiles
     c = torch.empty((a.shape[0], n_out), dtype=a.dtype, device=a.device)
-    grid = (tile_expert.numel(), triton.cdiv(n_out, tuning["block_n"]))
+    grid = (tile_expert.numel(), cdiv(n_out, tuning["block_n"]))
     launch(_grouped_matmul_kernel, grid,
         a, operand.base, operand.base if operand.table is None else operand.table,  # (table unread when stacked)
         c, *_row_tables(tile_row, gather, scatter), tile_expert, tile_row, tile_row_end, n_out, a.shape[1],
@@ -299,7 +299,7 @@ def weight_grad(grad_out, x, tokens_per_expert, padded_rows: bool, weights, main
     if main_grads is not None:
         target, table, aligned = main_grads
     block_m, block_n = tuning["wgrad_block_m"], tuning["wgrad_block_n"]
-    grid = (n_experts, triton.cdiv(m_dim, block_m), triton.cdiv(k_dim, block_n))
+    grid = (n_experts, cdiv(m_dim, block_m), cdiv(k_dim, block_n))
     launch(_grouped_weight_grad_kernel, grid, grad_out, x, target, target if table is None else table, row_start,
            tokens_per_expert, m_dim, k_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=tuning["wgrad_block_r"],
            W_TABLE=table is not None, W_ALIGNED=aligned, ACCUMULATE=table is not None,

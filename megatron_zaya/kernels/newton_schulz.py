@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch
-from .utils import triton_runs
+from .utils import cdiv, triton_runs
 
 
 @triton.jit
@@ -128,7 +128,7 @@ def gram(
     batch, M, K = Y.shape
     out = torch.empty(batch, M, M, device=Y.device, dtype=Y.dtype) if out is None else out
     block_m, block_k, num_warps = _tile_sizes(Y, block_m, block_k)
-    tiles = triton.cdiv(M, block_m)
+    tiles = cdiv(M, block_m)
     aux_t = aux if aux is not None else out  # never read when HAS_AUX is False
     launch(_gram_kernel, (tiles * (tiles + 1) // 2, batch),
         Y, Z, out, aux_t, M, K,

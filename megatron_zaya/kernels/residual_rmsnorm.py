@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from .launch import launch
-from .utils import (added_to_main_grad, column_sums, flat_rows, main_grad_targets, persistent_programs, platform,
-                    row_block, store_sum, triton_runs)
+from .utils import (added_to_main_grad, cdiv, column_sums, flat_rows, main_grad_targets, next_power_of_2,
+                    persistent_programs, platform, row_block, store_sum, triton_runs)
 
 MAX_HIDDEN = 16384  # one row lives in registers
 MAX_TILE = 8192  # elements per tensor of one backward iteration (rows x BLOCK) held in registers
@@ -234,7 +234,7 @@ def _launch_backward(grad_out, grad_new_residual, hidden, residual, vectors, wei
     block, num_warps = row_block(n_cols, MAX_HIDDEN, "rms_norm")
     tuning = BACKWARD_TUNING[platform(hidden.device)]
     tile_rows = tuning["rows"] if block * tuning["rows"] <= MAX_TILE else 1
-    programs = persistent_programs(hidden.device, triton.cdiv(rows, tile_rows), tuning["programs_per_sm"])
+    programs = persistent_programs(hidden.device, cdiv(rows, tile_rows), tuning["programs_per_sm"])
     # Each pipeline stage buffers one iteration's row tiles in shared memory: fewer stages for wide rows.
     loaded = [t for t in (grad_out, grad_new_residual, hidden, residual) if t is not None]
     stage_bytes = tile_rows * block * sum(t.element_size() for t in loaded)
@@ -251,9 +251,9 @@ def _launch_backward(grad_out, grad_new_residual, hidden, residual, vectors, wei
     params = ([weight] if grad_out is not None else []) + list(vectors or ())
     targets = main_grad_targets(params)
     outs = targets or [torch.empty(n_cols, dtype=p.dtype, device=hidden.device) for p in params]
-    block_c = min(128, triton.next_power_of_2(n_cols))
+    block_c = min(128, next_power_of_2(n_cols))
     unused = outs[:1] * (5 - len(outs))  # the kernel's spare output pointers, never stored to
-    launch(_norm_sum_partials_kernel, (triton.cdiv(n_cols, block_c), len(outs)),
+    launch(_norm_sum_partials_kernel, (cdiv(n_cols, block_c), len(outs)),
         partials, *outs, *unused, programs, n_cols, FIRST=0 if grad_out is not None else 1,
         ACCUMULATE=targets is not None, BLOCK_P=32, BLOCK_C=block_c,
     )  # fmt: skip

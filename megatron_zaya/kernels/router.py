@@ -42,7 +42,8 @@ import triton
 import triton.language as tl
 
 from .launch import launch
-from .utils import added_to_main_grad, main_grad_targets, matmul_fp32, matmul_fp32_into, platform, triton_runs
+from .utils import (added_to_main_grad, cdiv, main_grad_targets, matmul_fp32, matmul_fp32_into, next_power_of_2,
+                    platform, triton_runs)
 
 #: Launch settings per platform (``benchmarks/tune_launch.py --kernel router``): each program of the forward
 #: (backward) kernel takes ``tokens`` (``backward_tokens``) tokens with ``warps`` (``backward_warps``) warps.
@@ -160,7 +161,7 @@ def _launch(device: torch.device, n_tokens: int, n_classes: int, backward: bool)
     """(grid, launch kwargs) of the forward or backward kernel from this platform's tuning row."""
     tuning, prefix = ROUTER_TUNING[platform(device)], "backward_" if backward else ""
     tokens, warps = tuning[prefix + "tokens"], tuning[prefix + "warps"]
-    return (triton.cdiv(n_tokens, tokens),), {"BLOCK_T": tokens, "BLOCK_C": triton.next_power_of_2(n_classes),
+    return (cdiv(n_tokens, tokens),), {"BLOCK_T": tokens, "BLOCK_C": next_power_of_2(n_classes),
                                               "num_warps": warps}
 
 
@@ -401,9 +402,9 @@ def _head_backward_kernel(
 def _head_launch(device: torch.device, n_tokens: int, width: int, n_classes: int, backward: bool):
     """(grid, launch kwargs) of the fused head's forward or backward kernel from this platform's tuning row."""
     tuning, prefix = ROUTER_HEAD_TUNING[platform(device)], "backward_" if backward else ""
-    tokens, block_r = tuning[prefix + "tokens"], max(16, triton.next_power_of_2(width))  # tl.dot: sizes >= 16
-    return (triton.cdiv(n_tokens, tokens),), {
-        "BLOCK_T": tokens, "BLOCK_R": block_r, "BLOCK_C": max(16, triton.next_power_of_2(n_classes)),
+    tokens, block_r = tuning[prefix + "tokens"], max(16, next_power_of_2(width))  # tl.dot: sizes >= 16
+    return (cdiv(n_tokens, tokens),), {
+        "BLOCK_T": tokens, "BLOCK_R": block_r, "BLOCK_C": max(16, next_power_of_2(n_classes)),
         "CHUNK": min(tuning[prefix + "chunk"], block_r), "PRECISION": tuning["precision"],
         "num_warps": tuning[prefix + "warps"], "num_stages": tuning[prefix + "stages"],
     }  # fmt: skip

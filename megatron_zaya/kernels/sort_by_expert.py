@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch
-from .utils import platform, triton_runs
+from .utils import cdiv, next_power_of_2, platform, triton_runs
 
 #: Launch settings per platform: tokens per program (its block), tokens per step of each program's counting pass,
 #: warps per program.
@@ -92,12 +92,12 @@ def sort_by_expert(routing_map: torch.Tensor, first: int, num_experts: int, gate
     counts = torch.empty(num_experts, dtype=torch.int64, device=device)
     sorted_gates = None if gates is None else torch.empty(n_tokens, dtype=torch.float32, device=device)
     tuning = SORT_TUNING[platform(device)]
-    programs = max(1, triton.cdiv(n_tokens, tuning["block"]))  # no tokens: program 0 still writes the counts
+    programs = max(1, cdiv(n_tokens, tuning["block"]))  # no tokens: program 0 still writes the counts
     launch(_sort_by_expert_kernel, (programs,),
         routing_map, order, inverse, counts, routing_map if gates is None else gates,
         order if gates is None else sorted_gates, n_tokens, *routing_map.stride(),
         *(routing_map if gates is None else gates).stride(), first, num_experts,
-        CLASSES=triton.next_power_of_2(num_experts + 1), BLOCK=tuning["block"], COUNT_BLOCK=tuning["count_block"],
+        CLASSES=next_power_of_2(num_experts + 1), BLOCK=tuning["block"], COUNT_BLOCK=tuning["count_block"],
         HAS_GATES=gates is not None, num_warps=tuning["warps"])  # fmt: skip
     return (order, inverse, counts) if gates is None else (order, inverse, counts, sorted_gates)
 

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch
-from .utils import flat_rows, platform, triton_runs
+from .utils import cdiv, flat_rows, next_power_of_2, platform, triton_runs
 
 #: Launch settings per platform (``benchmarks/tune_launch.py --kernel swiglu``): each program takes ``rows``
 #: rows by at most ``block`` output columns with ``warps`` warps; ``backward_*`` the same for the backward kernel.
@@ -100,9 +100,9 @@ def _swiglu_backward_kernel(
 def _launch(device: torch.device, n_rows: int, n_cols: int, backward: bool) -> tuple[tuple[int, int], dict]:
     """(grid, launch kwargs) of the forward or backward kernel from this platform's tuning row."""
     tuning, prefix = SWIGLU_TUNING[platform(device)], "backward_" if backward else ""
-    block = min(triton.next_power_of_2(n_cols), tuning[prefix + "block"])
+    block = min(next_power_of_2(n_cols), tuning[prefix + "block"])
     rows = tuning[prefix + "rows"]
-    grid = (triton.cdiv(n_rows, rows), triton.cdiv(n_cols, block))
+    grid = (cdiv(n_rows, rows), cdiv(n_cols, block))
     return grid, {"ROWS": rows, "BLOCK": block, "num_warps": tuning[prefix + "warps"]}
 
 

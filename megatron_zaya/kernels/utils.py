@@ -24,6 +24,17 @@ def is_interpreted(kernel) -> bool:
     return not isinstance(kernel, JITFunction)
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for launch grids: ``triton.cdiv`` is a ``constexpr_function`` in newer triton, ~1 µs a call
+    on the host, and an eager layer step makes ~80 such calls."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n`` <= 1); ``triton.next_power_of_2`` without its host cost."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def triton_runs(kernel, *tensors: torch.Tensor) -> bool:
     """Whether ``kernel`` can run on ``tensors``: all on a GPU, or the kernel is interpreted."""
     return is_interpreted(kernel) or all(t.is_cuda for t in tensors)
@@ -57,7 +68,7 @@ def row_block(n_cols: int, max_cols: int, what: str) -> tuple[int, int]:
             f"{what}: rows of {n_cols} elements exceed the {max_cols} this kernel keeps in registers; "
             "its torch reference in megatron_zaya/ops takes such shapes"
         )
-    block = triton.next_power_of_2(n_cols)
+    block = next_power_of_2(n_cols)
     return block, min(16, max(1, block // 256))
 
 
