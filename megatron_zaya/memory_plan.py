@@ -34,7 +34,7 @@ STATE_BYTES = {
 # The optimizer step's temporaries, per parameter of the rank. Today's zaya_muon step converts whole-model
 # gradients: 137.0 vs 120.3 thousand MiB (peak vs between steps) for ZAYA1-8B on one H200 is 1.98 B/param.
 STEP_TRANSIENT_BYTES = {"zaya_muon": 2.0, "adam": 0.0, "sgd": 0.0}
-GRAPH_GRAD_BYTES = 2  # --zaya-cuda-graphs: each layer's backward graph keeps its parameter gradients (param dtype)
+GRAPH_GRAD_BYTES = 2  # --zaya-cuda-graphs: a layer's backward graph writes its parameter gradients (param dtype)
 LM_HEAD_TILE_ELEMENTS = 2**28  # kernels/cross_entropy.py: fp32 logits per chunk of the fused LM head
 RESERVE_GIB = 2.0  # per GPU, outside torch's allocations: CUDA/ROCm context, NCCL/RCCL buffers, fragmentation
 # --async-save: Megatron's background writer is a second process on the GPU (its own CUDA context; it allocates
@@ -251,7 +251,8 @@ def plan(cfg, par: Parallel, run: Run, stage: int = 0) -> dict[str, float]:
     # A chunk's fp32 logits and their bf16 gradient beside it; the weight's gradient goes into main_grad in place.
     out["LM-head chunks"] = last * ((4 + 2) * V * min(chunk, tokens) + held)
     graphs = run.cuda_graphs
-    layer_params = params - (V * D if stage == 0 or last else 0)
+    # one layer's parameter gradients: added into main_grad inside the graph, their memory is the next graph's
+    layer_params = (params - (V * D if stage == 0 or last else 0)) / layers
     out["CUDA-graph pool"] = graphs * (GRAPH_GRAD_BYTES * layer_params + 2 * 4 * (D + cfg.router_hidden_size) * tokens)
     out["optimizer-step transient"] = STEP_TRANSIENT_BYTES.get(run.optimizer, 0.0) * params
     out["checkpoint writer"] = run.async_save * ASYNC_WRITER_GIB * GIB
