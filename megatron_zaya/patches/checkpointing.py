@@ -559,13 +559,15 @@ def one_writer_per_run() -> None:
 @register("checkpointing.loss_curve_at_saves", target="megatron.training.training.save_checkpoint",
           wraps=("checkpointing.one_write_in_flight",))
 def loss_curve_at_saves() -> None:
-    """After each checkpoint save, write the loss curve's CSV up to that step, so that a run that crashes or hangs
+    """At each checkpoint save, write the loss curve's CSV up to that step, so that a run that crashes or hangs
     keeps the curve of the steps its checkpoints hold, and a restart carries it on.
 
     Otherwise the curve is written at the end of the run (or at a clean early stop) only. Wraps the name
-    ``save_checkpoint`` that ``megatron.training.training`` imported, outside the other save patches (a save that
-    fails raises before the curve is written); every rank pools its losses there, as every rank saves, before the
-    save (the losses' read-back then waits for no copy the save queued).
+    ``save_checkpoint`` that ``megatron.training.training`` imported, outside the other save patches. Every rank
+    pools its losses, as every rank saves, and the curve is written before the save: written after it, a kill
+    between the save's tracker update and the CSV left a checkpoint whose steps the curve lacked. A curve ahead of
+    the newest checkpoint (the save then failed, or was killed) is harmless: a resumed run replaces the points it
+    repeats. Before the save, the losses' read-back also waits for no copy the save queues.
     Off: leave ``checkpointing.loss_curve_at_saves`` out of ``--zaya-patches`` (a crash then loses the curve of
     its launch).
     """
@@ -578,9 +580,8 @@ def loss_curve_at_saves() -> None:
     @functools.wraps(original)
     def save_checkpoint(*args, **kwargs):
         LOSS_CURVE.pool_for_save()
-        saved = original(*args, **kwargs)
         LOSS_CURVE.save_csv()
-        return saved
+        return original(*args, **kwargs)
 
     replace_attr(training, "save_checkpoint", save_checkpoint)
 

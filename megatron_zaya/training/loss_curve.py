@@ -1,6 +1,6 @@
 """The training-loss curve: recorded by the loss function, pooled over data- and context-parallel ranks at each
-checkpoint save and at the end, written as CSV (at each save: a run that crashes keeps the curve of the steps
-its checkpoint holds) and, at the end, as PNG. A resumed run adds to the curve of the runs before it: their
+checkpoint save and at the end, written as CSV (at each save, before it: a run that crashes keeps the curve of
+the steps its checkpoint holds) and, at the end, as PNG. A resumed run adds to the curve of the runs before it: their
 points up to the iteration it resumed from are kept, later ones (steps it repeats) replaced."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class LossCurve:
             self.pool(curve_group())
 
     def save_csv(self) -> None:
-        """After a checkpoint save: the rank that writes the curve writes its CSV."""
+        """At a checkpoint save: the rank that writes the curve writes its CSV."""
         if self.enabled and writes_curve():
             self.write_csv()
 

@@ -17,6 +17,9 @@ imported, its :class:`StepGuard` is wrapped so that the given (1-based) iteratio
 
 ``slow_write@iteration`` instead delays the background writer (``--async-save``): its write of that checkpoint
 starts :data:`SLOW_WRITE_SECONDS` late, so that the steps after it reach the next save while it is in flight.
+
+``kill_after_save@iteration`` SIGKILLs the process as Megatron's save of that iteration returns: a synchronous
+save has named it in the tracker file, and nothing after the save has run.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import sys
 ENV_VAR = "ZAYA_FAULT_INJECT"
 STEP_KINDS = ("nan_loss", "inf_loss", "loss_spike", "nan_grad", "inf_grad", "drift", "hang", "crash", "first_crash")
 WRITE_KINDS = ("slow_write",)
+SAVE_KINDS = ("kill_after_save",)
 NODE_KINDS = ("bad_gemm",)
 SLOW_WRITE_SECONDS = 5.0
 
@@ -41,7 +45,7 @@ def _plan() -> tuple[tuple[str, int, int | None], ...]:
     for item in (s.strip() for s in os.environ.get(ENV_VAR, "").split(",") if s.strip()):
         kind, _, rest = item.partition("@")
         iteration, _, rank = rest.partition("@")
-        kinds = STEP_KINDS + WRITE_KINDS + NODE_KINDS
+        kinds = STEP_KINDS + WRITE_KINDS + NODE_KINDS + SAVE_KINDS
         if kind not in kinds or not iteration.isdigit() or (rank and not rank.isdigit()):
             raise ValueError(f"{ENV_VAR}: bad entry {item!r}; use kind@iteration[@rank], kind one of "
                              f"{', '.join(kinds)}")
@@ -157,6 +161,23 @@ def _wrap_self_test(module) -> None:
     module._device_gemm = bad_gemm
 
 
+def _wrap_save(module) -> None:
+    """SIGKILL at the return of each ``kill_after_save`` iteration's save (``save_checkpoint(iteration, ...)``)."""
+    import signal
+
+    killed_at = {iteration for kind, iteration, _ in _plan() if kind == "kill_after_save"}
+    save_checkpoint = module.save_checkpoint
+
+    @functools.wraps(save_checkpoint)
+    def save_then_die(iteration, *args, **kwargs):
+        saved = save_checkpoint(iteration, *args, **kwargs)
+        if iteration in killed_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return saved
+
+    module.save_checkpoint = save_then_die
+
+
 class _WrapOnImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: hands the ``target`` module's spec on with a loader that applies ``wrap`` to it once
     executed."""
@@ -183,5 +204,7 @@ if any(kind in STEP_KINDS for kind, _, _ in _plan()):
     sys.meta_path.insert(0, _WrapOnImport("megatron_zaya.training.reliability", _wrap_step_guard))
 if any(kind in NODE_KINDS for kind, _, _ in _plan()):
     sys.meta_path.insert(0, _WrapOnImport("megatron_zaya.training.health", _wrap_self_test))
+if any(kind in SAVE_KINDS for kind, _, _ in _plan()):  # before megatron.training.training imports the name
+    sys.meta_path.insert(0, _WrapOnImport("megatron.training.checkpointing", _wrap_save))
 if any(kind in WRITE_KINDS for kind, _, _ in _plan()):
     sys.meta_path.insert(0, _WrapOnImport("megatron_zaya.checkpoint.staging", _wrap_writer))

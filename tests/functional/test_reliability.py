@@ -224,6 +224,24 @@ def test_sigkill_at_a_moment_of_a_save_leaves_latest_naming_a_complete_checkpoin
     assert_resumed_exactly(loss_csv(ckpt / "loss.csv"), range(1, latest + 4), first, after, uninterrupted)
 
 
+def test_a_kill_as_a_save_returns_leaves_the_curve_of_its_steps(tmp_path, uninterrupted):
+    """SIGKILL at the moment the save of checkpoint 6 has named it in the tracker file (a test-side hook): the
+    loss curve beside it already holds steps 4-6, and the next launch resumes from 6 with the curve of every step."""
+    ckpt = tmp_path / "ckpt"
+    flags = KILLED_RUN + ["--save-interval", "3", "--save", str(ckpt), "--load", str(ckpt)]
+    killed = pretrain(flags, cwd=tmp_path, extra_env=with_faults("kill_after_save@6"))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
+    first = losses(killed.stdout)
+    assert sorted(loss_csv(ckpt / "loss.csv")) == list(range(1, 7)) and max(first) == 6
+
+    resumed = pretrain(flags + ["--exit-interval", "8"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = losses(resumed.stdout)
+    assert min(after) == 7
+    assert_resumed_exactly(loss_csv(ckpt / "loss.csv"), range(1, 9), first, after, uninterrupted)
+
+
 def _processes_of_group(pgid: int) -> list[int]:
     pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
