@@ -34,6 +34,13 @@ STATE_BYTES = {
 # The optimizer step's temporaries, per parameter of the rank. Today's zaya_muon step converts whole-model
 # gradients: 137.0 vs 120.3 thousand MiB (peak vs between steps) for ZAYA1-8B on one H200 is 1.98 B/param.
 STEP_TRANSIENT_BYTES = {"zaya_muon": 2.0, "adam": 0.0, "sgd": 0.0}
+# Under ZeRO-1 (--use-distributed-optimizer) the whole-model stream of Muon's updates does not exist: the step holds
+# Megatron's fp32 copy of the AdamW shard's gradients where they are bf16 (4 B per AdamW parameter of the shard)
+# and one batch of matrices through Newton–Schulz at a time (its fp32 Nesterov update, the 16-bit operands and
+# result: ~16 B per element of a batch of optim/muon.py's NS_BATCH_NUMEL). Read from the code, not measured
+# alone; on one H200 the 40-layer model's step stayed below the backward's peak (97.9 GiB, 87.7 between steps).
+ZERO1_ADAMW_GRAD_BYTES = 4
+ZERO1_MUON_BATCH_BYTES = 16 * 2**27
 GRAPH_GRAD_BYTES = 2  # --zaya-cuda-graphs: a layer's backward graph writes its parameter gradients (param dtype)
 LM_HEAD_TILE_ELEMENTS = 2**28  # kernels/cross_entropy.py: fp32 logits per chunk of the fused LM head
 RESERVE_GIB = 2.0  # per GPU, outside torch's allocations: CUDA/ROCm context, NCCL/RCCL buffers, fragmentation
@@ -254,7 +261,11 @@ def plan(cfg, par: Parallel, run: Run, stage: int = 0) -> dict[str, float]:
     # one layer's parameter gradients: added into main_grad inside the graph, their memory is the next graph's
     layer_params = (params - (V * D if stage == 0 or last else 0)) / layers
     out["CUDA-graph pool"] = graphs * (GRAPH_GRAD_BYTES * layer_params + 2 * 4 * (D + cfg.router_hidden_size) * tokens)
-    out["optimizer-step transient"] = STEP_TRANSIENT_BYTES.get(run.optimizer, 0.0) * params
+    if run.distributed_optimizer and muon:
+        adamw_shard = sum(n / shard[name.split()[1]] for name, n in counts.items() if not name.startswith("muon"))
+        out["optimizer-step transient"] = run.grad_bf16 * ZERO1_ADAMW_GRAD_BYTES * adamw_shard + ZERO1_MUON_BATCH_BYTES
+    else:
+        out["optimizer-step transient"] = STEP_TRANSIENT_BYTES.get(run.optimizer, 0.0) * params
     out["checkpoint writer"] = run.async_save * ASYNC_WRITER_GIB * GIB
     state = (out["weights"] + out["gradients"] + out["master weights"] + out["optimizer state"] + out["CUDA-graph pool"]
              + out["checkpoint writer"])
