@@ -37,7 +37,7 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .launch import launch
-from .utils import ACCUMULATE_INTO_MAIN_GRAD, cdiv, next_power_of_2, platform, triton_runs
+from .utils import ACCUMULATE_INTO_MAIN_GRAD, GRADIENT_PLACEHOLDERS, cdiv, next_power_of_2, platform, triton_runs
 
 #: Launch settings per platform (``utils.platform()``). The row-tile kernel (forward and input gradient): output
 #: tile rows x columns, contraction step, warps, software-pipeline depth; the weight-gradient kernel: output tile
@@ -294,7 +294,9 @@ def weight_grad(grad_out, x, tokens_per_expert, padded_rows: bool, weights, main
     tuning = GEMM_TUNING[platform(x.device)]
     row_start = _shared_row_tiles(tokens_per_expert, x.shape[0], padded_rows, tuning["block_m"])[3]
     n_experts, (m_dim, k_dim) = tokens_per_expert.numel(), weights[0].shape[-2:]
-    grad_w = torch.empty((n_experts, m_dim, k_dim), dtype=x.dtype, device=x.device)
+    grad_w = None
+    if main_grads is None or GRADIENT_PLACEHOLDERS["needed"]:
+        grad_w = torch.empty((n_experts, m_dim, k_dim), dtype=x.dtype, device=x.device)
     target, table, aligned = grad_w, None, False
     if main_grads is not None:
         target, table, aligned = main_grads
@@ -304,10 +306,17 @@ def weight_grad(grad_out, x, tokens_per_expert, padded_rows: bool, weights, main
            tokens_per_expert, m_dim, k_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=tuning["wgrad_block_r"],
            W_TABLE=table is not None, W_ALIGNED=aligned, ACCUMULATE=table is not None,
            num_warps=tuning["wgrad_warps"], num_stages=tuning["wgrad_stages"])  # fmt: skip
-    if main_grads is not None:  # grad_w is a placeholder: Megatron's gradient hooks skip it, as for its own
-        for weight in weights:  # layers with gradient-accumulation fusion, but need a gradient to fire
+    if main_grads is not None:  # grad_w is a placeholder (or None): Megatron's gradient hooks skip it, as for its
+        for weight in weights:  # own layers with gradient-accumulation fusion, but need a gradient to fire
             weight.grad_added_to_main_grad = True
     return grad_w
+
+
+def per_weight(grad_w: torch.Tensor | None, weights) -> tuple:
+    """The weight gradient (or its placeholder) as autograd takes it: one tensor per weight; None each without one."""
+    if grad_w is None:
+        return (None,) * len(weights)
+    return (grad_w,) if len(weights) == 1 else grad_w.unbind(0)
 
 
 class GroupedGemm(torch.autograd.Function):
@@ -328,7 +337,7 @@ class GroupedGemm(torch.autograd.Function):
         grad_out, weights = grad_out.contiguous(), ctx.weights
         grad_x = matmul(grad_out, tokens_per_expert, ctx.padded_rows, ctx.table, weights, transposed=False)
         grad_w = weight_grad(grad_out, x, tokens_per_expert, ctx.padded_rows, weights, ctx.main_grads)
-        return grad_x, None, None, None, *((grad_w,) if len(weights) == 1 else grad_w.unbind(0))
+        return grad_x, None, None, None, *per_weight(grad_w, weights)
 
 
 def main_grad_target(weights) -> tuple[torch.Tensor, torch.Tensor, bool] | None:

@@ -97,12 +97,21 @@ def main_grad_targets(params) -> list[torch.Tensor] | None:
     return targets
 
 
-def added_to_main_grad(params) -> list[torch.Tensor]:
+#: ``needed``: False while the backward of a composite op whose parameters are off autograd's graph runs: nothing
+#: reads a gradient that a kernel added into ``main_grad`` (``ops.composite.hand_to_ddp``), so kernels return None
+#: for it instead of a placeholder tensor (``ops.composite.placeholders_unread``).
+GRADIENT_PLACEHOLDERS = {"needed": True}
+
+
+def added_to_main_grad(params) -> list[torch.Tensor | None]:
     """Mark ``params`` as having their gradients in ``main_grad`` (DDP's hooks then add nothing) and return a
     placeholder gradient for each: an unwritten tensor of its shape that autograd hands to the hook, which fires on
-    any gradient and drops it. (Autograd takes a contiguous placeholder as it is, without a copy.)"""
+    any gradient and drops it (autograd takes a contiguous placeholder as it is, without a copy); None for each
+    where no placeholder is needed (``GRADIENT_PLACEHOLDERS``)."""
     for param in params:
         param.grad_added_to_main_grad = True
+    if not GRADIENT_PLACEHOLDERS["needed"]:
+        return [None] * len(params)
     return [torch.empty_like(param) for param in params]
 
 

@@ -32,13 +32,14 @@ itself, off autograd's graph (``composite.off_the_graph``); elsewhere autograd r
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from .composite import Piece, hand_to_ddp, off_the_graph
+from .composite import Piece, hand_to_ddp, off_the_graph, placeholders_unread
 
 
 class CCAWeights(NamedTuple):
@@ -121,7 +122,8 @@ class CCASublayer(torch.autograd.Function):
     def backward(ctx, grad_q, grad_k, grad_v):
         run = ctx.run
         del ctx.run  # its tensors go with it
-        grad_residual, grad_weights = run.backward(grad_q, grad_k, grad_v)
+        with placeholders_unread() if ctx.off_graph is not None else contextlib.nullcontext():
+            grad_residual, grad_weights = run.backward(grad_q, grad_k, grad_v)
         if ctx.off_graph is not None:
             hand_to_ddp(ctx.off_graph, grad_weights)
             grad_weights = ()

@@ -8,6 +8,8 @@ the host time of an eager layer that launches small kernels.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -45,6 +47,20 @@ def off_the_graph(params) -> bool:
 
     return (ACCUMULATE_INTO_MAIN_GRAD["enabled"] and torch.is_grad_enabled()
             and all(p is None or p.requires_grad and hasattr(p, "ddp_grad_ready") for p in params))
+
+
+@contextlib.contextmanager
+def placeholders_unread():
+    """Within: the backward of a composite op whose parameters are off the graph (:func:`hand_to_ddp` takes their
+    gradients): a kernel that adds a gradient into ``main_grad`` returns None for it, not a placeholder tensor
+    (one allocation per parameter, and the experts' [E, M, K] placeholder of the grouped GEMM)."""
+    from ..kernels.utils import GRADIENT_PLACEHOLDERS
+
+    GRADIENT_PLACEHOLDERS["needed"] = False
+    try:
+        yield
+    finally:
+        GRADIENT_PLACEHOLDERS["needed"] = True
 
 
 def hand_to_ddp(params, grads) -> None:

@@ -200,7 +200,7 @@ class GroupedMM(torch.autograd.Function):
             grad_w = torch_weight_grad(grad_out, x, offsets, weights, ctx.main_grads is not None)
         else:
             grad_w = kernel.weight_grad(grad_out, x, counts, ctx.padded_rows, weights, ctx.main_grads)
-        return grad_x, *(None,) * 6, *((grad_w,) if len(weights) == 1 else grad_w.unbind(0))
+        return grad_x, *(None,) * 6, *kernel.per_weight(grad_w, weights)
 
 
 def _sorted(tensor: torch.Tensor, order: TokenOrder | None) -> torch.Tensor:

@@ -28,13 +28,14 @@ elsewhere autograd receives them.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from . import grouped_mm
-from .composite import Piece, hand_to_ddp, off_the_graph
+from .composite import Piece, hand_to_ddp, off_the_graph, placeholders_unread
 from .router import RouterWeights
 
 
@@ -152,8 +153,9 @@ class MoESublayer(torch.autograd.Function):
             run = _Forward(settings, hidden, residual, merge, state_in, biases, router, fc1, fc2)
         if grad_out is None:
             grad_out = torch.zeros_like(run.out)
-        grad_hidden, grad_residual, grad_state_in, grad_merge, grad_router, grad_fc1, grad_fc2 = run.backward(
-            grad_out.reshape(run.out.shape), grad_state, grad_skip, grad_new_residual)
+        with placeholders_unread() if ctx.off_graph is not None else contextlib.nullcontext():
+            grad_hidden, grad_residual, grad_state_in, grad_merge, grad_router, grad_fc1, grad_fc2 = run.backward(
+                grad_out.reshape(run.out.shape), grad_state, grad_skip, grad_new_residual)
         if grad_state_in is not None:
             grad_state_in = grad_state_in.view(ctx.state_shape)
         grads = (*grad_merge, *grad_router, *grad_fc1, *grad_fc2)
