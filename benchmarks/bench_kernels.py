@@ -127,8 +127,8 @@ def cases(s: Shapes, device: str) -> list[Case]:
              uniform_grad=True),
         # twice the default chunk of tokens (2^28 / V): half the fp32 weight-gradient read-modify-writes, twice
         # the chunk's logits at the memory peak
-        Case("linear_ce_2x_token_chunk",
-             functools.partial(cross_entropy.linear_cross_entropy, token_chunk=2 * cross_entropy.forward_token_chunk(v)),
+        Case("linear_ce_2x_token_chunk", functools.partial(
+                 cross_entropy.linear_cross_entropy, token_chunk=2 * cross_entropy.forward_token_chunk(v)),
              lm_head_ops.linear_cross_entropy, lm_head_inputs, flops=lm_head_flops, compile=False,
              uniform_grad=True),
         Case("cca_qk", _cca_qk_kernel, _cca_qk_reference,

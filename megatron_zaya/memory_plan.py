@@ -40,7 +40,7 @@ STEP_TRANSIENT_BYTES = {"zaya_muon": 2.0, "adam": 0.0, "sgd": 0.0}
 # result: ~16 B per element of a batch of optim/muon.py's NS_BATCH_NUMEL). Read from the code, not measured
 # alone; on one H200 the 40-layer model's step stayed below the backward's peak (97.9 GiB, 87.7 between steps).
 ZERO1_ADAMW_GRAD_BYTES = 4
-ZERO1_MUON_BATCH_BYTES = 16 * 2**27
+ZERO1_MUON_BATCH_BYTES_PER_ELEMENT = 16
 GRAPH_GRAD_BYTES = 2  # --zaya-cuda-graphs: a layer's backward graph writes its parameter gradients (param dtype)
 LM_HEAD_TILE_ELEMENTS = 2**28  # kernels/cross_entropy.py: fp32 logits per chunk of the fused LM head
 RESERVE_GIB = 2.0  # per GPU, outside torch's allocations: CUDA/ROCm context, NCCL/RCCL buffers, fragmentation
@@ -262,8 +262,11 @@ def plan(cfg, par: Parallel, run: Run, stage: int = 0) -> dict[str, float]:
     layer_params = (params - (V * D if stage == 0 or last else 0)) / layers
     out["CUDA-graph pool"] = graphs * (GRAPH_GRAD_BYTES * layer_params + 2 * 4 * (D + cfg.router_hidden_size) * tokens)
     if run.distributed_optimizer and muon:
+        from .optim.muon import NS_BATCH_NUMEL  # imports torch: only where a plan is made
+
         adamw_shard = sum(n / shard[name.split()[1]] for name, n in counts.items() if not name.startswith("muon"))
-        out["optimizer-step transient"] = run.grad_bf16 * ZERO1_ADAMW_GRAD_BYTES * adamw_shard + ZERO1_MUON_BATCH_BYTES
+        out["optimizer-step transient"] = (run.grad_bf16 * ZERO1_ADAMW_GRAD_BYTES * adamw_shard
+                                           + ZERO1_MUON_BATCH_BYTES_PER_ELEMENT * NS_BATCH_NUMEL)
     else:
         out["optimizer-step transient"] = STEP_TRANSIENT_BYTES.get(run.optimizer, 0.0) * params
     out["checkpoint writer"] = run.async_save * ASYNC_WRITER_GIB * GIB

@@ -17,11 +17,12 @@ fc2 + GELU, out_proj and the epilogue above. An eager ZAYA1 layer is host-bound 
 forward + backward), and torch spends ~100 of them on this head (weight casts to fp32, a 7-op RMSNorm, three
 fp32 linears and GELUs, their backward). Fused: forward one kernel (+ the counts' zero fill); backward one
 kernel, one reduction of its per-program vector-gradient partial sums, two batched GEMMs over slices of the
-tokens (d W1 with d W2, and d W3) and their sums over the slices, plus three casts when the parameters are bf16. Each program takes a block of tokens; fc1's
-outputs come a chunk at a time and feed fc2's accumulator at once, so no [T, R] activation is written in the
-forward but the state r. The backward saves only the inputs and recomputes the forward in its kernel (fc1
-twice: it needs fc2's full gradient before fc1's); it writes the [T, R] operands of the weight GEMMs (fp32,
-freed once they are done) instead of the seven [T, R] fp32 activations torch keeps from forward to backward.
+tokens (d W1 with d W2, and d W3) and their sums over the slices, plus three casts when the parameters are bf16.
+Each program takes a block of tokens; fc1's outputs come a chunk at a time and feed fc2's accumulator at once,
+so no [T, R] activation is written in the forward but the state r. The backward saves only the inputs and
+recomputes the forward in its kernel (fc1 twice: it needs fc2's full gradient before fc1's); it writes the
+[T, R] operands of the weight GEMMs (fp32, freed once they are done) instead of the seven [T, R] fp32
+activations torch keeps from forward to backward.
 Weights are read in their dtype and upcast in registers; all math is fp32. No float atomics: the parameter
 gradients are reproducible bit for bit. The fp32 ``tl.dot`` precision is per platform
 (``ROUTER_HEAD_TUNING``): "tf32x3" (about fp32 accuracy on tensor cores) on CUDA, "ieee" elsewhere.
@@ -220,7 +221,10 @@ def route_top1(
 #: interpreter; MI300X: not measured yet). The CUDA forward: the best of 24 settings on one H100 at T = 8192
 #: (``benchmarks/tune_launch.py --kernel router_head``), 0.112 ms against 0.258 ms for (32, 8, 64, 1) before it; the
 #: backward: not tuned yet. On gfx942 chunks of 16 and a 4-warp backward are what fit in 64 KB of LDS without
-#: spills at R = 256 (compiled by tests/unit/test_kernel_compile.py).
+#: spills at R = 256 (compiled by tests/unit/test_kernel_compile.py). ``wgrad_slice``: the weight gradients sum over
+#: all T tokens into outputs of [R, R] and [C, R], a handful of output tiles: as one GEMM each, most of the GPU idles
+#: (an H200 took 0.31 ms for d W1 and d W2 at T = 8192). They run as a batch of GEMMs over slices of this many
+#: tokens, then a sum over the slices (a fixed order); 512 is not tuned yet.
 ROUTER_HEAD_TUNING = {
     "cuda": {"tokens": 16, "warps": 4, "chunk": 32, "stages": 2, "backward_tokens": 16, "backward_warps": 8,
              "backward_chunk": 64, "backward_stages": 1, "precision": "tf32x3", "wgrad_slice": 512},
@@ -230,9 +234,6 @@ ROUTER_HEAD_TUNING = {
     "cpu": {"tokens": 16, "warps": 4, "chunk": 16, "stages": 1, "backward_tokens": 16, "backward_warps": 4,
             "backward_chunk": 16, "backward_stages": 1, "precision": "ieee", "wgrad_slice": 12},
 }  # fmt: skip
-#: ``wgrad_slice``: the weight gradients sum over all T tokens into outputs of [R, R] and [C, R], a handful of
-#: output tiles: as one GEMM each, most of the GPU idles (an H200 took 0.31 ms for d W1 and d W2 at T = 8192). They
-#: run as a batch of GEMMs over slices of this many tokens, then a sum over the slices (a fixed order).
 #: The widest router (R) the fused head keeps in registers (ZAYA1-8B: 256); wider ones run the reference head.
 HEAD_MAX_WIDTH = 256
 

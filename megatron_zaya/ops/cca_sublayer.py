@@ -32,7 +32,6 @@ itself, off autograd's graph (``composite.off_the_graph``); elsewhere autograd r
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -122,7 +121,7 @@ class CCASublayer(torch.autograd.Function):
     def backward(ctx, grad_q, grad_k, grad_v):
         run = ctx.run
         del ctx.run  # its tensors go with it
-        with placeholders_unread() if ctx.off_graph is not None else contextlib.nullcontext():
+        with placeholders_unread(ctx.off_graph is not None):
             grad_residual, grad_weights = run.backward(grad_q, grad_k, grad_v)
         if ctx.off_graph is not None:
             hand_to_ddp(ctx.off_graph, grad_weights)

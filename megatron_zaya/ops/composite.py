@@ -50,13 +50,14 @@ def off_the_graph(params) -> bool:
 
 
 @contextlib.contextmanager
-def placeholders_unread():
-    """Within: the backward of a composite op whose parameters are off the graph (:func:`hand_to_ddp` takes their
-    gradients): a kernel that adds a gradient into ``main_grad`` returns None for it, not a placeholder tensor
-    (one allocation per parameter, and the experts' [E, M, K] placeholder of the grouped GEMM)."""
+def placeholders_unread(off_graph: bool):
+    """Within, where ``off_graph``: the backward of a composite op whose parameters are off the graph
+    (:func:`hand_to_ddp` takes their gradients): a kernel that adds a gradient into ``main_grad`` returns None for
+    it, not a placeholder tensor (one allocation per parameter, and the experts' [E, M, K] placeholder of the
+    grouped GEMM)."""
     from ..kernels.utils import GRADIENT_PLACEHOLDERS
 
-    GRADIENT_PLACEHOLDERS["needed"] = False
+    GRADIENT_PLACEHOLDERS["needed"] = not off_graph
     try:
         yield
     finally:

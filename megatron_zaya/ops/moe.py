@@ -28,7 +28,6 @@ elsewhere autograd receives them.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -153,7 +152,7 @@ class MoESublayer(torch.autograd.Function):
             run = _Forward(settings, hidden, residual, merge, state_in, biases, router, fc1, fc2)
         if grad_out is None:
             grad_out = torch.zeros_like(run.out)
-        with placeholders_unread() if ctx.off_graph is not None else contextlib.nullcontext():
+        with placeholders_unread(ctx.off_graph is not None):
             grad_hidden, grad_residual, grad_state_in, grad_merge, grad_router, grad_fc1, grad_fc2 = run.backward(
                 grad_out.reshape(run.out.shape), grad_state, grad_skip, grad_new_residual)
         if grad_state_in is not None:

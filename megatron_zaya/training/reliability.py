@@ -161,8 +161,8 @@ class StepGuard:
         self.skipped_in_a_row += 1
         self.skipped_total += 1
         print_rank_0(f" [zaya] iteration {iteration:8d} | non-finite step skipped (loss {loss}, grad norm "
-                      f"{grad_norm}, ranks with a non-finite grad norm: {ranks_with_bad_norm:.0f}) "
-                      f"| skipped in a row: {self.skipped_in_a_row} | skipped in total: {self.skipped_total} |")
+                     f"{grad_norm}, ranks with a non-finite grad norm: {ranks_with_bad_norm:.0f}) "
+                     f"| skipped in a row: {self.skipped_in_a_row} | skipped in total: {self.skipped_total} |")
         if self.max_nonfinite and self.skipped_in_a_row >= self.max_nonfinite:
             first = iteration - self.skipped_in_a_row + 1
             raise TrainingFault(
@@ -187,7 +187,7 @@ class StepGuard:
             std = math.sqrt(sum((x - mean) ** 2 for x in window) / (len(window) - 1))
             if std > 0 and loss > mean + self.spike_sigma * std:
                 print_rank_0(f" [zaya] iteration {iteration:8d} | loss spike: {loss:.4f} is {(loss - mean) / std:.1f} "
-                              f"sigma above the mean {mean:.4f} of the last {len(window)} steps |")
+                             f"sigma above the mean {mean:.4f} of the last {len(window)} steps |")
         window.append(loss)
 
 
