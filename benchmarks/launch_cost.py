@@ -4,12 +4,14 @@ the device is never the bottleneck (the host's time per call is the wall time pe
     python -m benchmarks.launch_cost    # CUDA or ROCm GPU, a few seconds
 
 Each figure is the best of 7 rounds of 400 calls, in microseconds per call; our wrappers' with the launches
-through ``kernels.launch``'s cached launcher and through ``kernel[grid](...)`` (``Triton path``).
+through ``kernels.launch``'s cached launcher (``direct``), the same launcher given tensors rather than their
+addresses (``tensors``, which it then reads and checks one by one), and ``kernel[grid](...)`` (``Triton path``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -29,6 +31,17 @@ def per_call_us(fn, calls: int = 400, rounds: int = 7) -> float:
         best = min(best, (time.perf_counter() - start) / calls)
         torch.cuda.synchronize()
     return best * 1e6
+
+
+@contextlib.contextmanager
+def tensors_to_the_launcher():
+    """Within: ``kernels.launch`` passes its cached launcher the tensors themselves, not their device addresses."""
+    own = launch.key_and_arguments
+    launch.key_and_arguments = lambda plan, values, options: (own(plan, values, options)[0], values)
+    try:
+        yield
+    finally:
+        launch.key_and_arguments = own
 
 
 def main() -> None:
@@ -53,12 +66,14 @@ def main() -> None:
     ]
     for name, fn in torch_calls:
         print(f"{name:48s} {per_call_us(fn):7.1f} us")
-    print(f"{'':48s} {'direct':>7s}    {'Triton path':>11s}")
+    print(f"{'':48s} {'direct':>7s}    {'tensors':>7s}    {'Triton path':>11s}")
     for name, fn in triton_calls:
         direct = per_call_us(fn)
+        with tensors_to_the_launcher():
+            tensors = per_call_us(fn)
         with launch.through_triton():
             through_triton = per_call_us(fn)
-        print(f"{name:48s} {direct:7.1f} us {through_triton:8.1f} us")
+        print(f"{name:48s} {direct:7.1f} us {tensors:7.1f} us {through_triton:8.1f} us")
 
 
 if __name__ == "__main__":

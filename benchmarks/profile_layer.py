@@ -16,7 +16,8 @@ selective``'s default pieces recomputed, as the 40-layer runs of docs/benchmarks
 layer's gradients accumulate in ``.grad`` and nothing is recomputed)
 
 * with ``--against-triton-launch``, the same layer with every kernel launched through ``kernel[grid](...)`` rather
-  than ``kernels.launch``'s cached launcher, timed in alternating rounds as below;
+  than ``kernels.launch``'s cached launcher, and with ``--against-tensor-arguments``, through that launcher given
+  tensors rather than their addresses: timed in alternating rounds as below;
 * with ``--against KERNELS`` or ``--against-on-the-graph``, a second layer, the baseline, built in the same process
   with that kernel set, or with the sublayer ops' parameters left on autograd's graph (as without the
   ``training_loop.gradient_ready_calls`` patch): both timed in alternating rounds, their median wall times and ratio
@@ -43,6 +44,7 @@ import torch
 from megatron_zaya.kernels import launch
 
 from .inprocess import DEVICE, GPU, setup_single_process, zaya_cfg
+from .launch_cost import tensors_to_the_launcher
 from .probe import busy_ms
 from .timing import call_times
 
@@ -200,6 +202,8 @@ def main() -> None:
                         help="a baseline layer whose sublayer ops leave their parameters on autograd's graph")
     parser.add_argument("--against-triton-launch", action="store_true",
                         help="a baseline: the same layer with every kernel launched through kernel[grid](...)")
+    parser.add_argument("--against-tensor-arguments", action="store_true",
+                        help="a baseline: the same layer, its cached launcher given tensors, not their addresses")
     parser.add_argument("--rounds", type=int, default=6, help="alternating rounds of 10 steps with a baseline")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
@@ -218,9 +222,13 @@ def main() -> None:
               f"baseline's {baseline_wall:.3f} ({wall / baseline_wall:.3f}x; baseline: "
               f"--kernels {args.against or args.kernels}{', on the graph' if args.against_on_the_graph else ''})")
     if args.against_triton_launch:
-        wall, baseline_wall = in_turns(step, through_triton(step), args.rounds)
+        wall, baseline_wall = in_turns(step, within(launch.through_triton, step), args.rounds)
         print(f"same process, {args.rounds} alternating rounds of 10 steps: wall {wall:.3f} ms/step against "
               f"{baseline_wall:.3f} with Triton's launch path ({wall / baseline_wall:.3f}x)")
+    if args.against_tensor_arguments:
+        wall, baseline_wall = in_turns(step, within(tensors_to_the_launcher, step), args.rounds)
+        print(f"same process, {args.rounds} alternating rounds of 10 steps: wall {wall:.3f} ms/step against "
+              f"{baseline_wall:.3f} with tensors given to the launcher ({wall / baseline_wall:.3f}x)")
 
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if GPU else [])
     with torch.profiler.profile(activities=activities) as prof:
@@ -251,10 +259,10 @@ def main() -> None:
             print(f"{ms:9.3f}  {name}")
 
 
-def through_triton(step):
-    """``step`` with every kernel launched through ``kernel[grid](...)`` rather than ``kernels.launch``'s cache."""
+def within(context, step):
+    """``step`` run within ``context()``: a launch path other than the default, as a baseline."""
     def baseline():
-        with launch.through_triton():
+        with context():
             step()
     return baseline
 

@@ -9,7 +9,9 @@ specialization (a tensor's dtype and alignment, and on ROCm whether its storage 
 and whether it is 1 or a multiple of 16; other scalars by type; compile-time constants and options by value), so
 two calls with one key run the same compiled kernel. A key's first call goes through ``kernel[grid](...)``,
 which compiles and launches, and leaves its compiled kernel in the cache; later calls pass the launcher their
-arguments.
+arguments, each tensor as its device address (read once, for the key's alignment too): the launcher then skips its
+own ``data_ptr()`` call and its driver query per tensor (``cuPointerGetAttribute``, ``hipPointerGetAttribute``),
+which the key's device check replaces.
 
 It takes the ordinary path, every time, for interpreted kernels (``TRITON_INTERPRET=1``), for arguments it
 cannot key (anything but tensors, numbers, booleans and ``None``), for a grid given as a function, and while
@@ -74,14 +76,19 @@ def _hooks_set(kernel: JITFunction) -> bool:
                                                                                runtime.launch_exit_hook))
 
 
+def tensor_key(value: torch.Tensor, address: int, rocm: bool) -> tuple:
+    """What Triton's specialization of a tensor argument at ``address`` depends on, and whether it is on a GPU (a
+    host tensor takes Triton's path, which refuses it)."""
+    if rocm:
+        return value.dtype, address % 16 == 0, value.is_cuda, value.untyped_storage().size() <= _WITHIN_2GB
+    return value.dtype, address % 16 == 0, value.is_cuda
+
+
 def argument_key(value, rocm: bool):
     """What Triton's specialization of a non-constant argument depends on (or finer)."""
     kind = type(value)
     if kind is torch.Tensor or isinstance(value, torch.Tensor):
-        aligned = value.data_ptr() % 16 == 0
-        if rocm:
-            return value.dtype, aligned, value.untyped_storage().size() <= _WITHIN_2GB
-        return value.dtype, aligned
+        return tensor_key(value, value.data_ptr(), rocm)
     if kind is bool:
         return kind, value
     if kind is int:
@@ -112,10 +119,21 @@ def _bind(plan: _Plan, args: tuple, kwargs: dict) -> tuple[list, tuple]:
     return values, tuple(options)
 
 
-def specialization_key(plan: _Plan, values: list, options: tuple) -> tuple:
-    """The cache key of one launch: each argument's :func:`argument_key`, or its value if it is a constant."""
-    return options, tuple(value if constant else argument_key(value, plan.rocm)
-                          for value, constant in zip(values, plan.constant))
+def key_and_arguments(plan: _Plan, values: list, options: tuple) -> tuple[tuple, list]:
+    """The cache key of one launch (each argument's :func:`argument_key`, or its value if it is a constant) and the
+    launcher's arguments: ``values`` with each tensor replaced by its device address."""
+    key, arguments = [], []
+    for value, constant in zip(values, plan.constant):
+        if constant:
+            key.append(value)
+        elif type(value) is torch.Tensor or isinstance(value, torch.Tensor):
+            address = value.data_ptr()
+            key.append(tensor_key(value, address, plan.rocm))
+            value = address
+        else:
+            key.append(argument_key(value, plan.rocm))
+        arguments.append(value)
+    return (options, tuple(key)), arguments
 
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
@@ -129,7 +147,8 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     try:
         values, options = _bind(plan, args, kwargs)
         device = driver.active.get_current_device()
-        key = (device, specialization_key(plan, values, options))
+        key, arguments = key_and_arguments(plan, values, options)
+        key = (device, key)
     except (_Unkeyable, TypeError):  # TypeError: an unhashable constant
         kernel[grid](*args, **kwargs)
         return
@@ -143,4 +162,4 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     runner, function, metadata = found
     stream = driver.active.get_current_stream(device)
     runner(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, function, metadata,
-           None, None, None, *values)
+           None, None, None, *arguments)

@@ -49,3 +49,12 @@ def test_direct_launches_run_the_kernel_triton_would(monkeypatch):
     monkeypatch.setattr(_scaled_shift, "run", no_triton_path)
     with pytest.raises(AssertionError, match="Triton's launch path"):  # hooks see every launch
         _launch_all(cases[:1])
+
+
+def test_a_host_tensor_is_refused_after_its_key_was_cached():
+    """Cached launches pass device addresses, which the launcher no longer checks: a host tensor must not share a
+    device tensor's key, so it takes Triton's path, which refuses it."""
+    x, out = _cases()[0]
+    _launch_all([(x, out)])
+    with pytest.raises(ValueError, match="cannot be accessed from Triton"):
+        direct.launch(_scaled_shift, (4,), x.cpu(), out, x.numel(), 2.0, 0.5, BLOCK=256)

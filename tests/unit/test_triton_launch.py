@@ -57,19 +57,20 @@ def test_the_key_is_at_least_as_fine_as_triton_specialization(target):
     triton_by_key, keys = {}, set()
     for args, kwargs in _calls(400):
         values, options = direct._bind(plan, args, kwargs)
-        key = direct.specialization_key(plan, values, options)
+        key, arguments = direct.key_and_arguments(plan, values, options)
         _, specialization, triton_options = binder(*args, **kwargs)
         by_triton = (str(specialization), sorted(triton_options.items()))
         assert triton_by_key.setdefault(key, by_triton) == by_triton, (args, kwargs)
         keys.add(str(by_triton))
         bound, _, _ = binder(*args, **kwargs)
-        assert values == list(bound.values())  # the launcher gets the arguments Triton would pass
+        assert values == list(bound.values())  # the arguments Triton would pass, each tensor as its address:
+        assert arguments == [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in bound.values()]
     assert len(keys) > 100  # the calls do cover many specializations
 
 
 def test_arguments_without_a_key_take_tritons_path():
     plan = direct._Plan(_probe)
     with pytest.raises(direct._Unkeyable):
-        direct.specialization_key(plan, *direct._bind(plan, [(1, 2)] + [0] * 6, {"BLOCK": 16}))
+        direct.key_and_arguments(plan, *direct._bind(plan, [(1, 2)] + [0] * 6, {"BLOCK": 16}))
     with pytest.raises(direct._Unkeyable):  # a missing argument: Triton's path reports it
         direct._bind(plan, [0] * 6, {"BLOCK": 16})
