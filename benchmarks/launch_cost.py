@@ -53,10 +53,20 @@ def main() -> None:
     y = torch.empty_like(x)
     logits = torch.randn(64, 17, device="cuda", dtype=torch.float32)
     biases = torch.zeros(17, device="cuda")
+    a, b = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16), torch.randn(256, 64, device="cuda",
+                                                                                dtype=torch.bfloat16)
+    product = torch.empty(64, 64, device="cuda")
+    rows = torch.randperm(64, device="cuda")
     torch_calls = [
         ("torch.add(out=)", lambda: torch.add(x, x, out=y)),
         ("x + x (allocates)", lambda: x + x),
         ("torch.empty_like", lambda: torch.empty_like(x)),
+        ("torch.mm, bf16", lambda: torch.mm(a, b)),
+        ("torch.mm(out_dtype=float32), bf16 inputs", lambda: torch.mm(a, b, out_dtype=torch.float32)),
+        ("torch.addmm(out_dtype=float32, out=), bf16 inputs",
+         lambda: torch.addmm(product, a, b, out_dtype=torch.float32, out=product)),
+        ("torch.bmm, fp32", lambda: torch.bmm(product[None], product[None])),
+        ("index_select", lambda: x.index_select(0, rows[:8])),
     ]
     triton_calls = [
         ("RMSNorm forward: 2 allocations, 1 Triton launch",
