@@ -31,6 +31,7 @@ from triton.runtime import JITFunction, driver
 _INT32 = range(-(2**31), 2**31)
 _UNSIGNED_64 = 2**63
 _WITHIN_2GB = 2**31 - 1  # the ROCm backend's buffer-operation specialization
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 
 
 class _Unkeyable(Exception):
@@ -76,23 +77,15 @@ def _hooks_set(kernel: JITFunction) -> bool:
                                                                                runtime.launch_exit_hook))
 
 
-def tensor_key(value: torch.Tensor, address: int, rocm: bool) -> tuple:
-    """What Triton's specialization of a tensor argument at ``address`` depends on, and whether it is on a GPU (a
-    host tensor takes Triton's path, which refuses it)."""
-    if rocm:
-        return value.dtype, address % 16 == 0, value.is_cuda, value.untyped_storage().size() <= _WITHIN_2GB
-    return value.dtype, address % 16 == 0, value.is_cuda
+def _rocm_tensor_key(value: torch.Tensor, address: int) -> tuple:
+    return value.dtype, address & 15 == 0, value.is_cuda, value.untyped_storage().size() <= _WITHIN_2GB
 
 
-def argument_key(value, rocm: bool):
-    """What Triton's specialization of a non-constant argument depends on (or finer)."""
+def _scalar_key(value):
+    """The key of an argument neither an integer nor a tensor: booleans by value, floats and ``None`` by kind."""
     kind = type(value)
-    if kind is torch.Tensor or isinstance(value, torch.Tensor):
-        return tensor_key(value, value.data_ptr(), rocm)
     if kind is bool:
         return kind, value
-    if kind is int:
-        return kind, value == 1, value % 16 == 0, value in _INT32, value < _UNSIGNED_64
     if kind is float or value is None:
         return kind
     raise _Unkeyable(kind.__name__)
@@ -120,20 +113,28 @@ def _bind(plan: _Plan, args: tuple, kwargs: dict) -> tuple[list, tuple]:
 
 
 def key_and_arguments(plan: _Plan, values: list, options: tuple) -> tuple[tuple, list]:
-    """The cache key of one launch (each argument's :func:`argument_key`, or its value if it is a constant) and the
-    launcher's arguments: ``values`` with each tensor replaced by its device address."""
-    key, arguments = [], []
-    for value, constant in zip(values, plan.constant):
+    """The cache key of one launch and the launcher's arguments: ``values``, changed in place, each tensor
+    replaced by its device address. The key holds each constant's value and what Triton's specialization of each
+    other argument depends on (or finer): an integer's range, and whether it is 1 or a multiple of 16; a tensor's
+    dtype and alignment, whether it is on a GPU (a host tensor then takes Triton's path, which refuses it) and on
+    ROCm whether its storage fits 2 GiB; other scalars by :func:`_scalar_key`. No two kinds' keys are equal.
+    Integers and tensors are keyed inline: this runs at every launch."""
+    key = [options]
+    rocm = plan.rocm
+    for i, constant in enumerate(plan.constant):
+        value = values[i]
         if constant:
             key.append(value)
-        elif type(value) is torch.Tensor or isinstance(value, torch.Tensor):
-            address = value.data_ptr()
-            key.append(tensor_key(value, address, plan.rocm))
-            value = address
+            continue
+        kind = type(value)
+        if kind is int:
+            key.append((value == 1, value & 15 == 0, value in _INT32, value < _UNSIGNED_64))
+        elif kind is _TENSOR or kind is _PARAMETER or isinstance(value, _TENSOR):
+            address = values[i] = value.data_ptr()
+            key.append(_rocm_tensor_key(value, address) if rocm else (value.dtype, address & 15 == 0, value.is_cuda))
         else:
-            key.append(argument_key(value, plan.rocm))
-        arguments.append(value)
-    return (options, tuple(key)), arguments
+            key.append(_scalar_key(value))
+    return tuple(key), values
 
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:

@@ -26,12 +26,12 @@ def _arguments():
     whole = torch.empty(64, dtype=torch.float32)
     over_2gib = torch.empty(2**29 + 64, dtype=torch.float32)  # (virtual memory only: never written)
     tensors = [whole, whole[1:], whole[4:], whole.to(torch.bfloat16), whole.to(torch.bfloat16)[3:], over_2gib,
-               over_2gib[4:]]
+               over_2gib[4:], torch.nn.Parameter(whole[4:])]
     integers = [0, 1, 2, 16, 17, -16, -1, 2**31 - 16, 2**31 - 1, 2**31, -(2**31), -(2**31) - 16, 2**40, 2**63 - 16,
                 2**63, 2**64 - 16]
     return {
         "x_ptr": tensors, "y_ptr": tensors[:4], "n": integers, "stride": integers[:6], "scale": [0.5, 2.0, 1, 16],
-        "flag": [True, False], "maybe": [None, 7, 32], "BLOCK": [16, 32], "MODE": [None, 2, 3],
+        "flag": [True, False, 1, 0], "maybe": [None, 7, 32], "BLOCK": [16, 32], "MODE": [None, 2, 3],
         "num_warps": [None, 4, 8],
     }  # fmt: skip
 
@@ -57,13 +57,12 @@ def test_the_key_is_at_least_as_fine_as_triton_specialization(target):
     triton_by_key, keys = {}, set()
     for args, kwargs in _calls(400):
         values, options = direct._bind(plan, args, kwargs)
+        bound, specialization, triton_options = binder(*args, **kwargs)
+        assert values == list(bound.values())  # the arguments Triton would pass
         key, arguments = direct.key_and_arguments(plan, values, options)
-        _, specialization, triton_options = binder(*args, **kwargs)
         by_triton = (str(specialization), sorted(triton_options.items()))
         assert triton_by_key.setdefault(key, by_triton) == by_triton, (args, kwargs)
         keys.add(str(by_triton))
-        bound, _, _ = binder(*args, **kwargs)
-        assert values == list(bound.values())  # the arguments Triton would pass, each tensor as its address:
         assert arguments == [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in bound.values()]
     assert len(keys) > 100  # the calls do cover many specializations
 
