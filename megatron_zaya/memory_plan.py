@@ -41,7 +41,11 @@ STEP_TRANSIENT_BYTES = {"zaya_muon": 2.0, "adam": 0.0, "sgd": 0.0}
 # alone; on one H200 the 40-layer model's step stayed below the backward's peak (97.9 GiB, 87.7 between steps).
 ZERO1_ADAMW_GRAD_BYTES = 4
 ZERO1_MUON_BATCH_BYTES_PER_ELEMENT = 16
-GRAPH_GRAD_BYTES = 2  # --zaya-cuda-graphs: a layer's backward graph writes its parameter gradients (param dtype)
+# --zaya-cuda-graphs: the pool beyond the saved activations, per layer parameter (the chain's static inputs, outputs
+# and their gradients, and the backward graphs' temporaries). Fitted: 2 B (the size of the layers' parameter
+# gradients) put the plan within 1% of ZAYA1-8B's reserved peak at micro-batch 4 on an H200 (134.43 against 135.9
+# GiB), and the peak stayed at 135.48 after the pool stopped holding those gradients.
+GRAPH_POOL_BYTES_PER_PARAM = 2
 LM_HEAD_TILE_ELEMENTS = 2**28  # kernels/cross_entropy.py: fp32 logits per chunk of the fused LM head
 RESERVE_GIB = 2.0  # per GPU, outside torch's allocations: CUDA/ROCm context, NCCL/RCCL buffers, fragmentation
 # --async-save: Megatron's background writer is a second process on the GPU (its own CUDA context; it allocates
@@ -258,9 +262,9 @@ def plan(cfg, par: Parallel, run: Run, stage: int = 0) -> dict[str, float]:
     # A chunk's fp32 logits and their bf16 gradient beside it; the weight's gradient goes into main_grad in place.
     out["LM-head chunks"] = last * ((4 + 2) * V * min(chunk, tokens) + held)
     graphs = run.cuda_graphs
-    # one layer's parameter gradients: added into main_grad inside the graph, their memory is the next graph's
-    layer_params = (params - (V * D if stage == 0 or last else 0)) / layers
-    out["CUDA-graph pool"] = graphs * (GRAPH_GRAD_BYTES * layer_params + 2 * 4 * (D + cfg.router_hidden_size) * tokens)
+    layer_params = params - (V * D if stage == 0 or last else 0)
+    out["CUDA-graph pool"] = graphs * (GRAPH_POOL_BYTES_PER_PARAM * layer_params
+                                       + 2 * 4 * (D + cfg.router_hidden_size) * tokens)
     if run.distributed_optimizer and muon:
         from .optim.muon import NS_BATCH_NUMEL  # imports torch: only where a plan is made
 
