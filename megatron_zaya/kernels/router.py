@@ -220,8 +220,9 @@ def route_top1(
 #: cores; ``tests/gpu/test_kernels_gpu.py`` holds it to the fp32 reference's error), "ieee" elsewhere (the
 #: interpreter; MI300X: not measured yet). The CUDA forward: the best of 24 settings on one H100 at T = 8192
 #: (``benchmarks/tune_launch.py --kernel router_head``), 0.112 ms against 0.258 ms for (32, 8, 64, 1) before it; the
-#: backward, the best of 16 on one H100, forward + backward 0.819 ms against 1.060 ms for (16, 8, 64, 1). On gfx942 chunks of 16 and a 4-warp backward are what fit in 64 KB of LDS without
-#: spills at R = 256 (compiled by tests/unit/test_kernel_compile.py). ``wgrad_slice``: the weight gradients sum over
+#: backward, the best of 16 on one H100, forward + backward 0.819 ms against 1.060 ms for (16, 8, 64, 1). On gfx942
+#: chunks of 16 and a 4-warp backward are what fit in 64 KB of LDS without spills at R = 256 (compiled by
+#: tests/unit/test_kernel_compile.py). ``wgrad_slice``: the weight gradients sum over
 #: all T tokens into outputs of [R, R] and [C, R], a handful of output tiles: as one GEMM each, most of the GPU idles
 #: (an H200 took 0.31 ms for d W1 and d W2 at T = 8192). They run as a batch of GEMMs over slices of this many
 #: tokens, then a sum over the slices (a fixed order); 512 is not tuned yet.
