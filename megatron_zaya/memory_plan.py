@@ -41,10 +41,10 @@ STEP_TRANSIENT_BYTES = {"zaya_muon": 2.0, "adam": 0.0, "sgd": 0.0}
 # alone; on one H200 the 40-layer model's step stayed below the backward's peak (97.9 GiB, 87.7 between steps).
 ZERO1_ADAMW_GRAD_BYTES = 4
 ZERO1_MUON_BATCH_BYTES_PER_ELEMENT = 16
-# --zaya-cuda-graphs: the pool beyond the saved activations, per layer parameter (the chain's static inputs, outputs
-# and their gradients, and the backward graphs' temporaries). Fitted: 2 B (the size of the layers' parameter
-# gradients) put the plan within 1% of ZAYA1-8B's reserved peak at micro-batch 4 on an H200 (134.43 against 135.9
-# GiB), and the peak stayed at 135.48 after the pool stopped holding those gradients.
+# --zaya-cuda-graphs: what the graphs add beyond the saved activations, per layer parameter. Fitted, not derived
+# (not broken down yet; among it the chain's static outputs and their gradients): 2 B put the plan within 1% of
+# ZAYA1-8B's reserved peak at micro-batch 4 on an H200 (134.43 against 135.9 GiB), and the peak stayed at 135.48
+# after the pool stopped holding the layers' parameter gradients.
 GRAPH_POOL_BYTES_PER_PARAM = 2
 LM_HEAD_TILE_ELEMENTS = 2**28  # kernels/cross_entropy.py: fp32 logits per chunk of the fused LM head
 RESERVE_GIB = 2.0  # per GPU, outside torch's allocations: CUDA/ROCm context, NCCL/RCCL buffers, fragmentation
