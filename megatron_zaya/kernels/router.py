@@ -162,8 +162,7 @@ def _launch(device: torch.device, n_tokens: int, n_classes: int, backward: bool)
     """(grid, launch kwargs) of the forward or backward kernel from this platform's tuning row."""
     tuning, prefix = ROUTER_TUNING[platform(device)], "backward_" if backward else ""
     tokens, warps = tuning[prefix + "tokens"], tuning[prefix + "warps"]
-    return (cdiv(n_tokens, tokens),), {"BLOCK_T": tokens, "BLOCK_C": next_power_of_2(n_classes),
-                                              "num_warps": warps}
+    return (cdiv(n_tokens, tokens),), {"BLOCK_T": tokens, "BLOCK_C": next_power_of_2(n_classes), "num_warps": warps}
 
 
 class _RouteTop1(torch.autograd.Function):
@@ -222,10 +221,10 @@ def route_top1(
 #: (``benchmarks/tune_launch.py --kernel router_head``), 0.112 ms against 0.258 ms for (32, 8, 64, 1) before it; the
 #: backward, the best of 16 on one H100, forward + backward 0.819 ms against 1.060 ms for (16, 8, 64, 1). On gfx942
 #: chunks of 16 and a 4-warp backward are what fit in 64 KB of LDS without spills at R = 256 (compiled by
-#: tests/unit/test_kernel_compile.py). ``wgrad_slice``: the weight gradients sum over
-#: all T tokens into outputs of [R, R] and [C, R], a handful of output tiles: as one GEMM each, most of the GPU idles
-#: (an H200 took 0.31 ms for d W1 and d W2 at T = 8192). They run as a batch of GEMMs over slices of this many
-#: tokens, then a sum over the slices (a fixed order); 512 is not tuned yet.
+#: tests/unit/test_kernel_compile.py). ``wgrad_slice``: the weight gradients sum over all T tokens into outputs of
+#: [R, R] and [C, R], a handful of output tiles: as one GEMM each, most of the GPU idles (an H200 took 0.31 ms for
+#: d W1 and d W2 at T = 8192). They run as a batch of GEMMs over slices of this many tokens, then a sum over the
+#: slices (a fixed order); 512 is not tuned yet.
 ROUTER_HEAD_TUNING = {
     "cuda": {"tokens": 16, "warps": 4, "chunk": 32, "stages": 2, "backward_tokens": 16, "backward_warps": 4,
              "backward_chunk": 32, "backward_stages": 1, "precision": "tf32x3", "wgrad_slice": 512},
