@@ -1,24 +1,31 @@
 """Tune the grouped expert GEMM's launch settings (``grouped_gemm.GEMM_TUNING``) on this GPU.
 
     python -m benchmarks.tune_grouped_gemm            # CUDA or ROCm GPU, one to two minutes
+    python -m benchmarks.tune_grouped_gemm --main-grad bf16   # the weight gradient alone, as training runs it
     python -m benchmarks.tune_grouped_gemm --smoke    # tiny shapes, any device: checks the script runs
 
 Times forward + backward of both expert GEMMs of ``bench_kernels.py`` (fc1: 2048 -> 4096 and fc2: 2048 -> 2048,
 16 experts, T = 8192 tokens, bf16) with CUDA events, for each candidate of the row-tile kernel (forward and
 input gradient) and then of the weight-gradient kernel, and prints the best of each. Copy them into
 ``GEMM_TUNING``. The dense bf16 GEMM rate of the same GPU is printed first as the anchor.
+
+``--main-grad fp32|bf16`` times the weight-gradient kernel alone as Megatron's DDP has it run: each expert's
+gradient added into its ``main_grad``, views of one flat buffer of that dtype (fp32 by default, bf16 with
+``--grad-reduce-in-bf16``). That read-modify-write of the gradients, at ~512 tokens of contraction per expert,
+makes the kernel memory-bound where the fresh write is not, so its best tile can differ.
 """
 
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import torch
 
 from megatron_zaya.kernels import grouped_gemm
 from megatron_zaya.kernels.utils import platform
 
-from .bench_kernels import SMOKE, Shapes, cases, gemm_anchor, time_passes
+from .bench_kernels import SMOKE, Shapes, cases, gemm_anchor, median_ms, time_passes
 from .timing import gpu_or_smoke, sweep_groups
 
 ROW_TILES = [dict(block_m=m, block_n=n, block_k=k, warps=w, stages=st) for m, n, k, w, st in (
@@ -27,12 +34,40 @@ ROW_TILES = [dict(block_m=m, block_n=n, block_k=k, warps=w, stages=st) for m, n,
 WEIGHT_GRAD = [dict(wgrad_block_m=m, wgrad_block_n=n, wgrad_block_r=r, wgrad_warps=w, wgrad_stages=st)
                for m, n, r, w, st in ((128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3),
                                       (256, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 128, 32, 4, 4),
-                                      (64, 128, 64, 4, 4))]  # fmt: skip
+                                      (64, 128, 64, 4, 4), (128, 256, 32, 8, 4), (256, 128, 32, 8, 4),
+                                      (128, 128, 64, 8, 4), (64, 256, 64, 4, 3), (256, 256, 32, 8, 3))]  # fmt: skip
+
+
+def weight_grad_into_main_grad(shapes, device: str, dtype: torch.dtype):
+    """Milliseconds of the weight-gradient kernel of fc1 and fc2, each expert's gradient added into its ``main_grad``
+    (views of one flat ``dtype`` buffer, as Megatron's DDP lays them out); a callable for ``sweep_groups``."""
+    t, d, f, e = shapes.tokens, shapes.hidden, shapes.ffn, shapes.experts
+    counts = torch.bincount(torch.randint(0, e, (t,), device=device), minlength=e)
+    calls = []
+    for m_dim, k_dim in ((2 * f, d), (d, f)):
+        weights = torch.randn(e, m_dim, k_dim, device=device, dtype=torch.bfloat16).unbind(0)
+        main_grad = torch.zeros(e, m_dim, k_dim, device=device, dtype=dtype)
+        for weight, grad in zip(weights, main_grad.unbind(0)):
+            weight.main_grad, weight.grad_added_to_main_grad = grad, False
+        targets = grouped_gemm._main_grads(weights)
+        grad_out = torch.randn(t, m_dim, device=device, dtype=torch.bfloat16)
+        x = torch.randn(t, k_dim, device=device, dtype=torch.bfloat16)
+        calls.append(partial(grouped_gemm.weight_grad, grad_out, x, counts, False, weights, targets))
+    flops = 2 * t * d * 3 * f
+
+    def ms() -> float:
+        total = sum(median_ms(call, device) for call in calls)
+        print(f"  {flops / total / 1e9:.0f} TFLOP/s", end=" ")
+        return total
+
+    return ms
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--main-grad", choices=("fp32", "bf16"),
+                        help="tune the weight-gradient kernel alone, adding into main_grad of this dtype")
     args = parser.parse_args()
     device = gpu_or_smoke("tune_grouped_gemm.py", args.smoke)
     shapes = SMOKE if args.smoke else Shapes()
@@ -49,6 +84,12 @@ def main() -> None:
         return ms
 
     print(f"platform {key}; current {grouped_gemm.GEMM_TUNING[key]}")
+    if args.main_grad:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.main_grad]
+        measure = weight_grad_into_main_grad(shapes, device, dtype)
+        best = sweep_groups(grouped_gemm.GEMM_TUNING[key], {"weight gradient": WEIGHT_GRAD}, measure)
+        print(f"best (weight gradients of fc1 and fc2 into a {args.main_grad} main_grad): {best}")
+        return
     best = sweep_groups(grouped_gemm.GEMM_TUNING[key], {"row tiles": ROW_TILES, "weight gradient": WEIGHT_GRAD},
                         forward_backward_ms)
     print(f"best (forward + backward of fc1 and fc2): {best}")
