@@ -6,6 +6,8 @@
     python -m benchmarks.profile_layer --kernels router,residual,cca,lm_head,experts   # a kernel set (--zaya-kernels)
     python -m benchmarks.profile_layer --as-trained --against router,router_head,residual,cca,lm_head,experts
                                                        # and a baseline layer in the same process, timed in turns
+    python -m benchmarks.profile_layer --as-trained --grad-reduce-in-bf16   # main_grad in bf16, as the 40-layer runs
+    python -m benchmarks.profile_layer --gemm-tuning wgrad_warps=4,wgrad_stages=4   # grouped_gemm.GEMM_TUNING changed
     python -m benchmarks.profile_layer --smoke         # tiny widths on any device: checks the script
 
 Builds layer 0 of a one-layer ``zaya1-8b-shallow`` model as training builds it (the kernel patches that apply
@@ -50,7 +52,8 @@ from .timing import call_times
 
 
 def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False, as_trained: bool = False,
-               kernels: str = "all", reference_sort: bool = False, on_the_graph: bool = False):
+               kernels: str = "all", reference_sort: bool = False, on_the_graph: bool = False,
+               bf16_main_grad: bool = False):
     from megatron_zaya.pretrained import build_single_process_model
 
     setup_single_process()
@@ -66,7 +69,7 @@ def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False, as_
     if as_trained:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=not bf16_main_grad), model)
         for param in model.parameters() if on_the_graph else ():  # the sublayer ops return gradients to autograd
             param.__dict__.pop("ddp_grad_ready", None)
     layer, rotary = model.decoder.layers[0], model.rotary_pos_emb["global"](seq)
@@ -194,7 +197,11 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", action="store_true", help="the layer replayed as CUDA graphs")
     parser.add_argument("--as-trained", action="store_true",
                         help="under Megatron's DDP (main_grad accumulation), with selective recomputation")
+    parser.add_argument("--grad-reduce-in-bf16", action="store_true",
+                        help="with --as-trained: main_grad in bf16 (Megatron's flag), not fp32")
     parser.add_argument("--kernels", default="all", help="--zaya-kernels: all (as the CLI chooses) or a list of ops")
+    parser.add_argument("--gemm-tuning", metavar="KEY=VALUE,...", type=gemm_tuning, default={},
+                        help="grouped_gemm.GEMM_TUNING entries for this run (e.g. a baseline's setting)")
     parser.add_argument("--reference-sort", action="store_true",
                         help="the MoE dispatch's sort by expert as its torch reference, not its kernel")
     parser.add_argument("--against", metavar="KERNELS", help="a baseline layer with this kernel set, same process")
@@ -212,11 +219,17 @@ def main() -> None:
     if not GPU and not args.smoke:
         raise SystemExit("profile_layer.py needs a CUDA or ROCm GPU; use --smoke to check the script on CPU")
     seq, batch = (64, 2) if args.smoke else (args.seq, args.batch)
-    step = layer_step(args.smoke, seq, batch, args.cuda_graphs, args.as_trained, args.kernels, args.reference_sort)
+    if args.gemm_tuning:
+        from megatron_zaya.kernels.grouped_gemm import GEMM_TUNING
+        from megatron_zaya.kernels.utils import platform
+
+        GEMM_TUNING[platform(torch.device(DEVICE))].update(args.gemm_tuning)
+    step = layer_step(args.smoke, seq, batch, args.cuda_graphs, args.as_trained, args.kernels, args.reference_sort,
+                      bf16_main_grad=args.grad_reduce_in_bf16)
     wall = statistics.median(call_times(step, warmup=3, iters=10))
     if args.against or args.against_on_the_graph:
         baseline = layer_step(args.smoke, seq, batch, args.cuda_graphs, args.as_trained, args.against or args.kernels,
-                              args.reference_sort, args.against_on_the_graph)
+                              args.reference_sort, args.against_on_the_graph, args.grad_reduce_in_bf16)
         wall, baseline_wall = in_turns(step, baseline, args.rounds)
         print(f"same process, {args.rounds} alternating rounds of 10 steps: wall {wall:.3f} ms/step against the "
               f"baseline's {baseline_wall:.3f} ({wall / baseline_wall:.3f}x; baseline: "
@@ -257,6 +270,17 @@ def main() -> None:
         print(f"host: {sum(parts.values()):.3f} ms/step in the layer's parts and autograd nodes (wall {wall:.3f})")
         for name, ms in parts.items():
             print(f"{ms:9.3f}  {name}")
+
+
+def gemm_tuning(text: str) -> dict[str, int]:
+    """``--gemm-tuning``'s ``key=value,...`` -> a dict of integers; each key one of ``GEMM_TUNING``'s."""
+    from megatron_zaya.kernels.grouped_gemm import GEMM_TUNING
+
+    pairs = dict(item.split("=", 1) for item in text.split(",") if item)
+    unknown = sorted(set(pairs) - set(GEMM_TUNING["cuda"]))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"not in GEMM_TUNING: {', '.join(unknown)}")
+    return {key: int(value) for key, value in pairs.items()}
 
 
 def within(context, step):
