@@ -41,10 +41,12 @@ from .utils import ACCUMULATE_INTO_MAIN_GRAD, GRADIENT_PLACEHOLDERS, cdiv, next_
 
 #: Launch settings per platform (``utils.platform()``). The row-tile kernel (forward and input gradient): output
 #: tile rows x columns, contraction step, warps, software-pipeline depth; the weight-gradient kernel: output tile
-#: and tokens per contraction step, warps, depth. Tuned with ``benchmarks/tune_grouped_gemm.py``.
+#: and tokens per contraction step, warps, depth. Tuned with ``benchmarks/tune_grouped_gemm.py``: CUDA's row tiles
+#: on an H200; its weight gradient on an H100 as training runs it (``--main-grad``, added into each expert's
+#: ``main_grad``, a read-modify-write that a wide tile with a deep contraction step amortises best).
 GEMM_TUNING = {
-    "cuda": {"block_m": 128, "block_n": 256, "block_k": 64, "warps": 8, "stages": 4,  # H200, 2026-11-30
-             "wgrad_block_m": 128, "wgrad_block_n": 128, "wgrad_block_r": 32, "wgrad_warps": 4, "wgrad_stages": 4},
+    "cuda": {"block_m": 128, "block_n": 256, "block_k": 64, "warps": 8, "stages": 4,
+             "wgrad_block_m": 128, "wgrad_block_n": 256, "wgrad_block_r": 64, "wgrad_warps": 8, "wgrad_stages": 3},
     "rocm": {"block_m": 128, "block_n": 128, "block_k": 64, "warps": 8, "stages": 2,  # 64 KB of LDS per CU
              "wgrad_block_m": 128, "wgrad_block_n": 128, "wgrad_block_r": 64, "wgrad_warps": 8, "wgrad_stages": 2},
     "cpu": {"block_m": 16, "block_n": 16, "block_k": 16, "warps": 4, "stages": 1,  # the interpreter: several tiles
