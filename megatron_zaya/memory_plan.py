@@ -5,7 +5,7 @@ The plan counts the parameters each rank holds (TP, PP, EP and the data-parallel
 the flags), multiplies them by the bytes each kind of state takes (``STATE_BYTES``, the one place to adjust),
 and adds the activations a micro-batch saves for the backward: per layer, the tensors of ``layer_terms`` (the
 tensors ZAYA1's operations save, per token, per sequence position and per layer, and which
-``--recompute-modules`` piece drops each one), the LM head, the CUDA-graph pool, and the optimizer step's
+``--recompute-modules`` piece drops each one), the LM head, what CUDA graphs keep reserved, and the optimizer step's
 transient. Its peak is the larger of the backward's (state + activations + LM-head gradients) and the step's
 (state + transient). ``benchmarks/memory_check.py`` runs a short training on a GPU and prints the measured peak
 beside this plan.
@@ -41,11 +41,13 @@ STEP_TRANSIENT_BYTES = {"zaya_muon": 2.0, "adam": 0.0, "sgd": 0.0}
 # alone; on one H200 the 40-layer model's step stayed below the backward's peak (97.9 GiB, 87.7 between steps).
 ZERO1_ADAMW_GRAD_BYTES = 4
 ZERO1_MUON_BATCH_BYTES_PER_ELEMENT = 16
-# --zaya-cuda-graphs: what the graphs add beyond the saved activations, per layer parameter. Fitted, not derived
-# (not broken down yet; among it the chain's static outputs and their gradients): 2 B put the plan within 1% of
-# ZAYA1-8B's reserved peak at micro-batch 4 on an H200 (134.43 against 135.9 GiB), and the peak stayed at 135.48
-# after the pool stopped holding the layers' parameter gradients.
-GRAPH_POOL_BYTES_PER_PARAM = 2
+# --zaya-cuda-graphs: what a graphed run keeps reserved beyond its saved activations (which live in the graphs'
+# pool), apart from the chain's static inputs and outputs. It does not grow with depth: in the second step the
+# allocator reserves new segments for the temporaries outside the pool, most of them the fused LM head's [V, D] and
+# [chunk, V] ones (``python -m benchmarks.memory_phases``). Fitted per element of the LM head's weight: with 34 B the
+# plan is 0.0–1.1% above the reserved peak of ZAYA1-8B at 40 layers, micro-batches 2 and 4 (an H200), and at 16
+# layers, micro-batch 4 (an H100); 2 B per layer parameter, the term before, was 14% below the 16-layer run's.
+GRAPH_RESERVE_BYTES_PER_HEAD_ELEMENT = 34
 LM_HEAD_TILE_ELEMENTS = 2**28  # kernels/cross_entropy.py: fp32 logits per chunk of the fused LM head
 RESERVE_GIB = 2.0  # per GPU, outside torch's allocations: CUDA/ROCm context, NCCL/RCCL buffers, fragmentation
 # --async-save: Megatron's background writer is a second process on the GPU (its own CUDA context; it allocates
@@ -262,9 +264,8 @@ def plan(cfg, par: Parallel, run: Run, stage: int = 0) -> dict[str, float]:
     # A chunk's fp32 logits and their bf16 gradient beside it; the weight's gradient goes into main_grad in place.
     out["LM-head chunks"] = last * ((4 + 2) * V * min(chunk, tokens) + held)
     graphs = run.cuda_graphs
-    layer_params = params - (V * D if stage == 0 or last else 0)
-    out["CUDA-graph pool"] = graphs * (GRAPH_POOL_BYTES_PER_PARAM * layer_params
-                                       + 2 * 4 * (D + cfg.router_hidden_size) * tokens)
+    out["CUDA graphs"] = graphs * (last * GRAPH_RESERVE_BYTES_PER_HEAD_ELEMENT * V * D
+                                   + 2 * 4 * (D + cfg.router_hidden_size) * tokens)
     if run.distributed_optimizer and muon:
         from .optim.muon import NS_BATCH_NUMEL  # imports torch: only where a plan is made
 
@@ -274,7 +275,7 @@ def plan(cfg, par: Parallel, run: Run, stage: int = 0) -> dict[str, float]:
     else:
         out["optimizer-step transient"] = STEP_TRANSIENT_BYTES.get(run.optimizer, 0.0) * params
     out["checkpoint writer"] = run.async_save * ASYNC_WRITER_GIB * GIB
-    state = (out["weights"] + out["gradients"] + out["master weights"] + out["optimizer state"] + out["CUDA-graph pool"]
+    state = (out["weights"] + out["gradients"] + out["master weights"] + out["optimizer state"] + out["CUDA graphs"]
              + out["checkpoint writer"])
     backward = state + out["activations per micro-batch"] + out["activations in flight"] + out["LM-head chunks"]
     out["between steps"] = state + (graphs * out["activations per micro-batch"])

@@ -11,7 +11,7 @@ from zaya_cli import pretrain
 
 from megatron_zaya.config import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_MODULES, zaya_config
 from megatron_zaya.errors import ZayaConfigError
-from megatron_zaya.memory_plan import GRAPH_POOL_BYTES_PER_PARAM, Parallel, parameter_counts, stack_bytes
+from megatron_zaya.memory_plan import GRAPH_RESERVE_BYTES_PER_HEAD_ELEMENT, Parallel, parameter_counts, stack_bytes
 from megatron_zaya.optim.roles import classify
 from megatron_zaya.pretrained import build_single_process_model
 
@@ -130,8 +130,8 @@ def test_a_cluster_command_is_planned_on_a_machine_without_its_gpus_data_or_toke
     assert "TP1 PP1 EP1 CP1 DP64" in result.stdout
     gib = {name: float(value) for name, value in re.findall(r"^  (\S.*?) +([0-9.]+) GiB", result.stdout, re.MULTILINE)}
     cfg = zaya_config("zaya1-8b")
-    layer_params = sum(parameter_counts(cfg, Parallel()).values()) - cfg.vocab_size * cfg.hidden_size
     tokens = 4096  # micro-batch x sequence
-    pool = GRAPH_POOL_BYTES_PER_PARAM * layer_params + 2 * 4 * (cfg.hidden_size + cfg.router_hidden_size) * tokens
-    assert abs(gib["CUDA-graph pool"] - pool / 2**30) < 0.01
+    graphs = (GRAPH_RESERVE_BYTES_PER_HEAD_ELEMENT * cfg.vocab_size * cfg.hidden_size
+              + 2 * 4 * (cfg.hidden_size + cfg.router_hidden_size) * tokens)
+    assert abs(gib["CUDA graphs"] - graphs / 2**30) < 0.01
     assert not list(tmp_path.iterdir())
