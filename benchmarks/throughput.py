@@ -28,7 +28,8 @@ Parts:
             momentum, bf16 gradient reduction, selective recomputation), at the largest micro-batch that the memory
             planner (``--zaya-memory-plan``) fits on this GPU and that divides the global batch (or
             --real-depth-mbs); Megatron's level-2 timers and :class:`PhaseClock` give the step breakdown.
-  real_depth_graphs  (not in the default) the same with ``--zaya-cuda-graphs`` (planned again: what the graphs keep reserved).
+  real_depth_graphs  (not in the default) the same with ``--zaya-cuda-graphs`` (planned again: what the graphs
+            keep reserved).
 
 Timings: mean of Megatron's "elapsed time per iteration" after --warmup iterations. Tokens/s/GPU =
 global batch × sequence / iteration time / GPUs. TFLOP/s/GPU from ``megatron_zaya.flops`` (model FLOPs,
