@@ -7,8 +7,6 @@ about a second; workers must be module-level functions (they travel by reference
 
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 
 import torch
@@ -22,16 +20,13 @@ FORKSERVER_PRELOAD = ["torch", "megatron_zaya.optim", "megatron.core.dist_checkp
                       "megatron_zaya.patches.cpu", "megatron_zaya.training.balancing", __name__]  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _entry(rank, world, port, out_dir, worker, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(rank, world, out_dir, worker, args):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A rendezvous file in this call's own directory, not a TCP port: a port picked free here can be taken by a
+    # test running beside this one (pytest-xdist) before rank 0's store listens on it, and a rank that joins the
+    # other test's store hangs both.
+    dist.init_process_group("gloo", init_method=f"file://{Path(out_dir) / 'rendezvous'}", rank=rank,
+                            world_size=world)
     try:
         result = worker(rank, world, *args)
         dist.barrier()
@@ -46,6 +41,5 @@ def run_ranks(worker, world: int, tmp_path: Path, *args) -> list:
     out_dir.mkdir(parents=True)
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(FORKSERVER_PRELOAD + [worker.__module__])
-    mp.start_processes(_entry, args=(world, free_port(), str(out_dir), worker, args), nprocs=world,
-                       start_method="forkserver")  # fmt: skip
+    mp.start_processes(_entry, args=(world, str(out_dir), worker, args), nprocs=world, start_method="forkserver")
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]

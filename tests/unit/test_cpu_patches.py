@@ -7,8 +7,9 @@ match a float64 plain-torch transcription of the same network. Two gloo processe
 """
 
 import math
-import socket
+import tempfile
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,9 +163,10 @@ def single_rank():
 
     apply_cpu_patches()
     if not dist.is_initialized():
-        # a tcp:// address, not MASTER_PORT: the CLI runs of later tests in this process would inherit the variable
+        # a rendezvous file, not MASTER_PORT: the CLI runs of later tests in this process would inherit the variable
         # and find the port held by this process group
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        store = Path(tempfile.mkdtemp(prefix="zaya-gloo-")) / "rendezvous"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     assert dist.get_world_size() == 1
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
@@ -260,16 +262,11 @@ def test_module_view_refuses_a_module_without_torch():
 # --- two gloo processes ------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _parallel_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    """On each rank: a TP2 dense GPT, then an EP2 MoE GPT; save the losses and expert gradients."""
+def _parallel_worker(rank: int, world_size: int, out_dir: str) -> None:
+    """On each rank: a TP2 dense GPT, then an EP2 MoE GPT; save the losses and expert gradients. The ranks meet
+    through a file in the test's directory: a port picked free can be taken by a test running beside this one."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world_size)
     apply_cpu_patches()
     from megatron.core import parallel_state
 
@@ -292,7 +289,7 @@ def _parallel_worker(rank: int, world_size: int, port: int, out_dir: str) -> Non
 
 
 def test_tp2_and_ep2_on_two_gloo_ranks_match_one_rank(single_rank, tmp_path):
-    mp.spawn(_parallel_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    mp.spawn(_parallel_worker, args=(2, str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
 
     seed_everything()
