@@ -62,11 +62,13 @@ def asked_by(frames: list[dict], depth: int = 4) -> str:
 
 
 def segments_report(snapshot: dict, top: int) -> None:
-    """The segments reserved during the recorded step, summed by who asked, and the reserved memory by pool."""
+    """The segments reserved during the recorded step, summed by who asked, and the reserved memory by pool: the
+    general cache's by stream, and each private pool's (the CUDA graphs' pool, a ``torch.cuda.MemPool``)."""
     pools = Counter()
     for segment in snapshot["segments"]:
-        private = tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0)
-        pools["CUDA graphs' private pools" if private else f"stream {segment['stream']}"] += segment["total_size"]
+        pool = tuple(segment.get("segment_pool_id", (0, 0)))  # (0, 0): the general cache, by stream
+        name = f"stream {segment['stream']}" if pool == (0, 0) else f"private pool {pool[0]}.{pool[1]}"
+        pools[name] += segment["total_size"]
     print("[segments] reserved now: " + ", ".join(f"{name} {size / GIB:.2f} GiB" for name, size in pools.items()))
     trace = snapshot["device_traces"][torch.cuda.current_device()]
     reserved = [e for e in trace if e["action"] in ("segment_alloc", "segment_map")]

@@ -1,5 +1,5 @@
 """``benchmarks/memory_phases.py``'s report of an allocator snapshot: segments summed by the code that asked for them
-and by pool, released segments apart."""
+and by pool (the general cache by stream, each private pool apart), released segments apart."""
 
 from __future__ import annotations
 
@@ -27,12 +27,13 @@ def test_segments_are_summed_by_who_asked_and_by_pool(monkeypatch, capsys):
     ]
     segments = [{"stream": 0, "total_size": 3 * GIB, "segment_pool_id": (0, 0)},
                 {"stream": 7, "total_size": GIB, "segment_pool_id": (0, 0)},
-                {"stream": 7, "total_size": 2 * GIB, "segment_pool_id": (1, 3)}]
+                {"stream": 7, "total_size": 2 * GIB, "segment_pool_id": (1, 3)},
+                {"stream": 7, "total_size": GIB, "segment_pool_id": (2, 0)}]
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     memory_phases.segments_report({"segments": segments, "device_traces": [trace]}, top=5)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == ("[segments] reserved now: stream 0 3.00 GiB, stream 7 1.00 GiB, "
-                        "CUDA graphs' private pools 2.00 GiB")
+    assert lines[0] == ("[segments] reserved now: stream 0 3.00 GiB, stream 7 1.00 GiB, private pool 1.3 2.00 GiB, "
+                        "private pool 2.0 1.00 GiB")
     assert lines[1] == "[segments] reserved in the step: 3 segments, 3.50 GiB; released: 1, 1.00 GiB"
     assert lines[2] == ("[segments]    3.00 GiB  kernels/cross_entropy.py:244 _forward_with_grads < "
                         "ops/lm_head.py:63 fused_linear_cross_entropy")
