@@ -6,6 +6,7 @@ trainer (tests/kill_before_tracker.py times one), and from damaged files on disk
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -198,26 +199,38 @@ def test_sigkill_during_a_save_then_sigterm_with_a_deadline(tmp_path, uninterrup
 def test_sigkill_at_a_moment_of_a_save_leaves_latest_naming_a_complete_checkpoint(delay, tmp_path, uninterrupted):
     """The whole job step SIGKILLed ``delay`` s after the directory of checkpoint 6 appears (from outside, as a
     node failure would): whatever was on disk by then, ``latest`` names a complete checkpoint, and the next
-    launch resumes from it with the losses of the killed run."""
-    ckpt = tmp_path / "ckpt"
-    flags = KILLED_RUN + ["--save-interval", "3", "--save", str(ckpt), "--load", str(ckpt)]
-    proc = _launch(flags, tmp_path, tmp_path / "killed.log")
-    target, deadline = ckpt / "iter_0000006", time.time() + 300
-    while not target.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.001)
-    time.sleep(delay)
-    _end_job_step(proc)
-    proc.wait(timeout=60)
-    first = losses((tmp_path / "killed.log").read_text())
+    launch resumes from it with the losses of the killed run.
+
+    The job step is stopped (SIGSTOP) first, so that what is on disk is what the kill leaves. ``at-start`` must
+    stop it mid-save, before the checkpoint's metadata is written; on a busy machine this process may first see
+    the directory after that, so it launches again, up to three times."""
+    for attempt in range(3 if delay == 0.0 else 1):
+        run_dir = tmp_path / f"launch{attempt}"
+        run_dir.mkdir()
+        ckpt = run_dir / "ckpt"
+        flags = KILLED_RUN + ["--save-interval", "3", "--save", str(ckpt), "--load", str(ckpt)]
+        proc = _launch(flags, run_dir, run_dir / "killed.log")
+        target, deadline = ckpt / "iter_0000006", time.time() + 300
+        while not target.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.001)
+        time.sleep(delay)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGSTOP)
+        mid_save = not (target / "metadata.json").exists()
+        _end_job_step(proc)
+        proc.wait(timeout=60)
+        if mid_save:
+            break
+    first = losses((run_dir / "killed.log").read_text())
 
     latest = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert latest in (3, 6)
     if delay == 0.0:
-        assert latest == 3 and not (target / "metadata.json").exists()  # killed mid-save: the case under test
+        assert latest == 3 and mid_save  # killed mid-save: the case under test
     complete = ckpt / f"iter_{latest:07d}"
     assert (complete / ".metadata").is_file() and (complete / "metadata.json").is_file()
 
-    resumed = pretrain(flags + ["--exit-interval", str(latest + 3)], cwd=tmp_path)
+    resumed = pretrain(flags + ["--exit-interval", str(latest + 3)], cwd=run_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = losses(resumed.stdout)
     assert min(after) == latest + 1
