@@ -1,0 +1,27 @@
+"""Benchmark flags that change what is measured: ``profile_layer --gemm-tuning`` takes only ``GEMM_TUNING``'s keys,
+with integer values, and nonsense ends the command with one line and exit 2 before anything runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.profile_layer import gemm_tuning
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_gemm_tuning_reads_the_tables_keys_as_integers():
+    assert gemm_tuning("wgrad_block_n=128,wgrad_warps=4") == {"wgrad_block_n": 128, "wgrad_warps": 4}
+
+
+@pytest.mark.parametrize("value, problem", [("wgrad_wraps=4", "not in GEMM_TUNING: wgrad_wraps"),
+                                            ("wgrad_warps=four", "invalid gemm_tuning value"),
+                                            ("wgrad_warps", "invalid gemm_tuning value")])
+def test_nonsense_is_one_line_and_exit_2(value, problem):
+    run = subprocess.run([sys.executable, "-m", "benchmarks.profile_layer", "--gemm-tuning", value], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and problem in run.stderr.strip().splitlines()[-1], run.stderr[-2000:]
