@@ -136,7 +136,12 @@ def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def matmul_fp32_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool = False) -> None:
-    """``out (+)= a @ b`` into an fp32 ``out``, without an fp32 temporary where the vendor GEMM allows."""
+    """``out (+)= a @ b``, the product summed in fp32, into an fp32 ``out`` without an fp32 temporary where the
+    vendor GEMM allows. An ``out`` in the inputs' dtype (a bf16 ``main_grad``) takes one GEMM whose epilogue adds
+    ``out`` in fp32 and rounds once, as Megatron's bf16 gradient-accumulation fusion does."""
+    if accumulate and out.dtype == a.dtype == b.dtype:
+        out.addmm_(a, b)
+        return
     if a.is_cuda and a.dtype != torch.float32 and _FP32_OUT_GEMM["supported"]:
         try:
             if accumulate:
@@ -146,9 +151,7 @@ def matmul_fp32_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumu
             return
         except (RuntimeError, NotImplementedError, TypeError):  # no fp32-output overload: one temporary
             pass
-    if accumulate and a.dtype == b.dtype == out.dtype == torch.float32:
-        out.addmm_(a, b)  # the product's fp32 sum and out added in one pass
-    elif accumulate:
+    if accumulate:
         out += matmul_fp32(a, b)
     else:
         out.copy_(matmul_fp32(a, b))
