@@ -48,7 +48,6 @@ ZERO1_MUON_BATCH_BYTES_PER_ELEMENT = 16
 # plan is 0.0–1.1% above the reserved peak of ZAYA1-8B at 40 layers, micro-batches 2 and 4 (an H200), and at 16
 # layers, micro-batch 4 (an H100); 2 B per layer parameter, the term before, was 14% below the 16-layer run's.
 GRAPH_RESERVE_BYTES_PER_HEAD_ELEMENT = 34
-LM_HEAD_TILE_ELEMENTS = 2**28  # kernels/cross_entropy.py: fp32 logits per chunk of the fused LM head
 RESERVE_GIB = 2.0  # per GPU, outside torch's allocations: CUDA/ROCm context, NCCL/RCCL buffers, fragmentation
 # --async-save: Megatron's background writer is a second process on the GPU (its own CUDA context; it allocates
 # no copy of the state, which a thread of the trainer stages to host memory and writes). 518 MiB at its peak on an
@@ -259,10 +258,13 @@ def plan(cfg, par: Parallel, run: Run, stage: int = 0) -> dict[str, float]:
     out["activations per micro-batch"] = activations + edge
     out["activations in flight"] = (in_flight - 1) * out["activations per micro-batch"]
     last = stage == par.pp - 1
-    chunk = 2 ** round(math.log2(max(1, LM_HEAD_TILE_ELEMENTS // V)))
+    from .kernels.cross_entropy import WEIGHT_GRAD_CHUNKS, forward_token_chunk  # imports triton: only here
+
+    chunk = min(forward_token_chunk(int(V)), tokens)
     held = 4 * V * D if run.lm_head_grad_in_forward else 0  # the fp32 weight gradient, forward to backward
-    # A chunk's fp32 logits and their bf16 gradient beside it; the weight's gradient goes into main_grad in place.
-    out["LM-head chunks"] = last * ((4 + 2) * V * min(chunk, tokens) + held)
+    # A chunk's fp32 logits, and the bf16 gradients of the chunks that share a weight-gradient GEMM; the weight's
+    # gradient goes into main_grad in place.
+    out["LM-head chunks"] = last * ((4 * chunk + 2 * min(WEIGHT_GRAD_CHUNKS * chunk, tokens)) * V + held)
     graphs = run.cuda_graphs
     out["CUDA graphs"] = graphs * (last * GRAPH_RESERVE_BYTES_PER_HEAD_ELEMENT * V * D
                                    + 2 * 4 * (D + cfg.router_hidden_size) * tokens)

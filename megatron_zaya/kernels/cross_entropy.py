@@ -43,6 +43,10 @@ from .utils import cdiv, flat_rows, matmul_fp32, matmul_fp32_into, next_power_of
 IGNORE_INDEX = -100
 BLOCK_V = 4096  # vocab columns per program iteration
 TILE_ELEMENTS = 2**28  # logits elements per [token x vocab] tile of linear_cross_entropy: 1 GiB in fp32
+#: Token chunks per weight-gradient GEMM when the gradients are computed in the forward: their bf16 logits'
+#: gradients are kept side by side (V x 2 bytes per token), so that the fp32 [V, D] gradient is read and written once
+#: per group rather than once per chunk.
+WEIGHT_GRAD_CHUNKS = 1
 
 
 # ----------------------------------------------------------------------------------------- kernels
@@ -216,12 +220,13 @@ def _recomputed_grads(hidden, weight, labels, lse, grad_loss, tiles, weight_grad
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, token_chunk, vocab_chunk, grad_in_forward, weight_grad_into,
-                weight_grad_ready):
+                weight_grad_ready, weight_grad_chunks):
         ctx.ignore_index = ignore_index
         ctx.tiles = _tiles(hidden.shape[0], weight.shape[0], token_chunk, vocab_chunk)
         ctx.weight_grad_into, ctx.weight_grad_ready = weight_grad_into, weight_grad_ready
         if grad_in_forward and any(ctx.needs_input_grad[:2]):
-            return _LinearCrossEntropy._forward_with_grads(ctx, hidden, weight, labels, ignore_index, token_chunk)
+            return _LinearCrossEntropy._forward_with_grads(ctx, hidden, weight, labels, ignore_index, token_chunk,
+                                                           weight_grad_chunks)
         token_ranges, vocab_ranges = ctx.tiles
         running_max, running_sum, target = _new_statistics(hidden.shape[0], hidden.device)
         for v0, v1 in vocab_ranges:
@@ -234,24 +239,29 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def _forward_with_grads(ctx, hidden, weight, labels, ignore_index, token_chunk):
+    def _forward_with_grads(ctx, hidden, weight, labels, ignore_index, token_chunk, weight_grad_chunks):
         """Loss, and the gradients for a unit loss gradient per counted token, whole vocabulary per chunk."""
         tokens, vocab = hidden.shape[0], weight.shape[0]
         token_chunk = token_chunk or forward_token_chunk(vocab)
         running_max, running_sum, target = _new_statistics(tokens, hidden.device)
         unit = (labels != ignore_index).float()  # ignored tokens get no gradient, as in the backward
         grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for t0, t1 in _chunks(tokens, token_chunk):
-            h, rows = hidden[t0:t1], slice(t0, t1)
-            logits = matmul_fp32(h, weight.t())
-            _accumulate_logsumexp(logits, labels[rows], 0, running_max[rows], running_sum[rows], target[rows])
-            lse = running_max[rows] + torch.log(running_sum[rows])
-            grad_logits = _softmax_grad(logits, labels[rows], 0, lse, unit[rows],
-                                        torch.empty((t1 - t0, vocab), dtype=hidden.dtype, device=hidden.device))
-            del logits
-            matmul_fp32_into(grad_hidden[rows], grad_logits, weight)
-            matmul_fp32_into(grad_weight, grad_logits.t(), h, accumulate=True)
+        grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+        chunks = _chunks(tokens, token_chunk)
+        for first in range(0, len(chunks), weight_grad_chunks):
+            group = chunks[first:first + weight_grad_chunks]
+            g0, g1 = group[0][0], group[-1][1]
+            grad_logits = torch.empty((g1 - g0, vocab), dtype=hidden.dtype, device=hidden.device)
+            for t0, t1 in group:
+                rows = slice(t0, t1)
+                logits = matmul_fp32(hidden[rows], weight.t())
+                _accumulate_logsumexp(logits, labels[rows], 0, running_max[rows], running_sum[rows], target[rows])
+                lse = running_max[rows] + torch.log(running_sum[rows])
+                _softmax_grad(logits, labels[rows], 0, lse, unit[rows], grad_logits[t0 - g0:t1 - g0])
+                del logits
+                matmul_fp32_into(grad_hidden[rows], grad_logits[t0 - g0:t1 - g0], weight)
+            # one GEMM for the group's chunks: one read-modify-write of the fp32 [V, D] gradient per group
+            matmul_fp32_into(grad_weight, grad_logits.t(), hidden[g0:g1], accumulate=first > 0)
         loss, lse = _loss(running_max, running_sum, target, labels, ignore_index)
         ctx.save_for_backward(hidden, weight, labels, lse, grad_hidden, grad_weight)
         return loss
@@ -281,7 +291,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_weight = None
         if ctx.weight_grad_ready is not None:
             ctx.weight_grad_ready()
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -294,12 +304,14 @@ def linear_cross_entropy(
     grad_in_forward: bool = True,
     weight_grad_into: torch.Tensor | None = None,
     weight_grad_ready: Callable[[], None] | None = None,
+    weight_grad_chunks: int = WEIGHT_GRAD_CHUNKS,
 ) -> torch.Tensor:
     """Chunked LM head + cross-entropy; same contract as ``ops.lm_head.linear_cross_entropy``.
 
     ``token_chunk`` x ``vocab_chunk`` is the logits tile (default: up to 8192 tokens, 2^28 elements).
     ``grad_in_forward`` (when gradients are needed) computes them in the forward over whole-vocabulary token
-    chunks (default about 2^28 / V tokens; ``vocab_chunk`` unused), saving the backward's recomputation. The
+    chunks (default about 2^28 / V tokens; ``vocab_chunk`` unused), saving the backward's recomputation, and the
+    weight's gradient with one GEMM per ``weight_grad_chunks`` of them. The
     weight's gradient then holds for a loss gradient that is one factor for every counted token (any mean or sum of
     the losses, masked tokens given ``ignore_index`` as training does); another gets a NaN one.
     hidden and weight share a dtype (bf16 in training: the GEMMs take bf16 and accumulate and return fp32).
@@ -317,9 +329,11 @@ def linear_cross_entropy(
     if weight_grad_into is not None and weight_grad_into.shape != weight.shape:
         raise ValueError(f"weight_grad_into {list(weight_grad_into.shape)} must have the weight's shape "
                          f"{list(weight.shape)}")
+    if weight_grad_chunks < 1:
+        raise ValueError(f"weight_grad_chunks must be at least 1, got {weight_grad_chunks}")
     loss = _LinearCrossEntropy.apply(
         flat_rows(hidden), weight.contiguous(), labels.reshape(-1).contiguous(), ignore_index, token_chunk, vocab_chunk,
-        grad_in_forward, weight_grad_into, weight_grad_ready,
+        grad_in_forward, weight_grad_into, weight_grad_ready, weight_grad_chunks,
     )
     return loss.view(labels.shape)
 

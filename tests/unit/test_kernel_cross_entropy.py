@@ -71,6 +71,24 @@ def test_linear_cross_entropy_forward_backward(dtype, chunks, grad_in_forward, g
         assert_matches_oracle(name, k, o, r)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_grad_chunks", [2, 5])  # groups of 2 and 1 of the 3 chunks; all 3 in one group
+def test_the_forwards_weight_gradient_over_groups_of_chunks(dtype, weight_grad_chunks):
+    """One weight-gradient GEMM per group of token chunks, their logits' gradients side by side: the same gradients."""
+    gen = torch.Generator().manual_seed(2)
+    tokens, dim = 19, 24
+    hidden = torch.randn(tokens, dim, generator=gen).to(dtype)
+    weight = (0.5 * torch.randn(VOCAB, dim, generator=gen)).to(dtype)
+    labels = _labels((tokens,), gen)
+    grad_loss = torch.full((tokens,), 0.37)
+    kernel = _loss_and_grads(kernels.linear_cross_entropy, [hidden, weight], labels, grad_loss, token_chunk=8,
+                             weight_grad_chunks=weight_grad_chunks)
+    reference = _loss_and_grads(ops.linear_cross_entropy, [hidden, weight], labels, grad_loss)
+    oracle = _loss_and_grads(ops.linear_cross_entropy, [hidden, weight], labels, grad_loss, torch.float64)
+    for name, k, r, o in zip(["loss", "d_hidden", "d_weight"], kernel, reference, oracle):
+        assert_matches_oracle(name, k, o, r)
+
+
 def test_a_loss_mask_given_as_ignored_labels_keeps_the_gradients_of_the_forward():
     """What training/steps.py does with Megatron's loss mask: masked tokens become ignored labels, so the loss
     gradient is one factor for every counted token and d weight from the forward holds (not NaN)."""
@@ -110,6 +128,9 @@ def test_bad_inputs_raise_clear_errors():
         kernels.cross_entropy(torch.randn(4, 10), torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match="weight"):
         kernels.linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 9), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="weight_grad_chunks"):
+        kernels.linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long),
+                                     weight_grad_chunks=0)
 
 
 @pytest.mark.parametrize("chunks", [(None, None), (8, 128)])
