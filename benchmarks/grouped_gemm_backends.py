@@ -69,13 +69,15 @@ def write_table(path: Path, new: list[dict]) -> None:
 
 
 class Operands:
-    """One weight shape's operands on ``device``: weights and fp32 ``main_grad``s in DDP's layout, inputs, counts."""
+    """One weight shape's operands on ``device``: weights and their ``main_grad``s (fp32 unless ``main_grad_dtype``
+    says otherwise, bf16 under ``--grad-reduce-in-bf16``) in DDP's layout, inputs, counts."""
 
-    def __init__(self, shape, tokens: int, device: str, dtype: torch.dtype):
+    def __init__(self, shape, tokens: int, device: str, dtype: torch.dtype,
+                 main_grad_dtype: torch.dtype = torch.float32):
         experts, m_dim, k_dim = shape
         gen = torch.Generator(device).manual_seed(0)
         weights = torch.empty(experts, m_dim, k_dim, device=device, dtype=dtype)
-        mains = torch.zeros(experts, m_dim, k_dim, device=device)
+        mains = torch.zeros(experts, m_dim, k_dim, device=device, dtype=main_grad_dtype)
         weights.copy_(0.02 * torch.randn(weights.shape, generator=gen, device=device))
         self.weights = weights.unbind(0)[::-1]  # expert 0 last in memory, as in Megatron's buffers
         for weight, main in zip(self.weights, mains.unbind(0)[::-1]):

@@ -18,14 +18,13 @@ makes the kernel memory-bound where the fresh write is not, so its best tile can
 from __future__ import annotations
 
 import argparse
-from functools import partial
-
 import torch
 
 from megatron_zaya.kernels import grouped_gemm
 from megatron_zaya.kernels.utils import platform
 
 from .bench_kernels import SMOKE, Shapes, cases, gemm_anchor, median_ms, time_passes
+from .grouped_gemm_backends import Operands, gemm_function
 from .timing import gpu_or_smoke, sweep_groups
 
 ROW_TILES = [dict(block_m=m, block_n=n, block_k=k, warps=w, stages=st) for m, n, k, w, st in (
@@ -40,19 +39,10 @@ WEIGHT_GRAD = [dict(wgrad_block_m=m, wgrad_block_n=n, wgrad_block_r=r, wgrad_war
 
 def weight_grad_into_main_grad(shapes, device: str, dtype: torch.dtype):
     """Milliseconds of the weight-gradient kernel of fc1 and fc2, each expert's gradient added into its ``main_grad``
-    (views of one flat ``dtype`` buffer, as Megatron's DDP lays them out); a callable for ``sweep_groups``."""
+    (``dtype``, in DDP's layout: ``grouped_gemm_backends.Operands``); a callable for ``sweep_groups``."""
     t, d, f, e = shapes.tokens, shapes.hidden, shapes.ffn, shapes.experts
-    counts = torch.bincount(torch.randint(0, e, (t,), device=device), minlength=e)
-    calls = []
-    for m_dim, k_dim in ((2 * f, d), (d, f)):
-        weights = torch.randn(e, m_dim, k_dim, device=device, dtype=torch.bfloat16).unbind(0)
-        main_grad = torch.zeros(e, m_dim, k_dim, device=device, dtype=dtype)
-        for weight, grad in zip(weights, main_grad.unbind(0)):
-            weight.main_grad, weight.grad_added_to_main_grad = grad, False
-        targets = grouped_gemm._main_grads(weights)
-        grad_out = torch.randn(t, m_dim, device=device, dtype=torch.bfloat16)
-        x = torch.randn(t, k_dim, device=device, dtype=torch.bfloat16)
-        calls.append(partial(grouped_gemm.weight_grad, grad_out, x, counts, False, weights, targets))
+    calls = [gemm_function(Operands((e, m_dim, k_dim), t, device, torch.bfloat16, dtype), "weight_grad", "triton")
+             for m_dim, k_dim in ((2 * f, d), (d, f))]
     flops = 2 * t * d * 3 * f
 
     def ms() -> float:
