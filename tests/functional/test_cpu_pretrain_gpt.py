@@ -13,7 +13,6 @@ against independent references:
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -39,12 +38,6 @@ TRAINING = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def pretrain(tmp: Path, name: str, extra: str = "") -> dict[int, list[float]]:
     """Run the entry on one gloo process; ``{iteration: [loss sums of its micro-batches]}``."""
     record = tmp / name
@@ -53,8 +46,10 @@ def pretrain(tmp: Path, name: str, extra: str = "") -> dict[int, list[float]]:
         "ZAYA_PATCHES": "startup,cpu",
         "OMP_NUM_THREADS": "1",  # same kernels in every run: bit-exact comparisons
     }
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
-               f"--master-port={free_port()}", str(ENTRY), *f"{MODEL} {TRAINING} {extra}".split()]  # fmt: skip
+    # --standalone: torchrun's own rendezvous picks the port (a port found free here could be taken by a test
+    # running beside this one before the rank listens on it)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(ENTRY),
+               *f"{MODEL} {TRAINING} {extra}".split()]  # fmt: skip
     run = subprocess.run(command, env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, f"{name} failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
     losses: dict[int, list[float]] = {}
