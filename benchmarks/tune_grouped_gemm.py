@@ -18,6 +18,7 @@ makes the kernel memory-bound where the fresh write is not, so its best tile can
 from __future__ import annotations
 
 import argparse
+
 import torch
 
 from megatron_zaya.kernels import grouped_gemm

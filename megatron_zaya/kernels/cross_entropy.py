@@ -254,13 +254,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             g0, g1 = group[0][0], group[-1][1]
             grad_logits = torch.empty((g1 - g0, vocab), dtype=hidden.dtype, device=hidden.device)
             for t0, t1 in group:
-                rows = slice(t0, t1)
+                rows, chunk_grad = slice(t0, t1), grad_logits[t0 - g0:t1 - g0]
                 logits = matmul_fp32(hidden[rows], weight.t())
                 _accumulate_logsumexp(logits, labels[rows], 0, running_max[rows], running_sum[rows], target[rows])
                 lse = running_max[rows] + torch.log(running_sum[rows])
-                _softmax_grad(logits, labels[rows], 0, lse, unit[rows], grad_logits[t0 - g0:t1 - g0])
+                _softmax_grad(logits, labels[rows], 0, lse, unit[rows], chunk_grad)
                 del logits
-                matmul_fp32_into(grad_hidden[rows], grad_logits[t0 - g0:t1 - g0], weight)
+                matmul_fp32_into(grad_hidden[rows], chunk_grad, weight)
             # one GEMM for the group's chunks: one read-modify-write of the fp32 [V, D] gradient per group
             matmul_fp32_into(grad_weight, grad_logits.t(), hidden[g0:g1], accumulate=first > 0)
         loss, lse = _loss(running_max, running_sum, target, labels, ignore_index)
