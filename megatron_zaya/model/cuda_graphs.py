@@ -14,9 +14,11 @@ reverse), in one memory pool. Layer i+1's static inputs *are* layer i's static o
 backward reads its output gradients where layer i+1's backward wrote its input gradients, so a replay copies
 only what enters the block. Each layer is one autograd node whose backward replays its graph. Under Megatron's
 DDP the graph also adds each parameter gradient to its ``main_grad`` (what DDP's gradient hook would do after
-the replay: the same addition, so the same bits), and the node hands autograd empty placeholders, as
-Megatron's own gradient-accumulation fusion does: the hooks then skip the addition and only do their
-bookkeeping (overlapped reduction). Handing autograd the graph's own gradient tensors instead would make it
+the replay: the same addition, so the same bits). With DDP's ready calls (the ``training_loop.gradient_ready_calls``
+patch) those parameters stay off autograd's graph and the node makes their ready calls itself (overlapped
+reduction): no gradient tensor, accumulator node or hook per parameter. Without them the node hands autograd empty
+placeholders, as Megatron's own gradient-accumulation fusion does: the hooks then skip the addition and only do
+their bookkeeping. Handing autograd the graph's own gradient tensors instead would make it
 copy each one before the hook adds it, two kernels per parameter outside the graph (64 parameters per layer,
 every micro-batch). The graph's gradient tensors of such parameters are dropped once captured: the graphs
 captured after it reuse their memory (one layer's gradients in the pool, not every layer's). Without
@@ -88,6 +90,10 @@ class _CapturedLayer:
         # grouped experts' kernel, or the graph's own addition); a replay does not rerun the Python that tells
         # Megatron's hooks so.
         self.in_main_grad: list[bool] = []
+        # Those of them with DDP's ready call (``training_loop.gradient_ready_calls``) stay off autograd's graph:
+        # the replay makes the call. The others are the node's inputs after ``inputs``.
+        self.handed: list[bool] = []
+        self.on_graph: tuple[torch.Tensor, ...] = self.params
 
 
 class _ReplayLayer(torch.autograd.Function):
@@ -113,7 +119,11 @@ class _ReplayLayer(torch.autograd.Function):
         captured.backward_graph.replay()
         inputs = len(captured.inputs)
         param_grads = []
-        for param, grad, in_main in zip(captured.params, captured.grads[inputs:], captured.in_main_grad):
+        for param, grad, in_main, handed in zip(captured.params, captured.grads[inputs:], captured.in_main_grad,
+                                                captured.handed):
+            if handed:
+                param.ddp_grad_ready()
+                continue
             if in_main:  # a fresh placeholder, which autograd takes as it is; the graph's own tensor it would copy
                 param.grad_added_to_main_grad = True
                 grad = torch.empty_like(param)
@@ -207,7 +217,7 @@ class LayerGraphs:
             _load(static_constants[name], given)
         for captured in chain:
             inputs = (hidden,) if len(captured.inputs) == 1 else (hidden, router_state)
-            hidden, router_state = _ReplayLayer.apply(captured, *inputs, *captured.params)
+            hidden, router_state = _ReplayLayer.apply(captured, *inputs, *captured.on_graph)
         return hidden, router_state
 
     @property
@@ -265,6 +275,9 @@ class LayerGraphs:
                                             grad_outputs=captured.grad_outputs, allow_unused=True)
                 inputs = len(captured.inputs)
                 captured.in_main_grad = _add_to_main_grads(captured.params, grads[inputs:])
+            captured.handed = [in_main and hasattr(param, "ddp_grad_ready")
+                               for param, in_main in zip(captured.params, captured.in_main_grad)]
+            captured.on_graph = tuple(p for p, handed in zip(captured.params, captured.handed) if not handed)
             # A gradient in main_grad is not read after its graph: its memory goes back to the pool, for the
             # graphs captured (and so replayed) after this one, as the layer's other temporaries do.
             captured.grads = (*grads[:inputs], *(None if in_main else grad for grad, in_main
