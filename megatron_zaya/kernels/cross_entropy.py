@@ -30,6 +30,7 @@ for TP > 1 (see megatron_zaya/patches/kernels.py). The torch references, the fal
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -218,6 +219,27 @@ def _recomputed_grads(hidden, weight, labels, lse, grad_loss, tiles, weight_grad
     return grad_hidden, grad_weight
 
 
+#: Per GPU: the allocator pool of the forward's temporaries with gradients (the fp32 [V, D] weight gradient held
+#: until the backward, each chunk's fp32 [chunk, V] logits and their gradient). In the general cache, other
+#: allocations between micro-batches split these freed blocks, and each micro-batch reserved new segments for them
+#: (``benchmarks.memory_phases``: 10 GiB of a graphed ZAYA1-8B run's second step); in their own pool they are
+#: reserved once and reused. Kept from call to call; absent where torch has no ``MemPool``.
+_POOLS: dict[int, object] = {}
+
+
+@contextlib.contextmanager
+def _own_pool(device: torch.device):
+    """Within: this thread's allocations on ``device`` come from the fused head's own pool (GPUs only)."""
+    if device.type != "cuda" or not hasattr(torch.cuda, "use_mem_pool"):
+        yield
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _POOLS:
+        _POOLS[index] = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(_POOLS[index], index):
+        yield
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, token_chunk, vocab_chunk, grad_in_forward, weight_grad_into,
@@ -226,8 +248,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.tiles = _tiles(hidden.shape[0], weight.shape[0], token_chunk, vocab_chunk)
         ctx.weight_grad_into, ctx.weight_grad_ready = weight_grad_into, weight_grad_ready
         if grad_in_forward and any(ctx.needs_input_grad[:2]):
-            return _LinearCrossEntropy._forward_with_grads(ctx, hidden, weight, labels, ignore_index, token_chunk,
-                                                           weight_grad_chunks)
+            with _own_pool(hidden.device):
+                return _LinearCrossEntropy._forward_with_grads(ctx, hidden, weight, labels, ignore_index, token_chunk,
+                                                               weight_grad_chunks)
         token_ranges, vocab_ranges = ctx.tiles
         running_max, running_sum, target = _new_statistics(hidden.shape[0], hidden.device)
         for v0, v1 in vocab_ranges:

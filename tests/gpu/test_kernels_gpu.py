@@ -203,6 +203,29 @@ def test_linear_cross_entropy(grad_kind):  # (a per-token gradient gets a NaN d 
              [hidden, weight], [grad], labels)  # fmt: skip
 
 
+def test_the_heads_temporaries_come_from_its_own_pool():
+    """The fused head's forward with gradients takes its fp32 [V, D] weight gradient and its chunk buffers from a
+    pool of its own, and a second step reserves nothing new there or in the general cache."""
+    gen = torch.Generator("cuda").manual_seed(5)
+    tokens = 2048
+    hidden = _randn(tokens, HIDDEN, gen=gen).requires_grad_()
+    weight = _randn(VOCAB, HIDDEN, scale=0.02, gen=gen).requires_grad_()
+    labels = torch.randint(0, VOCAB, (tokens,), generator=gen, device="cuda")
+
+    def step():
+        cross_entropy.linear_cross_entropy(hidden, weight, labels, token_chunk=512).mean().backward()
+        torch.cuda.synchronize()
+
+    step()
+    pool = cross_entropy._POOLS[torch.cuda.current_device()]
+    pooled = sum(segment["total_size"] for segment in pool.snapshot())
+    assert pooled >= 4 * VOCAB * HIDDEN + (4 + 2) * 512 * VOCAB  # the weight gradient and a chunk's buffers
+    reserved = torch.cuda.memory_reserved()
+    step()
+    assert sum(segment["total_size"] for segment in pool.snapshot()) == pooled
+    assert torch.cuda.memory_reserved() == reserved
+
+
 def test_cca_qk():
     gen = torch.Generator("cuda").manual_seed(6)
     q_ch, k_ch = N_Q * HEAD_DIM, N_KV * HEAD_DIM
