@@ -42,12 +42,13 @@ STEP_TRANSIENT_BYTES = {"zaya_muon": 2.0, "adam": 0.0, "sgd": 0.0}
 ZERO1_ADAMW_GRAD_BYTES = 4
 ZERO1_MUON_BATCH_BYTES_PER_ELEMENT = 16
 # --zaya-cuda-graphs: what a graphed run keeps reserved beyond its saved activations (which live in the graphs'
-# pool), apart from the chain's static inputs and outputs. It does not grow with depth: in the second step the
-# allocator reserves new segments for the temporaries outside the pool, most of them the fused LM head's [V, D] and
-# [chunk, V] ones (``python -m benchmarks.memory_phases``). Fitted per element of the LM head's weight: with 34 B the
-# plan is 0.0–1.1% above the reserved peak of ZAYA1-8B at 40 layers, micro-batches 2 and 4 (an H200), and at 16
-# layers, micro-batch 4 (an H100); 2 B per layer parameter, the term before, was 14% below the 16-layer run's.
-GRAPH_RESERVE_BYTES_PER_HEAD_ELEMENT = 34
+# pool), apart from the chain's static inputs and outputs. It does not grow with depth: most of it is the fused LM
+# head's own pool of [V, D] and [chunk, V] temporaries and the gradient clipping's temporaries
+# (``python -m benchmarks.memory_phases``). Fitted per element of the LM head's weight on ZAYA1-8B at 16 layers,
+# micro-batch 4 (an H100): with 16 B the plan is 0.8% above its reserved peak. (34 B before the head had its pool,
+# when its temporaries split the general cache: a fit to 40 layers at micro-batches 2 and 4 on an H200 and to the
+# same 16-layer run.)
+GRAPH_RESERVE_BYTES_PER_HEAD_ELEMENT = 16
 RESERVE_GIB = 2.0  # per GPU, outside torch's allocations: CUDA/ROCm context, NCCL/RCCL buffers, fragmentation
 # --async-save: Megatron's background writer is a second process on the GPU (its own CUDA context; it allocates
 # no copy of the state, which a thread of the trainer stages to host memory and writes). 518 MiB at its peak on an
