@@ -10,40 +10,24 @@ ranks then write."""
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from zaya_cli import KILLED_RUN, losses
 
 from megatron_zaya.checkpoint import CHECKSUMS
+from megatron_zaya.runtime import free_master_port
 
 FLAGS = KILLED_RUN + ["--save", "ck", "--save-interval", "5", "--zaya-memory-ckpt-interval", "3"]
 
 
-def _port_outside_the_ephemeral_range() -> int:
-    """A free port below the kernel's ephemeral range: the port-0 binds of the tests beside this one (torchrun's
-    rendezvous, each rank's outgoing connections) never draw it between this check and rank 0's bind."""
-    first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.sample(range(max(1024, first_ephemeral - 8192), first_ephemeral), 64):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
-
-
 def _launch(directory, name: str, extra: list[str]) -> list[subprocess.Popen]:
     """The two ranks of one job, each in its own session (a node), logging to ``<name><node>.log``."""
-    port = _port_outside_the_ephemeral_range()
+    port = free_master_port()  # below the ephemeral range, out of reach of the port-0 binds of tests beside it
     procs = []
     for node in (0, 1):
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
