@@ -197,6 +197,18 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
+def idle_between(kernels: list[tuple[float, float, str]]) -> dict[tuple[str, str], float]:
+    """The device's idle time (µs) before each kernel that found it idle, summed by (the kernel that last ran, that
+    kernel): where the device waited on the host, and between which launches. ``kernels``: (start, end, name)."""
+    idle, reach, last = defaultdict(float), None, None
+    for start, end, name in sorted(kernels):
+        if reach is not None and start > reach:
+            idle[last, name] += start - reach
+        if reach is None or end > reach:
+            reach, last = end, name
+    return dict(idle)
+
+
 def breakdown(events, steps: int, device: bool) -> dict:
     """Self time (device time on a GPU, CPU time otherwise) per component, in ms per step."""
     events = sorted(events, key=lambda e: e.time_range.start)  # forward ops before the backward that needs them

@@ -27,6 +27,8 @@ layer's gradients accumulate in ``.grad`` and nothing is recomputed)
 * wall time per step (CUDA events, no profiler) and the device's busy time per step (the union of kernel
   intervals under ``torch.profiler``): wall well above busy means the step waits on the host (launches);
 * the kernels by device time per step, with their launch counts, and the torch ops that launched the most;
+* with ``--gaps``, the device's idle time per step between kernels, by the pair of kernels around each gap (the
+  one that last ran, the one the device waited for): which stretch of launches the host was late with;
 * with ``--cprofile``, the host side: Python functions by own time and by cumulative time per step
   (``cProfile``), to find where a host-bound step spends its launches;
 * with ``--host-parts``, the host's time per part of the layer (:data:`PARTS`), forward and backward, and the
@@ -47,7 +49,7 @@ from megatron_zaya.kernels import launch
 
 from .inprocess import DEVICE, GPU, setup_single_process, zaya_cfg
 from .launch_cost import tensors_to_the_launcher
-from .probe import busy_ms
+from .probe import busy_ms, idle_between
 from .timing import call_times
 
 
@@ -193,6 +195,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="profiled steps")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--cprofile", action="store_true", help="also print the host-side Python profile")
+    parser.add_argument("--gaps", action="store_true", help="also print the device's idle time by kernel pair")
     parser.add_argument("--host-parts", action="store_true", help="also print the host's time per part of the layer")
     parser.add_argument("--cuda-graphs", action="store_true", help="the layer replayed as CUDA graphs")
     parser.add_argument("--as-trained", action="store_true",
@@ -263,6 +266,12 @@ def main() -> None:
         print(f"{ms:9.3f} {ms / max(total, 1e-9):6.1%} {calls // args.steps:5d}  {name[:150]}")
     sort_key = "self_device_time_total" if GPU else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort_key, row_limit=args.top, max_name_column_width=70))
+    if args.gaps:
+        idle = idle_between([(e.time_range.start, e.time_range.end, e.name) for e in kernels])
+        print(f"device idle between kernels: {sum(idle.values()) / 1e3 / args.steps:.3f} ms/step")
+        print(f"{'ms/step':>9s}  after -> before")
+        for (after, before), us in sorted(idle.items(), key=lambda kv: -kv[1])[: args.top]:
+            print(f"{us / 1e3 / args.steps:9.3f}  {after[:70]} -> {before[:70]}")
     if args.cprofile:
         host_profile(step, args.steps, args.top)
     if args.host_parts:
