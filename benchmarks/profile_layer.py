@@ -267,11 +267,14 @@ def main() -> None:
     sort_key = "self_device_time_total" if GPU else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort_key, row_limit=args.top, max_name_column_width=70))
     if args.gaps:
-        idle = idle_between([(e.time_range.start, e.time_range.end, e.name) for e in kernels])
-        print(f"device idle between kernels: {sum(idle.values()) / 1e3 / args.steps:.3f} ms/step")
-        print(f"{'ms/step':>9s}  after -> before")
+        launched_in = launch_contexts(prof.events())
+        idle = idle_between([(e.time_range.start, e.time_range.end, f"{e.name[:60]} [{launched_in(e)}]")
+                             for e in kernels])
+        print(f"device idle between kernels: {sum(idle.values()) / 1e3 / args.steps:.3f} ms/step (with the host's "
+              f"time from one step's last launch to the next step's first)")
+        print(f"{'ms/step':>9s}  after kernel [launched in] -> before kernel [launched in]")
         for (after, before), us in sorted(idle.items(), key=lambda kv: -kv[1])[: args.top]:
-            print(f"{us / 1e3 / args.steps:9.3f}  {after[:70]} -> {before[:70]}")
+            print(f"{us / 1e3 / args.steps:9.3f}  {after}\n{'':11s}-> {before}")
     if args.cprofile:
         host_profile(step, args.steps, args.top)
     if args.host_parts:
@@ -279,6 +282,20 @@ def main() -> None:
         print(f"host: {sum(parts.values()):.3f} ms/step in the layer's parts and autograd nodes (wall {wall:.3f})")
         for name, ms in parts.items():
             print(f"{ms:9.3f}  {name}")
+
+
+def launch_contexts(events):
+    """kernel event -> where the host launched it: the profiler's ranges around the launch, innermost first (up
+    to three: the op, and e.g. the autograd node or module range around it)."""
+    by_id = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU}
+
+    def context(kernel) -> str:
+        event, names = by_id.get(getattr(kernel, "linked_correlation_id", 0)), []
+        while event is not None and len(names) < 3:
+            names.append(event.name.replace(NODE, "backward of ")[:50])
+            event = event.cpu_parent
+        return " < ".join(names) or "?"
+    return context
 
 
 def gemm_tuning(text: str) -> dict[str, int]:
