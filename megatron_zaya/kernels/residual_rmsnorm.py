@@ -96,7 +96,7 @@ def _norm_forward_kernel(
 @triton.jit
 def _norm_backward_kernel(
     grad_out_ptr,  # [T, D]
-    grad_new_residual_ptr,  # [T, D] fp32 (residual variant only)
+    grad_new_residual_ptr,  # [T, D] fp32: the new stream's gradient (residual variant), or x's other (ADD_GRAD_X)
     hidden_ptr,
     residual_ptr,
     hidden_bias_ptr,
@@ -113,6 +113,7 @@ def _norm_backward_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_NORM: tl.constexpr,
     ROUND_INPUT: tl.constexpr,
+    ADD_GRAD_X: tl.constexpr,  # plain norm: x's gradient is the norm's plus another one, summed here
     ROWS: tl.constexpr,  # rows per loop iteration: more loads in flight per program
     BLOCK: tl.constexpr,
     STAGES: tl.constexpr,  # software-pipeline depth of the row loop (the next rows' loads issued early)
@@ -167,6 +168,8 @@ def _norm_backward_kernel(
             grad_rb += tl.sum(grad_res, axis=0)
             grad_rs += tl.sum(grad_total * res_biased, axis=0)
         else:
+            if ADD_GRAD_X:  # the rounded product plus the other, as autograd sums them: "+ 0.0" keeps out an FMA
+                grad_x = (grad_x + 0.0) + tl.load(grad_new_residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             tl.store(grad_hidden_ptr + offsets, grad_x.to(grad_hidden_ptr.dtype.element_ty), mask=mask)
     stride = programs * n_cols
     partial = partials_ptr + pid * n_cols + cols
@@ -245,7 +248,8 @@ def _launch_backward(grad_out, grad_new_residual, hidden, residual, vectors, wei
     launch(_norm_backward_kernel, (programs,),
         grad_out, grad_new_residual, hidden, residual, *(vectors or (weight,) * 4), weight, rstd,
         grad_hidden, grad_residual, partials, rows, n_cols,
-        HAS_RESIDUAL=bool(vectors), HAS_NORM=grad_out is not None, ROUND_INPUT=round_input, ROWS=tile_rows,
+        HAS_RESIDUAL=bool(vectors), HAS_NORM=grad_out is not None, ROUND_INPUT=round_input,
+        ADD_GRAD_X=not vectors and grad_new_residual is not None, ROWS=tile_rows,
         BLOCK=block, STAGES=stages, num_warps=tuning["num_warps"] or num_warps,
     )  # fmt: skip
     params = ([weight] if grad_out is not None else []) + list(vectors or ())
@@ -274,8 +278,17 @@ class RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        return RMSNorm.backward_adding(ctx, grad_out, None)
+
+    @staticmethod
+    def backward_adding(ctx, grad_out, other_grad_x: torch.Tensor | None):
+        """:meth:`backward`; given ``other_grad_x`` (another gradient of x, in x's dtype and shape), x's gradient is
+        the norm's plus it, summed in the launch that makes the norm's (what autograd's sum of the two gives)."""
         x2d, weight, rstd = ctx.saved_tensors
-        grad_x, _, grads = _launch_backward(flat_rows(grad_out), None, x2d, None, None, weight, rstd,
+        if other_grad_x is not None and (other_grad_x.shape != grad_out.shape or other_grad_x.dtype != x2d.dtype):
+            raise ValueError(f"x's other gradient must be {tuple(grad_out.shape)} {x2d.dtype}")
+        other = None if other_grad_x is None else flat_rows(other_grad_x)
+        grad_x, _, grads = _launch_backward(flat_rows(grad_out), other, x2d, None, None, weight, rstd,
                                             round_input=ctx.round_input)
         return grad_x.view(grad_out.shape), grads[0], None, None
 

@@ -178,13 +178,15 @@ class CompressedConvAttention(MegatronModule):
         ``attention_mask``: None (one causal sequence), or packed documents: the position ids of the whole
         sequence ``[S, b]`` (``documents.py``); ``rotary_pos_emb`` then holds each token's own angles.
         ``input_norm``: the layer's input norm, when ``hidden_states`` is the residual stream, which the
-        ``cca_sublayer`` op normalises itself (where :meth:`runs_as_one_op`).
+        ``cca_sublayer`` op normalises itself (where :meth:`runs_as_one_op`); then a third output: the stream as
+        the op passes it through, which the layer reads from there on (``ops.cca_sublayer.cca_sublayer``).
         """
         offsets, document_ids, varlen = self._documents(attention_mask)
+        stream = None
         if input_norm is None:
             q, k, v, drop_qk = self._qkv(hidden_states, rotary_pos_emb, offsets)
         else:
-            q, k, v, drop_qk = self._one_op_qkv(hidden_states, input_norm, rotary_pos_emb, offsets)
+            q, k, v, drop_qk, stream = self._one_op_qkv(hidden_states, input_norm, rotary_pos_emb, offsets)
         dtype = v.dtype
         attend = partial(self.core_attention, attention_mask=document_ids, attn_mask_type=self.attn_mask_type,
                          packed_seq_params=varlen)
@@ -197,7 +199,7 @@ class CompressedConvAttention(MegatronModule):
             drop_qk(output[0])
         if recompute_attention:
             attend.drop_outputs(output[0])
-        return output
+        return output if stream is None else (*output, stream)
 
     def _documents(self, attention_mask):
         """Packed documents' ``(tokens_before [s, b], document ids [S, b], varlen bounds)``: the conv kernels' and
@@ -269,8 +271,8 @@ class CompressedConvAttention(MegatronModule):
         halos = None if cp_group is None or cp_group.size() == 1 else partial(PrecedingRows, cp_group=cp_group)
         settings = cca_sublayer_ops.Settings(input_norm.eps, self.head_dim, self.first_delayed_channel,
                                              recomputes(self.config, "layernorm", self.training), recompute_qk, halos)
-        q, k, v, run = cca_sublayer_ops.cca_sublayer(residual, self._one_op_weights(input_norm),
-                                                     *cca_ops.rope_cos_sin(rotary_pos_emb), offsets, settings)
+        q, k, v, stream, run = cca_sublayer_ops.cca_sublayer(residual, self._one_op_weights(input_norm),
+                                                             *cca_ops.rope_cos_sin(rotary_pos_emb), offsets, settings)
         if not recompute_qk:
-            return q, k, v, None
-        return q, k, v, partial(drop_until_gradient, [q, k], recompute=partial(run.qk_again, (q, k)))
+            return q, k, v, None, stream
+        return q, k, v, partial(drop_until_gradient, [q, k], recompute=partial(run.qk_again, (q, k))), stream

@@ -48,9 +48,8 @@ class ZayaTransformerLayer(TransformerLayer):
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, router_state=None, **unused):
         """``hidden_states [s, b, D]`` (the residual stream) -> ``(hidden_states, router_state [s, b, R])``."""
         dtype = self.config.params_dtype
-        residual = hidden_states
         norms = recomputes(self.config, "layernorm", self.training)
-        attention_output = self._attention(residual, attention_mask, rotary_pos_emb, norms)
+        attention_output, residual = self._attention(hidden_states, attention_mask, rotary_pos_emb, norms)
         if self.mlp.takes_the_stream(attention_output, residual, self.self_attn_bda, self.pre_mlp_layernorm):
             mlp_output, residual, router_state = self.mlp.forward_from_stream(
                 attention_output, residual, self.self_attn_bda, self.pre_mlp_layernorm, router_state)
@@ -70,22 +69,24 @@ class ZayaTransformerLayer(TransformerLayer):
             pre_mlp_norm.drop_outputs(mlp_output)
         return self.mlp_bda(mlp_output, residual), router_state
 
-    def _attention(self, residual, attention_mask, rotary_pos_emb, norms: bool) -> torch.Tensor:
-        """The CCA sublayer's output from the residual stream: with the ``cca_sublayer`` op, which normalises the
-        stream itself (and recomputes the norm inside); else of the input norm's output, dropped until the backward
-        reaches the sublayer where ``norms`` are recomputed."""
+    def _attention(self, residual, attention_mask, rotary_pos_emb, norms: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CCA sublayer's output from the residual stream, and the stream for the rest of the layer: with the
+        ``cca_sublayer`` op, which normalises the stream itself (and recomputes the norm inside), the stream as the
+        op passes it through (its norm's backward then adds the stream's other gradient); else the stream, and the
+        output of the input norm's output, dropped until the backward reaches the sublayer where ``norms`` are
+        recomputed."""
         attention = self.self_attention
         if attention.runs_as_one_op(residual, self.input_layernorm):
-            output, _ = attention(residual, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
-                                  input_norm=self.input_layernorm)
-            return output
+            output, _, stream = attention(residual, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                          input_norm=self.input_layernorm)
+            return output, stream
         input_norm = partial(self.input_layernorm, dtype=self.config.params_dtype)
         if norms:
             input_norm = Recompute(input_norm, self.input_layernorm.parameters())
         output, _ = attention(input_norm(residual), attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
         if norms:
             input_norm.drop_outputs(output)
-        return output
+        return output, residual
 
 
 def _count_tokens_once(layer, run):

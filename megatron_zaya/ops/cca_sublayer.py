@@ -97,13 +97,16 @@ def cca_sublayer(residual: torch.Tensor, weights: CCAWeights, cos: torch.Tensor,
     ``document_offsets [s, b]`` int32 (packed documents: see ``ops.cca.causal_convs``) or None. Check
     :func:`runs_on` first.
 
-    Returns: q ``[s, b, nq, d]``, k and v ``[s, b, nkv, d]`` in the weights' dtype, and the :class:`Run`, which
-    can compute q and k again before the backward (:meth:`Run.qk_again`).
+    Returns: q ``[s, b, nq, d]``, k and v ``[s, b, nkv, d]`` in the weights' dtype; the residual stream passed
+    through the op, for the layer to read from here on: the op's backward then adds the stream's gradient from
+    there to the norm's in the norm's backward kernel, where autograd would add the two (an fp32 [s, b, D] sum);
+    and the :class:`Run`, which can compute q and k again before the backward (:meth:`Run.qk_again`).
     """
     run = Run(settings)
     off_graph = weights if off_the_graph(weights) else None
-    q, k, v = CCASublayer.apply(run, residual, cos, sin, document_offsets, off_graph, *(() if off_graph else weights))
-    return q, k, v, run
+    q, k, v, stream = CCASublayer.apply(run, residual, cos, sin, document_offsets, off_graph,
+                                        *(() if off_graph else weights))
+    return q, k, v, stream, run
 
 
 class CCASublayer(torch.autograd.Function):
@@ -115,14 +118,15 @@ class CCASublayer(torch.autograd.Function):
     def forward(ctx, run: Run, residual, cos, sin, document_offsets, off_graph, *weights):
         ctx.run, ctx.off_graph = run, off_graph
         ctx.set_materialize_grads(False)
-        return run.forward(residual, cos, sin, document_offsets, off_graph or CCAWeights(*weights))
+        q, k, v = run.forward(residual, cos, sin, document_offsets, off_graph or CCAWeights(*weights))
+        return q, k, v, residual.view_as(residual)
 
     @staticmethod
-    def backward(ctx, grad_q, grad_k, grad_v):
+    def backward(ctx, grad_q, grad_k, grad_v, grad_stream):
         run = ctx.run
         del ctx.run  # its tensors go with it
         with placeholders_unread(ctx.off_graph is not None):
-            grad_residual, grad_weights = run.backward(grad_q, grad_k, grad_v)
+            grad_residual, grad_weights = run.backward(grad_q, grad_k, grad_v, grad_stream)
         if ctx.off_graph is not None:
             hand_to_ddp(ctx.off_graph, grad_weights)
             grad_weights = ()
@@ -190,8 +194,9 @@ class Run:
         self._qk(into)
         return into
 
-    def backward(self, grad_q, grad_k, grad_v):
-        """-> the residual stream's gradient and one per weight (placeholders where added into ``main_grad``)."""
+    def backward(self, grad_q, grad_k, grad_v, grad_stream=None):
+        """-> the residual stream's gradient (the norm's, plus ``grad_stream``, the passed-through stream's, where
+        given) and one per weight (placeholders where added into ``main_grad``)."""
         cca, norm_kernel = _kernels()
         w, settings = self.weights, self.settings
         if self.epilogue.saved_tensors[0] is None:  # recompute_qk, and no qk_again since the forward
@@ -217,7 +222,8 @@ class Run:
         for grad, weight in zip(grads[1:], weights[1:]):
             grad_x = grad_x + grad @ weight
         d_v, d_k, d_q = _weight_grads(grads, x, weights)
-        grad_residual, d_norm, _, _ = self.norm.backward(grad_x.view(seq, batch, width))
+        grad_residual, d_norm, _, _ = norm_kernel.RMSNorm.backward_adding(self.norm, grad_x.view(seq, batch, width),
+                                                                          grad_stream)
         return grad_residual, (d_norm, d_q, d_k, d_v, *d_q_convs, *d_k_convs, d_temperature)
 
 

@@ -104,6 +104,76 @@ def test_residual_norm_rounds_the_fp32_stream_to_the_weight_dtype(weight_dtype):
         assert_matches_oracle(what, kernel[i], runs["oracle"][i], runs["reference"][i])
 
 
+def test_the_norm_backward_adds_the_streams_other_gradient():
+    """``RMSNorm.backward_adding``: the fp32 stream's gradient is the norm's plus another one (the layer reading
+    the stream beside the norm), bit for bit what autograd's sum of the two gives, and the weight's is unchanged."""
+    from megatron_zaya.ops.composite import Piece
+
+    gen = torch.Generator().manual_seed(5)
+    residual = torch.randn(4, 7, 72, generator=gen) * 5
+    weight = (1 + 0.4 * torch.randn(72, generator=gen)).to(torch.bfloat16)
+    grad = torch.randn(4, 7, 72, generator=gen).to(torch.bfloat16)
+    other = torch.randn(4, 7, 72, generator=gen)
+
+    norm = Piece(kernels.RMSNorm, residual, weight, EPS, True)
+    d_x, d_weight, _, _ = norm.backward(grad)
+    d_x_added, d_weight_added, _, _ = kernels.RMSNorm.backward_adding(norm, grad, other)
+    assert torch.equal(d_x_added, d_x + other) and not torch.equal(d_x_added, d_x)
+    assert torch.equal(d_weight_added, d_weight)
+    r, w = _leaves(residual, weight, dtype=torch.float64)
+    oracle = _grads([ops.rms_norm(r.to(torch.bfloat16).double(), w, EPS)], [r], [grad])[0] + other.double()
+    r, w = _leaves(residual, weight)
+    reference = _grads([ops.residual_norm(r, w, EPS)], [r], [grad])[0] + other
+    assert_matches_oracle("d_residual", d_x_added, oracle, reference)
+    with pytest.raises(ValueError, match="other gradient"):
+        kernels.RMSNorm.backward_adding(norm, grad, other.to(torch.bfloat16))
+
+
+# Compiles the norm's backward for a GPU target (no GPU needed) and prints its fp32 instruction counts.
+_COMPILE_COUNTS = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from megatron_zaya.kernels.residual_rmsnorm import _norm_backward_kernel as kernel
+
+backend, arch, warp, add = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
+values = dict(HAS_RESIDUAL=False, HAS_NORM=True, ROUND_INPUT=True, ADD_GRAD_X=add, ROWS=2, BLOCK=2048, STAGES=2)
+names = [p.name for p in kernel.params]
+signature = {n: "constexpr" if n in values else "i32" if not n.endswith("_ptr") else "*bf16" if n == "weight_ptr"
+             else "*fp32" for n in names}
+source = ASTSource(fn=kernel, signature=signature, constexprs={n: values[n] for n in values})
+compiled = triton.compile(source, target=GPUTarget(backend, arch if backend == "hip" else int(arch), warp),
+                          options={"num_warps": 8})
+if backend == "cuda":
+    asm, ops = compiled.asm["ptx"], {"fma": r"\bfma\.rn\.f32", "mul": r"\bmul(\.rn)?\.f32", "add": r"\badd(\.rn)?\.f32"}
+else:
+    asm, ops = compiled.asm["amdgcn"], {"fma": r"\bv_fmac?_f32", "mul": r"\bv_mul_f32", "add": r"\bv_add_f32"}
+print(json.dumps({op: len(re.findall(pattern, asm)) for op, pattern in ops.items()}))
+"""
+
+
+@pytest.mark.parametrize("target", [("cuda", "90", "32"), ("hip", "gfx942", "64")])
+def test_the_added_gradient_is_a_plain_addition_on_gpus(target):
+    """On a GPU the compiler fuses a multiply into the addition that uses it (an FMA, rounded once): x's gradient
+    plus the other one must stay the norm's rounded gradient plus the other, as autograd's separate sum (bit for
+    bit: tests/gpu/test_training_gpu.py). Compiled for an H100 and an MI300X, with and without the addition:
+    the products are as many, and each added one is a plain addition of its own (its product an FMA with 0)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    counts = [json.loads(subprocess.run([sys.executable, "-c", _COMPILE_COUNTS, *target, add], env=env, check=True,
+                                        capture_output=True, text=True, timeout=600).stdout)
+              for add in ("0", "1")]
+    plain, adding = counts
+    added = adding["add"] - plain["add"]
+    assert added >= 8 and adding["fma"] - plain["fma"] == added, counts  # 8: the elements of a thread, at least
+    assert adding["fma"] + adding["mul"] == plain["fma"] + plain["mul"], counts
+
+
 @pytest.mark.parametrize("hidden_dtype", [torch.float32, torch.bfloat16])
 def test_residual_merge_forward_backward(hidden_dtype):
     gen = torch.Generator().manual_seed(4)
