@@ -285,16 +285,19 @@ def main() -> None:
 
 
 def launch_contexts(events):
-    """kernel event -> where the host launched it: the profiler's ranges around the launch, innermost first (up
-    to three: the op, and e.g. the autograd node or module range around it)."""
-    by_id = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU}
+    """kernel event -> where the host launched it: the ranges around its launch call on the host (the runtime
+    event of the same correlation id), innermost first, up to three (the op, and e.g. the autograd node or
+    module range around it)."""
+    runtime = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU
+               and e.name.startswith(("cuda", "cu", "hip")) and not e.name.startswith("cudnn")}
 
     def context(kernel) -> str:
-        event, names = by_id.get(getattr(kernel, "linked_correlation_id", 0)), []
+        launch, names = runtime.get(kernel.id), []
+        event = launch.cpu_parent if launch is not None else None
         while event is not None and len(names) < 3:
             names.append(event.name.replace(NODE, "backward of ")[:50])
             event = event.cpu_parent
-        return " < ".join(names) or "?"
+        return " < ".join(names) or ("?" if launch is None else launch.name)
     return context
 
 
