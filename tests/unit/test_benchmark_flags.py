@@ -1,5 +1,5 @@
 """Benchmark flags that change what is measured: ``profile_layer --gemm-tuning`` takes only ``GEMM_TUNING``'s keys,
-with integer values, and nonsense ends the command with one line and exit 2 before anything runs."""
+with integer values, and nonsense ends the command with one line and exit 2 before anything runs; ``--gaps`` runs."""
 
 from __future__ import annotations
 
@@ -25,3 +25,12 @@ def test_nonsense_is_one_line_and_exit_2(value, problem):
     run = subprocess.run([sys.executable, "-m", "benchmarks.profile_layer", "--gemm-tuning", value], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and problem in run.stderr.strip().splitlines()[-1], run.stderr[-2000:]
+
+
+def test_profile_layer_gaps_runs_on_cpu():
+    """``profile_layer --smoke --gaps`` on CPU: the layer runs, and with no device kernels the device is never idle
+    between them (the gaps themselves: tests/unit/test_device_idle.py)."""
+    run = subprocess.run([sys.executable, "-m", "benchmarks.profile_layer", "--smoke", "--gaps", "--steps", "1",
+                          "--top", "3"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "device idle between kernels: 0.000 ms/step" in run.stdout, run.stdout[-2000:]
