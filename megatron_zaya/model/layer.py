@@ -72,9 +72,9 @@ class ZayaTransformerLayer(TransformerLayer):
     def _attention(self, residual, attention_mask, rotary_pos_emb, norms: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The CCA sublayer's output from the residual stream, and the stream for the rest of the layer: with the
         ``cca_sublayer`` op, which normalises the stream itself (and recomputes the norm inside), the stream as the
-        op passes it through (its norm's backward then adds the stream's other gradient); else the stream, and the
-        output of the input norm's output, dropped until the backward reaches the sublayer where ``norms`` are
-        recomputed."""
+        op passes it through (its norm's backward then adds the stream's other gradient); else the output computed
+        from the input norm's output (dropped until the backward reaches the sublayer where ``norms`` are
+        recomputed), and the stream itself."""
         attention = self.self_attention
         if attention.runs_as_one_op(residual, self.input_layernorm):
             output, _, stream = attention(residual, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
