@@ -36,7 +36,8 @@ run. A hook that keeps tensors from call to call (a global forward hook, a probe
 ``torch.cuda.is_current_stream_capturing()``: the graph would read tensors the hook later drops.
 
 A capture the platform refuses (on ROCm, collectives and torch's NCCL watchdog break HIP graph capture) is not
-fatal: that input signature runs eagerly from then on, after one ``[zaya]`` warning line.
+fatal: that input signature runs eagerly from then on, after one ``[zaya]`` warning line, and the allocator no
+longer routes to the graphs' pool (:func:`_end_routing_to`).
 
 Off: the default; leave out ``--zaya-cuda-graphs`` (``ZayaConfig.cuda_graphs=False``).
 """
@@ -187,6 +188,20 @@ def _step_untouched(layers):
             router.count_tokens = True
 
 
+def _end_routing_to(pool) -> None:
+    """After a failed capture: the caching allocator stops routing allocations to the graphs' pool, and the failed
+    graph's hold on the pool goes. Some torch releases end the routing in ``CUDAGraph.capture_end`` only once the
+    stream's capture ended without error, so a failed capture left it on: the allocator's next ``empty_cache`` (the one
+    each capture starts with too, and the release before an out-of-memory retry) then fails an internal assert that
+    aborts the process, as at exit when a ``MemPool`` is freed. Where torch ended it, nothing is left to do."""
+    device = torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(device, pool)
+    except RuntimeError:  # not routing to the pool: torch ended it, or the capture never began
+        return
+    torch._C._cuda_releasePool(device, pool)
+
+
 class LayerGraphs:
     """``LayerGraphs(layers)(hidden, router_state, attention_mask, rotary_pos_emb) -> (hidden, router_state)``:
     the layers run in order, each as the replay of its captured graphs (one capture per input signature).
@@ -254,6 +269,13 @@ class LayerGraphs:
         torch.cuda.synchronize()
 
         pool = torch.cuda.graph_pool_handle()
+        try:
+            return self._capture_into(pool, runs, first), constants
+        except RuntimeError:
+            _end_routing_to(pool)
+            raise
+
+    def _capture_into(self, pool, runs, first) -> list[_CapturedLayer]:
         chain, inputs = [], first
         for layer, run in zip(self.layers, runs):
             captured = _CapturedLayer(layer, inputs)
@@ -285,7 +307,7 @@ class LayerGraphs:
             del grads
             next_grads = captured.grads[:inputs]
         torch.cuda.synchronize()
-        return chain, constants
+        return chain
 
     def _warm_up(self, runs, first) -> None:
         inputs = [t.detach().requires_grad_() for t in first]
