@@ -479,12 +479,57 @@ class RouteHead(torch.autograd.Function):
                                                  for v, p in zip(vector_sums, vectors))
             d_w1, d_w2 = d_w12.to(w1.dtype)
             d_w3 = d_w3.to(w3.dtype)
-        else:  # added into main_grad in fp32, all in one foreach addition
-            torch._foreach_add_(targets, [v for v, p in zip(vector_sums, vectors) if p is not None] + [*d_w12, d_w3])
+        else:  # added into main_grad in fp32, all in one launch
+            add_into(targets, [v for v, p in zip(vector_sums, vectors) if p is not None] + [*d_w12, d_w3])
             d_norm, d_eda, d_b1, d_b2, d_bias, d_w1, d_w2, d_w3 = _with_placeholders(
                 (*vectors, w1, w2, w3), added_to_main_grad(params))
         return (grads[2].to(u2d.dtype), grad_state_in, d_eda if eda_scale is not None else None, d_norm, d_w1, d_b1,
                 d_w2, d_b2, d_w3, None, None, d_bias, None)  # fmt: skip
+
+
+ADD_INTO_BLOCK = 1024
+
+
+@triton.jit
+def _add_into_kernel(t0, s0, n0, t1, s1, n1, t2, s2, n2, t3, s3, n3, t4, s4, n4, t5, s5, n5, t6, s6, n6, t7, s7, n7,
+                     BLOCK: tl.constexpr):
+    """``target += source`` for up to 8 pairs, pair ``program_id(1)``: the sum in fp32, rounded once to the
+    target's dtype (what ``Tensor.add_`` gives a bf16 target and an fp32 source)."""
+    which = tl.program_id(1)
+    target, source, n = t0, s0, n0
+    if which == 1:
+        target, source, n = t1, s1, n1
+    if which == 2:
+        target, source, n = t2, s2, n2
+    if which == 3:
+        target, source, n = t3, s3, n3
+    if which == 4:
+        target, source, n = t4, s4, n4
+    if which == 5:
+        target, source, n = t5, s5, n5
+    if which == 6:
+        target, source, n = t6, s6, n6
+    if which == 7:
+        target, source, n = t7, s7, n7
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    total = tl.load(target + offsets, mask=mask).to(tl.float32) + tl.load(source + offsets, mask=mask).to(tl.float32)
+    tl.store(target + offsets, total.to(target.dtype.element_ty), mask=mask)
+
+
+def add_into(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``torch._foreach_add_(targets, sources)`` in one launch: contiguous targets of one dtype (a bf16 or fp32
+    ``main_grad``) and fp32 sources of their sizes, at most 8 pairs. (Into targets of another dtype than the sources,
+    torch's foreach addition takes a launch per pair.)"""
+    if not triton_runs(_add_into_kernel, *targets, *sources):
+        torch._foreach_add_(targets, sources)
+        return
+    if len(targets) > 8 or len({t.dtype for t in targets}) > 1:
+        raise ValueError(f"add_into: at most 8 targets of one dtype, not {[t.dtype for t in targets]}")
+    pairs = [(t, s.contiguous(), t.numel()) for t, s in zip(targets, sources)]
+    pairs += [pairs[0][:2] + (0,)] * (8 - len(pairs))  # unused slots: nothing to add
+    launch(_add_into_kernel, (cdiv(max(n for *_, n in pairs), ADD_INTO_BLOCK), len(targets)),
+           *(x for pair in pairs for x in pair), BLOCK=ADD_INTO_BLOCK)
 
 
 def _sum_over_tokens(grads: torch.Tensor, acts: torch.Tensor, slice_tokens: int) -> torch.Tensor:

@@ -179,6 +179,20 @@ def test_route_head(precision, monkeypatch):
             assert_matches_oracle(name, k, o, r)
 
 
+@pytest.mark.parametrize("target_dtype", [torch.float32, BF16])
+def test_add_into_is_torchs_addition(target_dtype):
+    """The fused head's gradients into ``main_grad`` (``router.add_into``): bit for bit ``Tensor.add_`` of each
+    fp32 source into its target, in one launch; the head's shapes at ZAYA1-8B's router width."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    sizes = [256, 256, 256, 256, 256, 256 * 256, 256 * 256, 17 * 256]
+    targets = [_randn(n, scale=10.0, dtype=target_dtype, gen=gen) for n in sizes]
+    sources = [_randn(n, dtype=torch.float32, gen=gen) for n in sizes]
+    expected = [t.clone().add_(s) for t, s in zip(targets, sources)]
+    router.add_into(targets, sources)
+    for got, want in zip(targets, expected):
+        assert torch.equal(got, want)
+
+
 def test_cross_entropy():
     gen = torch.Generator("cuda").manual_seed(4)
     tokens = 2048

@@ -230,3 +230,30 @@ def test_router_adds_parameter_gradients_into_main_grad(bias_in_head):
     for name, leaf, held, r, o in zip(names, leaves, before, reference, oracle, strict=True):
         assert leaf.grad_added_to_main_grad, name
         assert_matches_oracle(name, leaf.main_grad - held, o, r)
+
+
+@pytest.mark.parametrize("target_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pairs", [1, 8])
+def test_add_into_is_the_foreach_addition_in_one_launch(monkeypatch, target_dtype, pairs):
+    """The fused head's parameter gradients into ``main_grad``: each target plus its fp32 source in fp32, rounded
+    once to the target's dtype, in one launch whatever the sizes (off the block too). Into fp32, bit for bit
+    ``Tensor.add_``; into bf16 within the rounding (the interpreter truncates to bf16 where GPUs round to nearest:
+    tests/gpu/test_kernels_gpu.py holds the bf16 sum to ``Tensor.add_`` bit for bit)."""
+    gen = torch.Generator().manual_seed(3)
+    sizes = [1, 1024, 1025, 33, 5 * 32, 2048 + 7, 64, 3][:pairs]
+    targets = [(10 * torch.randn(n, generator=gen)).to(target_dtype) for n in sizes]
+    sources = [torch.randn(n, generator=gen) for n in sizes]
+    exact = [t.double() + s.double() for t, s in zip(targets, sources)]
+    expected = [t.clone().add_(s) for t, s in zip(targets, sources)]
+    launches, launch = [], kernels.launch
+    monkeypatch.setattr(kernels, "launch", lambda kernel, grid, *args, **kw: (launches.append(grid),
+                                                                            launch(kernel, grid, *args, **kw)))
+    kernels.add_into(targets, sources)
+    assert len(launches) == 1 and launches[0][1] == pairs
+    for got, want, oracle in zip(targets, expected, exact):
+        if target_dtype == torch.float32:
+            assert torch.equal(got, want)
+        else:
+            assert ((got.double() - oracle).abs() <= torch.finfo(target_dtype).eps * oracle.abs()).all()
+    with pytest.raises(ValueError, match="at most 8 targets of one dtype"):
+        kernels.add_into(targets[:1] + [torch.zeros(3, dtype=torch.float16)], sources[:1] + [torch.zeros(3)])
