@@ -521,9 +521,6 @@ def add_into(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """``torch._foreach_add_(targets, sources)`` in one launch: contiguous targets of one dtype (a bf16 or fp32
     ``main_grad``) and fp32 sources of their sizes, at most 8 pairs. (Into targets of another dtype than the sources,
     torch's foreach addition takes a launch per pair.)"""
-    if not triton_runs(_add_into_kernel, *targets, *sources):
-        torch._foreach_add_(targets, sources)
-        return
     if len(targets) > 8 or len({t.dtype for t in targets}) > 1:
         raise ValueError(f"add_into: at most 8 targets of one dtype, not {[t.dtype for t in targets]}")
     pairs = [(t, s.contiguous(), t.numel()) for t, s in zip(targets, sources)]

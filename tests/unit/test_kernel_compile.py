@@ -55,6 +55,8 @@ def _router(k):
     arguments = k.route_head_arguments(u, state_in, *params, biases, 1e-5, EXPERTS, _meta(ROUTER), counts_into)
     probs, _, state, skip_gate, _ = k.RouteHead.apply(*arguments)
     _backward([probs, state, skip_gate])
+    # the head's parameter gradients into a bf16 main_grad
+    k.add_into([_meta(*p.shape).detach() for p in params], [_meta(*p.shape, dtype=FP32).detach() for p in params])
 
 
 def _cross_entropy(k):
@@ -114,7 +116,7 @@ CASES = {
     "residual_rmsnorm": (_rmsnorm, {"_norm_forward_kernel", "_norm_backward_kernel", "_norm_sum_partials_kernel"}),
     "swiglu": (_swiglu, {"_swiglu_forward_kernel", "_swiglu_backward_kernel"}),
     "router": (_router, {"_router_forward_kernel", "_router_backward_kernel", "_head_forward_kernel",
-                         "_head_backward_kernel"}),
+                         "_head_backward_kernel", "_add_into_kernel"}),
     "cross_entropy": (_cross_entropy, {"_logsumexp_kernel", "_cross_entropy_grad_kernel"}),
     "cca": (_cca, {"_qk_epilogue_forward_kernel", "_qk_epilogue_backward_kernel", "_conv_forward_kernel",
                    "_conv_grouped_grad_kernel", "_conv_depthwise_grad_kernel", "_conv_weight_grad_kernel",
