@@ -83,6 +83,7 @@ def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False, as_
     grad = torch.randn_like(x)
 
     def step():
+        x.grad = None  # the stream's gradient is stored, not added to the last step's: no launch of the profile's own
         out, _ = layer(x, rotary_pos_emb=rotary)
         out.backward(grad)
 
@@ -98,6 +99,7 @@ def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False, as_
     graphs = LayerGraphs([layer])  # what --zaya-cuda-graphs runs: the captured forward and backward, replayed
 
     def graphed_step():
+        x.grad = None
         out, _ = graphs(x, None, None, {"global": rotary})
         out.backward(grad)
 
