@@ -20,9 +20,10 @@ kernel, one reduction of its per-program vector-gradient partial sums, two batch
 tokens (d W1 with d W2, and d W3) and their sums over the slices, plus three casts when the parameters are bf16.
 Each program takes a block of tokens; fc1's outputs come a chunk at a time and feed fc2's accumulator at once,
 so no [T, R] activation is written in the forward but the state r. The backward saves only the inputs and
-recomputes the forward in its kernel (fc1 twice: it needs fc2's full gradient before fc1's); it writes the
-[T, R] operands of the weight GEMMs (fp32, freed once they are done) instead of the seven [T, R] fp32
-activations torch keeps from forward to backward.
+recomputes the forward in its kernel. fc1's pre-activations wait in the memory of their gradient: fc1's backward
+needs fc2's full gradient first, and reading them back costs less than computing fc1 twice. It writes the [T, R]
+operands of the weight GEMMs (fp32, freed once they are done) instead of the seven [T, R] fp32 activations torch
+keeps from forward to backward.
 Weights are read in their dtype and upcast in registers; all math is fp32. No float atomics: the parameter
 gradients are reproducible bit for bit. The fp32 ``tl.dot`` precision is per platform
 (``ROUTER_HEAD_TUNING``): "tf32x3" (about fp32 accuracy on tensor cores) on CUDA, "ieee" elsewhere.
@@ -354,8 +355,11 @@ def _head_backward_kernel(
         a1, _ = _fc1_chunk(z0, w1_ptr, b1_ptr, c0, width, k, k_mask, CHUNK, PRECISION)
         h1 = _gelu(a1)
         c = c0 + tl.arange(0, CHUNK)
-        tl.store(acts_ptr + plane + rows64[:, None] * width + c[None, :], h1,
-                 mask=row_mask[:, None] & (c < width)[None, :])  # fmt: skip
+        chunk_offsets = rows64[:, None] * width + c[None, :]
+        chunk_mask = row_mask[:, None] & (c < width)[None, :]
+        tl.store(acts_ptr + plane + chunk_offsets, h1, mask=chunk_mask)
+        # a1 waits where its gradient goes (this program's rows only): the loop below reads it, not fc1 again
+        tl.store(grads_ptr + chunk_offsets, a1, mask=chunk_mask)
         a2 = tl.dot(h1, tl.trans(_fc2_chunk(w2_ptr, c0, width, k, k_mask, CHUNK)), a2, input_precision=PRECISION)
     a2 += tl.load(b2_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
     h2 = _gelu(a2)
@@ -373,14 +377,18 @@ def _head_backward_kernel(
     tl.store(grads_ptr + plane + offsets, grad_a2, mask=mask)
     tl.store(partials_ptr + 3 * width + k, tl.sum(grad_a2, axis=0), mask=k_mask)
     grad_z0 = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    tl.debug_barrier()  # a1 was stored by the threads of another layout: their writes first
     for c0 in range(0, BLOCK_R, CHUNK):
-        a1, w1 = _fc1_chunk(z0, w1_ptr, b1_ptr, c0, width, k, k_mask, CHUNK, PRECISION)
+        c = c0 + tl.arange(0, CHUNK)
+        chunk_offsets = rows64[:, None] * width + c[None, :]
+        chunk_mask = row_mask[:, None] & (c < width)[None, :]
+        a1 = tl.load(grads_ptr + chunk_offsets, mask=chunk_mask, other=0.0)
         w2 = _fc2_chunk(w2_ptr, c0, width, k, k_mask, CHUNK)
         grad_a1 = tl.dot(grad_a2, w2, input_precision=PRECISION) * _gelu_grad(a1)
-        c = c0 + tl.arange(0, CHUNK)
-        tl.store(grads_ptr + rows64[:, None] * width + c[None, :], grad_a1,
-                 mask=row_mask[:, None] & (c < width)[None, :])  # fmt: skip
+        tl.store(grads_ptr + chunk_offsets, grad_a1, mask=chunk_mask)
         tl.store(partials_ptr + 2 * width + c, tl.sum(grad_a1, axis=0), mask=c < width)
+        w1 = tl.load(w1_ptr + c[:, None] * width + k[None, :], mask=(c < width)[:, None] & k_mask[None, :],
+                     other=0.0).to(tl.float32)  # fmt: skip
         grad_z0 = tl.dot(grad_a1, w1, grad_z0, input_precision=PRECISION)
     # r again from memory: holding it through both loops costs registers
     normed = _router_state(u_ptr, state_in_ptr, eda_ptr, bias_ptr, offsets, mask, k, k_mask, HAS_STATE,
