@@ -13,6 +13,7 @@ import torch
 import cca_kernel_arguments
 from triton_interpreter import assert_matches_oracle
 
+import megatron_zaya.ops.router  # noqa: F401  (ops.router: the head's reference, read through ops below)
 from megatron_zaya import ops
 from megatron_zaya.kernels import cca, cross_entropy, grouped_gemm, residual_rmsnorm, router, sort_by_expert, swiglu
 from megatron_zaya.ops import grouped_mm
