@@ -12,10 +12,10 @@
 
 Builds layer 0 of a one-layer ``zaya1-8b-shallow`` model as training builds it (the kernel patches that apply
 on the device), runs forward + backward on the fp32 residual stream as ``inprocess.py eager`` does, and prints
-(``--as-trained``: the model wrapped in Megatron's DDP, whose hooks add each gradient to its fp32 ``main_grad``,
-Megatron's linears accumulating theirs there directly where the CLI would, and ``--recompute-granularity
-selective``'s default pieces recomputed, as the 40-layer runs of docs/benchmarks.md train; without it the
-layer's gradients accumulate in ``.grad`` and nothing is recomputed)
+(``--as-trained``: the model wrapped in Megatron's DDP with the distributed optimizer's buffer layout, whose hooks
+add each gradient to its fp32 ``main_grad``, Megatron's linears accumulating theirs there directly where the CLI
+would, and ``--recompute-granularity selective``'s default pieces recomputed, as the 40-layer runs of
+docs/benchmarks.md train; without it the layer's gradients accumulate in ``.grad`` and nothing is recomputed)
 
 * with ``--against-triton-launch``, the same layer with every kernel launched through ``kernel[grid](...)`` rather
   than ``kernels.launch``'s cached launcher, and with ``--against-tensor-arguments``, through that launcher given
@@ -71,7 +71,12 @@ def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False, as_
     if as_trained:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=not bf16_main_grad), model)
+        # the distributed optimizer's buffer layout, as the 40-layer runs train: each parameter starts on 64 elements
+        # (without it, linear_q's, _k's and _v's main_grads sit 8 bytes off, and their weight gradients' GEMMs run on
+        # slower unaligned kernels)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=not bf16_main_grad,
+                                                   use_distributed_optimizer=True)
+        ddp = DistributedDataParallel(cfg, ddp_config, model)
         for param in model.parameters() if on_the_graph else ():  # the sublayer ops return gradients to autograd
             param.__dict__.pop("ddp_grad_ready", None)
     layer, rotary = model.decoder.layers[0], model.rotary_pos_emb["global"](seq)
