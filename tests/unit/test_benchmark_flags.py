@@ -28,9 +28,19 @@ def test_nonsense_is_one_line_and_exit_2(value, problem):
 
 
 def test_profile_layer_gaps_runs_on_cpu():
-    """``profile_layer --smoke --gaps`` on CPU: the layer runs, and with no device kernels the device is never idle
-    between them (the gaps themselves: tests/unit/test_device_idle.py)."""
-    run = subprocess.run([sys.executable, "-m", "benchmarks.profile_layer", "--smoke", "--gaps", "--steps", "1",
-                          "--top", "3"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    """``profile_layer --smoke --as-trained --gaps`` on CPU: the layer runs under Megatron's DDP, and with no device
+    kernels the device is never idle between them (the gaps themselves: tests/unit/test_device_idle.py)."""
+    run = subprocess.run([sys.executable, "-m", "benchmarks.profile_layer", "--smoke", "--as-trained", "--gaps",
+                          "--steps", "1", "--top", "3"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "device idle between kernels: 0.000 ms/step" in run.stdout, run.stdout[-2000:]
+
+
+def test_profile_layer_as_trained_aligns_each_main_grad():
+    """``--as-trained`` lays out DDP's buffer as the distributed optimizer does, as the 40-layer runs train: every
+    ``main_grad`` starts on 16 bytes (unpadded, the test layer's linear_q, _k and _v start 8 bytes off)."""
+    code = ("from benchmarks.profile_layer import layer_step; step = layer_step(True, 32, 2, as_trained=True); "
+            "print(sorted({p.main_grad.data_ptr() % 16 for p in step.layer.parameters()}))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "[0]", run.stdout[-2000:]
