@@ -4,10 +4,12 @@ epilogue (``router.ROUTER_TUNING``) or the fused router head (``router.ROUTER_HE
     python -m benchmarks.tune_launch --kernel swiglu    # CUDA or ROCm GPU, about a minute each
     python -m benchmarks.tune_launch --kernel router
     python -m benchmarks.tune_launch --kernel router_head   # a few minutes: each setting compiles
+    python -m benchmarks.tune_launch --kernel router_head --directions backward   # the backward only
     python -m benchmarks.tune_launch --kernel router --smoke    # tiny shapes, any device: checks the script runs
 
 It times the kernel's ``bench_kernels.py`` cases (T = 4096 x ``--batch``) as CUDA-graph replays: the forward
-launch by the forward time, the backward launch by the forward + backward time, summed over the cases.
+launch by the forward time, the backward launch by the forward + backward time, summed over the cases. With
+``--directions``, one of them is swept and the other keeps the table's setting.
 ``torch.compile`` of the reference is timed the same way first, as the baseline. It prints the best of each
 group; copy them into the table.
 """
@@ -44,9 +46,14 @@ def main() -> None:
     parser.add_argument("--kernel", choices=sorted(TUNABLE), default="swiglu")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--batch", type=int, default=2, help="T = 4096 x batch tokens")
+    parser.add_argument("--directions", default="forward,backward",
+                        help="the launches to sweep: forward, backward or both (the other keeps the table's setting)")
     args = parser.parse_args()
     if args.batch < 1:
         parser.error(f"--batch {args.batch}: need at least one sequence")
+    directions = set(args.directions.split(","))
+    if not directions <= {"forward", "backward"}:
+        parser.error(f"--directions {args.directions}: give forward, backward or forward,backward")
     device = gpu_or_smoke("tune_launch.py", args.smoke)
     graph = device == "cuda"
     per_platform, case_names, forward, backward = TUNABLE[args.kernel]
@@ -71,9 +78,9 @@ def main() -> None:
         return total_ms
 
     table = per_platform[key]
-    best = sweep_groups(table, {"forward": forward}, measure(0))
-    # the backward launches are timed forward + backward, each with the best forward launch
-    best = sweep_groups(table, {"backward": [{**best, **setting} for setting in backward]}, measure(1))
+    best = sweep_groups(table, {"forward": forward}, measure(0)) if "forward" in directions else {}
+    if "backward" in directions:  # timed forward + backward, each with the best forward launch (or the table's)
+        best = sweep_groups(table, {"backward": [{**best, **setting} for setting in backward]}, measure(1))
     print(f"best (summed over {', '.join(case_names)}): {best}")
 
 

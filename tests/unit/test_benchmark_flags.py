@@ -1,8 +1,11 @@
 """Benchmark flags that change what is measured: ``profile_layer --gemm-tuning`` takes only ``GEMM_TUNING``'s keys,
-with integer values, and nonsense ends the command with one line and exit 2 before anything runs; ``--gaps`` runs."""
+with integer values, and nonsense ends the command with one line and exit 2 before anything runs; ``--gaps`` runs;
+``tune_launch --directions`` sweeps only the launches it names."""
 
 from __future__ import annotations
 
+import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,3 +47,24 @@ def test_profile_layer_as_trained_aligns_each_main_grad():
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == "[0]", run.stdout[-2000:]
+
+
+def test_tune_launch_sweeps_only_the_directions_it_is_given():
+    """``tune_launch --kernel router_head --smoke --directions backward`` (the kernels under Triton's interpreter):
+    every backward candidate is timed, no forward one, and the best setting names backward keys only."""
+    run = subprocess.run([sys.executable, "-m", "benchmarks.tune_launch", "--kernel", "router_head", "--smoke",
+                          "--directions", "backward"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert not [line for line in lines if line.startswith("forward:")], run.stdout[-2000:]
+    assert len([line for line in lines if line.startswith("backward:") and line.endswith(" ms")]) == 16, lines
+    best = ast.literal_eval(lines[-1].split(": ", 1)[1])
+    assert best and all(key.startswith("backward_") for key in best), lines[-1]
+
+
+def test_tune_launch_directions_nonsense_is_one_line_and_exit_2():
+    run = subprocess.run([sys.executable, "-m", "benchmarks.tune_launch", "--directions", "sideways"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == 2 and "--directions sideways: give forward, backward" in last, run.stderr
