@@ -264,14 +264,20 @@ def _router_state(u_ptr, state_in_ptr, eda_ptr, bias_ptr, offsets, mask, k, k_ma
 
 
 @triton.jit
-def _fc1_chunk(z0, w1_ptr, b1_ptr, c0, width, k, k_mask, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
-    """fc1's pre-activations for outputs c0 .. c0 + CHUNK: [BLOCK_T, CHUNK], and that slice of W1 [CHUNK, BLOCK_R]."""
+def _w1_chunk(w1_ptr, c0, width, k, k_mask, CHUNK: tl.constexpr):
+    """W1's outputs c0 .. c0 + CHUNK: [CHUNK, BLOCK_R], fp32."""
     c = c0 + tl.arange(0, CHUNK)
-    c_mask = c < width
-    w1 = tl.load(w1_ptr + c[:, None] * width + k[None, :], mask=c_mask[:, None] & k_mask[None, :],
-                 other=0.0).to(tl.float32)  # fmt: skip
-    b1 = tl.load(b1_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
-    return tl.dot(z0, tl.trans(w1), input_precision=PRECISION) + b1[None, :], w1
+    return tl.load(w1_ptr + c[:, None] * width + k[None, :], mask=(c < width)[:, None] & k_mask[None, :],
+                   other=0.0).to(tl.float32)  # fmt: skip
+
+
+@triton.jit
+def _fc1_chunk(z0, w1_ptr, b1_ptr, c0, width, k, k_mask, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+    """fc1's pre-activations for outputs c0 .. c0 + CHUNK: [BLOCK_T, CHUNK]."""
+    c = c0 + tl.arange(0, CHUNK)
+    b1 = tl.load(b1_ptr + c, mask=c < width, other=0.0).to(tl.float32)
+    w1 = _w1_chunk(w1_ptr, c0, width, k, k_mask, CHUNK)
+    return tl.dot(z0, tl.trans(w1), input_precision=PRECISION) + b1[None, :]
 
 
 @triton.jit
@@ -307,7 +313,7 @@ def _head_forward_kernel(
     z0 = tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :] * (r * rstd[:, None])
     a2 = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
     for c0 in range(0, BLOCK_R, CHUNK):
-        a1, _ = _fc1_chunk(z0, w1_ptr, b1_ptr, c0, width, k, k_mask, CHUNK, PRECISION)
+        a1 = _fc1_chunk(z0, w1_ptr, b1_ptr, c0, width, k, k_mask, CHUNK, PRECISION)
         a2 = tl.dot(_gelu(a1), tl.trans(_fc2_chunk(w2_ptr, c0, width, k, k_mask, CHUNK)), a2,
                     input_precision=PRECISION)  # fmt: skip
     h2 = _gelu(a2 + tl.load(b2_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :])
@@ -352,7 +358,7 @@ def _head_backward_kernel(
     tl.store(acts_ptr + offsets, z0, mask=mask)
     a2 = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
     for c0 in range(0, BLOCK_R, CHUNK):
-        a1, _ = _fc1_chunk(z0, w1_ptr, b1_ptr, c0, width, k, k_mask, CHUNK, PRECISION)
+        a1 = _fc1_chunk(z0, w1_ptr, b1_ptr, c0, width, k, k_mask, CHUNK, PRECISION)
         h1 = _gelu(a1)
         c = c0 + tl.arange(0, CHUNK)
         chunk_offsets = rows64[:, None] * width + c[None, :]
@@ -387,9 +393,7 @@ def _head_backward_kernel(
         grad_a1 = tl.dot(grad_a2, w2, input_precision=PRECISION) * _gelu_grad(a1)
         tl.store(grads_ptr + chunk_offsets, grad_a1, mask=chunk_mask)
         tl.store(partials_ptr + 2 * width + c, tl.sum(grad_a1, axis=0), mask=c < width)
-        w1 = tl.load(w1_ptr + c[:, None] * width + k[None, :], mask=(c < width)[:, None] & k_mask[None, :],
-                     other=0.0).to(tl.float32)  # fmt: skip
-        grad_z0 = tl.dot(grad_a1, w1, grad_z0, input_precision=PRECISION)
+        grad_z0 = tl.dot(grad_a1, _w1_chunk(w1_ptr, c0, width, k, k_mask, CHUNK), grad_z0, input_precision=PRECISION)
     # r again from memory: holding it through both loops costs registers
     normed = _router_state(u_ptr, state_in_ptr, eda_ptr, bias_ptr, offsets, mask, k, k_mask, HAS_STATE,
                            HAS_BIAS) * rstd[:, None]
