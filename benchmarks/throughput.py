@@ -35,7 +35,7 @@ Timings: mean of Megatron's "elapsed time per iteration" after --warmup iteratio
 global batch × sequence / iteration time / GPUs. TFLOP/s/GPU from ``megatron_zaya.flops`` (model FLOPs,
 3 × forward, experts counted for the tokens the routers actually sent to one) — not Megatron's log line,
 whose GPT formula does not know CCA's convolutions or ZAYA1's router. MFU = TFLOP/s / --peak-tflops (the
-bf16 dense GEMM rate measured on the same GPU). Peak memory: torch.cuda.max_memory_allocated in the
+bf16 dense GEMM rate measured on the same GPU). Peak memory: torch.cuda.max_memory_allocated and _reserved in the
 training process.
 
 Real-depth parts: the mean over iterations after --real-depth-warmup; MFU against --peak-tflops (773, measured)
@@ -541,8 +541,8 @@ def real_depth_markdown(results: dict, args) -> list[str]:
              f"`{' '.join(REAL_DEPTH_SETTINGS)}`; mean ± stdev over iterations {args.real_depth_warmup + 1} to "
              f"{args.real_depth_iters}. MFU: `megatron_zaya/flops.py` model FLOPs against {args.peak_tflops:g} "
              f"(the measured GEMM rate) and {args.datasheet_tflops:g} TFLOP/s (datasheet).", "",
-             "| run | micro-batch | ms / step | tokens / s / GPU | MFU vs {:g} | MFU vs {:g} | peak GiB: measured / "
-             "planned |".format(args.peak_tflops, args.datasheet_tflops),
+             "| run | micro-batch | ms / step | tokens / s / GPU | MFU vs {:g} | MFU vs {:g} | peak GiB: allocated / "
+             "reserved / planned |".format(args.peak_tflops, args.datasheet_tflops),
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for part in ran:
         r = results[part]
@@ -552,10 +552,12 @@ def real_depth_markdown(results: dict, args) -> list[str]:
             continue
         largest = r["plan"].get("largest", {}).get(r.get("gpu"))
         chosen = f"{r['micro_batch']}" + (f" (plan's largest: {largest})" if largest else " (given)")
-        memory = r.get("memory", {}).get("peak_allocated_gib")
+        memory = r.get("memory", {})
+        peaks = " / ".join("–" if memory.get(key) is None else f"{memory[key]:.1f}"
+                           for key in ("peak_allocated_gib", "peak_reserved_gib"))
         lines.append(f"| {labels[part]} | {chosen} | {r['ms_per_iteration']:,.0f} ± {r['ms_stdev']:,.0f} | "
                      f"{r['tokens_per_s_per_gpu']:,.0f} | {100 * r['mfu']:.1f}% | {100 * r['mfu_datasheet']:.1f}% | "
-                     f"{'–' if memory is None else f'{memory:.1f}'} / {r['plan'].get('peak_gib', float('nan')):.1f} |")
+                     f"{peaks} / {r['plan'].get('peak_gib', float('nan')):.1f} |")
     retries = {labels[p]: results[p]["memory"]["alloc_retries"] for p in ran
                if "alloc_retries" in results[p].get("memory", {})}
     if retries:
