@@ -21,13 +21,18 @@ def test_gemm_tuning_reads_the_tables_keys_as_integers():
     assert gemm_tuning("wgrad_block_n=128,wgrad_warps=4") == {"wgrad_block_n": 128, "wgrad_warps": 4}
 
 
-@pytest.mark.parametrize("value, problem", [("wgrad_wraps=4", "not in GEMM_TUNING: wgrad_wraps"),
-                                            ("wgrad_warps=four", "invalid gemm_tuning value"),
-                                            ("wgrad_warps", "invalid gemm_tuning value")])
-def test_nonsense_is_one_line_and_exit_2(value, problem):
-    run = subprocess.run([sys.executable, "-m", "benchmarks.profile_layer", "--gemm-tuning", value], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 2 and problem in run.stderr.strip().splitlines()[-1], run.stderr[-2000:]
+@pytest.mark.parametrize("value", ["wgrad_warps=four", "wgrad_warps"])
+def test_a_value_that_is_no_integer_pair_is_refused(value):
+    """A ValueError, which argparse reports as ``invalid gemm_tuning value`` in one line with exit 2."""
+    with pytest.raises(ValueError):
+        gemm_tuning(value)
+
+
+def test_nonsense_is_one_line_and_exit_2():
+    run = subprocess.run([sys.executable, "-m", "benchmarks.profile_layer", "--gemm-tuning", "wgrad_wraps=4"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == 2 and last.endswith("--gemm-tuning: not in GEMM_TUNING: wgrad_wraps"), run.stderr[-2000:]
 
 
 def test_profile_layer_gaps_runs_on_cpu():
@@ -51,14 +56,14 @@ def test_profile_layer_as_trained_aligns_each_main_grad():
 
 def test_tune_launch_sweeps_only_the_directions_it_is_given():
     """``tune_launch --kernel router_head --smoke --directions backward`` (the kernels under Triton's interpreter):
-    every backward candidate is timed, no forward one, and the best setting names backward keys only."""
+    the smoke's two backward candidates are timed, no forward one, and the best setting names backward keys only."""
     run = subprocess.run([sys.executable, "-m", "benchmarks.tune_launch", "--kernel", "router_head", "--smoke",
                           "--directions", "backward"], cwd=REPO, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert run.returncode == 0, run.stderr[-2000:]
     lines = run.stdout.splitlines()
     assert not [line for line in lines if line.startswith("forward:")], run.stdout[-2000:]
-    assert len([line for line in lines if line.startswith("backward:") and line.endswith(" ms")]) == 16, lines
+    assert len([line for line in lines if line.startswith("backward:") and line.endswith(" ms")]) == 2, lines
     best = ast.literal_eval(lines[-1].split(": ", 1)[1])
     assert best and all(key.startswith("backward_") for key in best), lines[-1]
 
