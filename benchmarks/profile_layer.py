@@ -105,8 +105,11 @@ def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False, as_
 
     def graphed_step():
         x.grad = None
-        out, _ = graphs(x, None, None, {"global": rotary})
-        out.backward(grad)
+        replayed = graphs(x, None, None, {"global": rotary})
+        if replayed is None:  # the warning above names the capture's error; eager timings would be mislabelled
+            raise SystemExit("profile_layer: the layer's CUDA graph capture failed (the warning above); nothing is "
+                             "measured with --cuda-graphs")
+        replayed[0].backward(grad)
 
     graphed_step.ddp = ddp
 
