@@ -24,8 +24,9 @@ docs/benchmarks.md train; without it the layer's gradients accumulate in ``.grad
   with that kernel set, or with the sublayer ops' parameters left on autograd's graph (as without the
   ``training_loop.gradient_ready_calls`` patch): both timed in alternating rounds, their median wall times and ratio
   (what varies from process to process, clocks and the host's state, cancels out);
-* wall time per step (CUDA events, no profiler) and the device's busy time per step (the union of kernel
-  intervals under ``torch.profiler``): wall well above busy means the step waits on the host (launches);
+* wall time per step (CUDA events, no profiler), each step on a synchronised device and ten steps back to back (as
+  a training step runs its layers: the host launches ahead), and the device's busy time per step (the union of
+  kernel intervals under ``torch.profiler``): back to back well above busy means the host is the slower (launches);
 * the kernels by device time per step, with their launch counts, and the torch ops that launched the most;
 * with ``--gaps``, the device's idle time per step between kernels, by the pair of kernels around each gap (the
   one that last ran, the one the device waited for): which stretch of launches the host was late with;
@@ -240,6 +241,7 @@ def main() -> None:
     step = layer_step(args.smoke, seq, batch, args.cuda_graphs, args.as_trained, args.kernels, args.reference_sort,
                       bf16_main_grad=args.grad_reduce_in_bf16)
     wall = statistics.median(call_times(step, warmup=3, iters=10))
+    back_to_back = statistics.median(call_times(step, warmup=0, iters=3, calls=10))
     if args.against or args.against_on_the_graph:
         baseline = layer_step(args.smoke, seq, batch, args.cuda_graphs, args.as_trained, args.against or args.kernels,
                               args.reference_sort, args.against_on_the_graph, args.grad_reduce_in_bf16)
@@ -271,6 +273,9 @@ def main() -> None:
     total = sum(ms for ms, _ in per_kernel.values())
     print(f"one ZAYA1 layer fwd+bwd, S={seq} B={batch}: wall {wall:.3f} ms/step, device busy {busy:.3f} ms/step, "
           f"kernels {total:.3f} ms/step, {len(kernels) // args.steps} launches/step")
+    if GPU:
+        print(f"ten steps back to back: wall {back_to_back:.3f} ms/step, {back_to_back / busy:.2f}x the device's busy "
+              f"time (each step synchronised: {wall / busy:.2f}x)")
     print(f"{'ms/step':>9s} {'share':>6s} {'calls':>5s}  kernel")
     for name, (ms, calls) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[: args.top]:
         print(f"{ms:9.3f} {ms / max(total, 1e-9):6.1%} {calls // args.steps:5d}  {name[:150]}")

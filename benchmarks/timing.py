@@ -17,8 +17,11 @@ def gpu_or_smoke(script: str, smoke: bool) -> str:
     return "cpu"
 
 
-def call_times(fn, warmup: int, iters: int) -> list[float]:
-    """Milliseconds of each of ``iters`` calls of ``fn`` after ``warmup`` untimed ones (device-synchronised)."""
+def call_times(fn, warmup: int, iters: int, calls: int = 1) -> list[float]:
+    """Milliseconds per call of ``fn`` in each of ``iters`` samples after ``warmup`` untimed calls. A sample is
+    ``calls`` calls back to back, the device synchronised after the last: with one, each call starts on an idle
+    device and waits for the host's first launches; with several, the host launches ahead as a training step's
+    layers do, and a host slower than the device shows as a time above the device's."""
     for _ in range(warmup):
         fn()
     times = []
@@ -26,14 +29,16 @@ def call_times(fn, warmup: int, iters: int) -> list[float]:
         if torch.cuda.is_available():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(calls):
+                fn()
             end.record()
             torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(start.elapsed_time(end) / calls)
         else:
             start = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - start))
+            for _ in range(calls):
+                fn()
+            times.append(1e3 * (time.perf_counter() - start) / calls)
     return times
 
 
