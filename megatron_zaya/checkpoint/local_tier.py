@@ -254,6 +254,8 @@ class LocalTier:
             write_part(str(self._part(iteration)), snapshot, state, layout)
         except BaseException as error:  # raised in the training loop by finish()
             self._error = error
+        finally:
+            snapshot.end_copies()
         try:
             written = time.perf_counter()
             if self.peer:
@@ -282,6 +284,9 @@ class LocalTier:
                 if it is not None and (it < iteration and it not in kept or it > iteration and it in complete):
                     shutil.rmtree(step / f"rank_{owner:05d}", ignore_errors=True)
         for step in root.glob("iter_*"):
+            it = int(step.name[5:]) if step.name[5:].isdigit() else None
+            if it is None or it >= iteration:  # a newer one may be another rank's next save, its part not made yet
+                continue
             try:
                 step.rmdir()  # emptied by the last rank of this node to prune it
             except OSError:

@@ -214,10 +214,16 @@ class Snapshot:
                 position = offset + size
             self._mark(self.end)
         finally:
-            with self._progress:
-                self._stopped = True
-                self._progress.notify_all()
-            self._copied.set()
+            self.end_copies()
+
+    def end_copies(self) -> None:
+        """The copies end here, all queued or not: the training loop's wait and the writers return. Whatever owns
+        the snapshot calls it last, so that a save failing before its copies (a directory it cannot make) does
+        not leave the training loop waiting for them."""
+        with self._progress:
+            self._stopped = True
+            self._progress.notify_all()
+        self._copied.set()
 
     def _mark(self, position: int) -> None:
         with self._progress:
@@ -262,14 +268,15 @@ class Snapshot:
         buffer that holds them all, :func:`whole_pool`), each a tensor of its own storage: ``torch.save``, which
         Megatron's writer calls for each tensor, writes a view's whole storage. The tensors are released once
         copied."""
-        if self.files > 1:
-            raise ValueError(f"{self.end} bytes of tensors do not fit one buffer of {self.pool.segment} bytes")
         try:
+            if self.files > 1:
+                raise ValueError(f"{self.end} bytes of tensors do not fit one buffer of {self.pool.segment} bytes")
             self._copy()
         finally:
             if self._last is not None:
                 self._last.synchronize()
             self.tensors = []
+            self.end_copies()
         self._wait_landed(self.end)
         data = memoryview(self.pool.take(0).numpy())
         return [torch.frombuffer(data, dtype=torch.uint8, count=size, offset=start).view(getattr(torch, dtype))

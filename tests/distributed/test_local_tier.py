@@ -12,6 +12,7 @@ import contextlib
 import gc
 import io
 import shutil
+import threading
 import weakref
 from pathlib import Path
 
@@ -175,6 +176,54 @@ def test_a_save_keeps_the_state_of_its_step(tmp_path):
     (loaded,) = run_ranks(_background_save_then_step, 1, tmp_path, str(tmp_path / "local"))
     assert loaded["step"] == 7.0 and loaded["iteration"] == 7, loaded
     assert loaded["sharded"] == [700.0, 701.0, 702.0, 703.0], loaded
+
+
+def _unmakeable_part_then_prune(rank, world, root):
+    """A file where iteration 1's directory goes: its part cannot be made, so the save fails before its copies.
+    Returns whether the training loop's wait for them returned (within 60 s, not never), the error ``finish``
+    raised, and the directories left after iteration 2 is saved, its prune having found the empty directories
+    of iteration 1 and of iteration 3 (what another rank's next save on this node makes before its part)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+
+    from megatron_zaya.checkpoint.local_tier import LocalTier
+    from megatron_zaya.checkpoint.staging import wait_for_copies
+    from megatron_zaya.patches import apply_patches
+
+    apply_patches("cpu,checkpointing.local_tier")
+    ps.initialize_model_parallel()
+    try:
+        group, root = ps.get_data_parallel_group(with_context_parallel=True), Path(root)
+        root.mkdir()
+        (root / "iter_0000001").write_text("a file, not a directory")
+        tier = LocalTier(str(root), 2, None)
+        state, _ = MCoreTensorAwareStateDict.from_state_dict(
+            _sharded_state(1, rank, world), algo="fully_parallel", parallelization_group=group)
+        tier.save(state, 1, is_async=False)
+        waiting = threading.Thread(target=wait_for_copies, daemon=True)
+        waiting.start()
+        waiting.join(60)
+        try:
+            tier.finish()
+            error = None
+        except OSError as raised:
+            error = type(raised).__name__
+        (root / "iter_0000001").unlink()
+        (root / "iter_0000001").mkdir()
+        (root / "iter_0000003").mkdir()
+        state, _ = MCoreTensorAwareStateDict.from_state_dict(
+            _sharded_state(2, rank, world), algo="fully_parallel", parallelization_group=group)
+        tier.save(state, 2, is_async=False)
+        _next_step(state)
+        tier.finish()
+        return not waiting.is_alive(), error, sorted(p.name for p in root.iterdir())
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_a_save_failing_before_its_copies_releases_the_loop_and_a_prune_spares_newer_directories(tmp_path):
+    (result,) = run_ranks(_unmakeable_part_then_prune, 1, tmp_path, str(tmp_path / "local"))
+    assert result == (True, "NotADirectoryError", ["iter_0000002", "iter_0000003"]), result
 
 
 def _save_while_the_other_rank_is_gone(rank, world, root):
