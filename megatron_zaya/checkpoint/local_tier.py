@@ -276,16 +276,15 @@ class LocalTier:
         and the complete ones newer than it (left by a run that went further: a resume would take them)."""
         root, rank = Path(self.local_ckpt_dir), torch.distributed.get_rank()
         source = peer_copy.keeper_and_source()[1] if self.peer else None
+        steps = {int(step.name[5:]): step for step in root.glob("iter_*") if step.name[5:].isdigit()}
         for owner in [rank] + ([source] if source is not None else []):
             complete = _complete_parts(root, owner)
             kept = set(sorted((it for it in complete if it <= iteration), reverse=True)[: self.keep])
-            for step in root.glob("iter_*"):
-                it = int(step.name[5:]) if step.name[5:].isdigit() else None
-                if it is not None and (it < iteration and it not in kept or it > iteration and it in complete):
+            for it, step in steps.items():
+                if it < iteration and it not in kept or it > iteration and it in complete:
                     shutil.rmtree(step / f"rank_{owner:05d}", ignore_errors=True)
-        for step in root.glob("iter_*"):
-            it = int(step.name[5:]) if step.name[5:].isdigit() else None
-            if it is None or it >= iteration:  # a newer one may be another rank's next save, its part not made yet
+        for it, step in steps.items():
+            if it >= iteration:  # a newer one may be another rank's next save, its part not made yet
                 continue
             try:
                 step.rmdir()  # emptied by the last rank of this node to prune it
