@@ -241,7 +241,7 @@ def main() -> None:
     step = layer_step(args.smoke, seq, batch, args.cuda_graphs, args.as_trained, args.kernels, args.reference_sort,
                       bf16_main_grad=args.grad_reduce_in_bf16)
     wall = statistics.median(call_times(step, warmup=3, iters=10))
-    back_to_back = statistics.median(call_times(step, warmup=0, iters=3, calls=10))
+    back_to_back = statistics.median(call_times(step, warmup=0, iters=3, calls=10)) if GPU else None
     if args.against or args.against_on_the_graph:
         baseline = layer_step(args.smoke, seq, batch, args.cuda_graphs, args.as_trained, args.against or args.kernels,
                               args.reference_sort, args.against_on_the_graph, args.grad_reduce_in_bf16)
