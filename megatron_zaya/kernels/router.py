@@ -289,6 +289,13 @@ def _fc2_chunk(w2_ptr, c0, width, k, k_mask, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _chunk_block(rows64, row_mask, c0, width, CHUNK: tl.constexpr):
+    """Columns c0 .. c0 + CHUNK of this program's rows in a [T, R] plane: (columns, offsets, mask)."""
+    c = c0 + tl.arange(0, CHUNK)
+    return c, rows64[:, None] * width + c[None, :], row_mask[:, None] & (c < width)[None, :]
+
+
+@triton.jit
 def _head_forward_kernel(
     u_ptr, state_in_ptr, eda_ptr, bias_ptr,  # [T, R] fp32, [T, R] (or unused), [R], [R] (or unused)
     norm_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, w3_ptr,  # [R], [R, R], [R], [R, R], [R], [C, R]: any float dtype
@@ -360,9 +367,7 @@ def _head_backward_kernel(
     for c0 in range(0, BLOCK_R, CHUNK):
         a1 = _fc1_chunk(z0, w1_ptr, b1_ptr, c0, width, k, k_mask, CHUNK, PRECISION)
         h1 = _gelu(a1)
-        c = c0 + tl.arange(0, CHUNK)
-        chunk_offsets = rows64[:, None] * width + c[None, :]
-        chunk_mask = row_mask[:, None] & (c < width)[None, :]
+        _, chunk_offsets, chunk_mask = _chunk_block(rows64, row_mask, c0, width, CHUNK)
         tl.store(acts_ptr + plane + chunk_offsets, h1, mask=chunk_mask)
         # a1 waits where its gradient goes (this program's rows only): the loop below reads it, not fc1 again
         tl.store(grads_ptr + chunk_offsets, a1, mask=chunk_mask)
@@ -385,9 +390,7 @@ def _head_backward_kernel(
     grad_z0 = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
     tl.debug_barrier()  # a1 was stored by the threads of another layout: their writes first
     for c0 in range(0, BLOCK_R, CHUNK):
-        c = c0 + tl.arange(0, CHUNK)
-        chunk_offsets = rows64[:, None] * width + c[None, :]
-        chunk_mask = row_mask[:, None] & (c < width)[None, :]
+        c, chunk_offsets, chunk_mask = _chunk_block(rows64, row_mask, c0, width, CHUNK)
         a1 = tl.load(grads_ptr + chunk_offsets, mask=chunk_mask, other=0.0)
         w2 = _fc2_chunk(w2_ptr, c0, width, k, k_mask, CHUNK)
         grad_a1 = tl.dot(grad_a2, w2, input_precision=PRECISION) * _gelu_grad(a1)
