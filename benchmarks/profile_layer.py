@@ -77,7 +77,7 @@ def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False, as_
         # slower unaligned kernels)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=not bf16_main_grad,
                                                    use_distributed_optimizer=True)
-        ddp = DistributedDataParallel(cfg, ddp_config, model)
+        ddp = _wrapped_on_a_side_stream(lambda: DistributedDataParallel(cfg, ddp_config, model))
         for param in model.parameters() if on_the_graph else ():  # the sublayer ops return gradients to autograd
             param.__dict__.pop("ddp_grad_ready", None)
     layer, rotary = model.decoder.layers[0], model.rotary_pos_emb["global"](seq)
@@ -115,6 +115,20 @@ def layer_step(smoke: bool, seq: int, batch: int, cuda_graphs: bool = False, as_
     graphed_step.ddp = ddp
 
     return graphed_step
+
+
+def _wrapped_on_a_side_stream(wrap):
+    """``wrap()`` on a side stream, as Megatron's ``pretrain`` wraps DDP: the gradient accumulators DDP keeps record
+    the stream they were made on, and a CUDA graph's captured backward that reaches accumulators made on the legacy
+    default stream fails (the legacy stream would wait on the capturing one)."""
+    if not GPU:
+        return wrap()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        wrapped = wrap()
+    torch.cuda.current_stream().wait_stream(side)
+    return wrapped
 
 
 # A layer's submodule (its path in the layer) -> the part of the layer whose host time its call counts to.
