@@ -202,6 +202,18 @@ def _end_routing_to(pool) -> None:
     torch._C._cuda_releasePool(device, pool)
 
 
+def _first_error(error: BaseException) -> BaseException:
+    """The error a failed capture began with. Ending a capture that an earlier call invalidated raises an error of
+    its own ("operation failed due to a previous error during capture"), chained to the one that says why."""
+    while isinstance(error.__context__, RuntimeError) and not error.__suppress_context__:
+        error = error.__context__
+    return error
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0][:160]
+
+
 class LayerGraphs:
     """``LayerGraphs(layers)(hidden, router_state, attention_mask, rotary_pos_emb) -> (hidden, router_state)``:
     the layers run in order, each as the replay of its captured graphs (one capture per input signature).
@@ -245,7 +257,7 @@ class LayerGraphs:
             chain = self._capture(hidden, router_state, constants)
         except RuntimeError as error:
             torch.cuda.synchronize()
-            print_rank_0(f"[zaya] warning: CUDA graph capture failed ({str(error).strip().splitlines()[0][:160]}); "
+            print_rank_0(f"[zaya] warning: CUDA graph capture failed ({_first_line(_first_error(error))}); "
                          "these layers run eagerly", file=sys.stderr)
             return None
         print_rank_0(f"[zaya] CUDA graphs: captured the forward and backward of {len(self.layers)} layers "

@@ -46,3 +46,21 @@ def test_refused_layouts(layout, words, monkeypatch):
 
 def test_eager_build_is_unaffected():
     assert build_single_process_model(_config()).decoder.cuda_graphs is None
+
+
+def test_a_failed_capture_warns_with_the_error_it_began_with(monkeypatch, capsys):
+    """Ending an invalidated capture raises its own error, chained to the first: the warning names the first."""
+    from megatron_zaya.model.cuda_graphs import LayerGraphs
+
+    def capture(self, hidden, router_state, constants):
+        try:  # as ``torch.cuda.graph``'s exit raises while the body's error propagates
+            raise RuntimeError("CUDA error: operation would make the legacy stream depend on a capturing stream\nmore")
+        finally:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(LayerGraphs, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    assert LayerGraphs([])._capture_or_none(torch.zeros(2, 1, 4), None, {}) is None
+    assert capsys.readouterr().err.splitlines() == [
+        "[zaya] warning: CUDA graph capture failed (CUDA error: operation would make the legacy stream depend on a "
+        "capturing stream); these layers run eagerly"]
