@@ -210,10 +210,6 @@ def _first_error(error: BaseException) -> BaseException:
     return error
 
 
-def _first_line(error: BaseException) -> str:
-    return str(error).strip().splitlines()[0][:160]
-
-
 class LayerGraphs:
     """``LayerGraphs(layers)(hidden, router_state, attention_mask, rotary_pos_emb) -> (hidden, router_state)``:
     the layers run in order, each as the replay of its captured graphs (one capture per input signature).
@@ -257,8 +253,10 @@ class LayerGraphs:
             chain = self._capture(hidden, router_state, constants)
         except RuntimeError as error:
             torch.cuda.synchronize()
-            print_rank_0(f"[zaya] warning: CUDA graph capture failed ({_first_line(_first_error(error))}); "
-                         "these layers run eagerly", file=sys.stderr)
+            cause = _first_error(error)
+            line = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:160]
+            print_rank_0(f"[zaya] warning: CUDA graph capture failed ({line}); these layers run eagerly",
+                         file=sys.stderr)
             return None
         print_rank_0(f"[zaya] CUDA graphs: captured the forward and backward of {len(self.layers)} layers "
                      f"for input {list(hidden.shape)}", file=sys.stderr)

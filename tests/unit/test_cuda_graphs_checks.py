@@ -48,13 +48,19 @@ def test_eager_build_is_unaffected():
     assert build_single_process_model(_config()).decoder.cuda_graphs is None
 
 
-def test_a_failed_capture_warns_with_the_error_it_began_with(monkeypatch, capsys):
-    """Ending an invalidated capture raises its own error, chained to the first: the warning names the first."""
+@pytest.mark.parametrize("first, named", [
+    ("CUDA error: operation would make the legacy stream depend on a capturing stream\nmore",
+     "CUDA error: operation would make the legacy stream depend on a capturing stream"),
+    ("", "RuntimeError"),
+])
+def test_a_failed_capture_warns_with_the_error_it_began_with(first, named, monkeypatch, capsys):
+    """Ending an invalidated capture raises its own error, chained to the first: the warning names the first (its
+    type where it has no message)."""
     from megatron_zaya.model.cuda_graphs import LayerGraphs
 
     def capture(self, hidden, router_state, constants):
         try:  # as ``torch.cuda.graph``'s exit raises while the body's error propagates
-            raise RuntimeError("CUDA error: operation would make the legacy stream depend on a capturing stream\nmore")
+            raise RuntimeError(first)
         finally:
             raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
 
@@ -62,5 +68,4 @@ def test_a_failed_capture_warns_with_the_error_it_began_with(monkeypatch, capsys
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     assert LayerGraphs([])._capture_or_none(torch.zeros(2, 1, 4), None, {}) is None
     assert capsys.readouterr().err.splitlines() == [
-        "[zaya] warning: CUDA graph capture failed (CUDA error: operation would make the legacy stream depend on a "
-        "capturing stream); these layers run eagerly"]
+        f"[zaya] warning: CUDA graph capture failed ({named}); these layers run eagerly"]
