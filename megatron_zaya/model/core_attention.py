@@ -19,18 +19,22 @@ blocks of ``DOCUMENT_QUERY_BLOCK``, each against the keys up to its end with a `
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
-from torch.nn.attention.bias import causal_lower_right
 
 from .context_parallel import gather_sequence, local_chunk_ids, local_chunks
-from .documents import varlen_attn
+from .documents import varlen_attention
 
 DOCUMENT_QUERY_BLOCK = 1024
-VARLEN_GQA = varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+@functools.cache
+def _takes_gqa_flag(varlen_attn) -> bool:
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def sliding_window_mask(q_len: int, kv_len: int, window: int, device: torch.device) -> torch.Tensor:
@@ -71,6 +75,8 @@ class SDPAttention(MegatronModule):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale, enable_gqa=gqa)
         if q_len == kv_len:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
+        from torch.nn.attention.bias import causal_lower_right  # here: it imports dynamo, 0.5 s of a start
+
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, kv_len),
                                               scale=self.softmax_scale, enable_gqa=gqa)
 
@@ -97,7 +103,8 @@ class SDPAttention(MegatronModule):
         q, k, v = (t.transpose(0, 1).reshape(b * s, t.shape[2], d) for t in (q, k, v))
         # Flash attention reads each group's keys for its query heads; newer torch asks for the flag, torch 2.11
         # takes grouped keys as they are (checked on the GPU against repeated keys: identical, 14% faster).
-        gqa = {"enable_gqa": True} if VARLEN_GQA and k.shape[1] != heads else {}
+        varlen_attn = varlen_attention()
+        gqa = {"enable_gqa": True} if k.shape[1] != heads and _takes_gqa_flag(varlen_attn) else {}
         window = (-1 if self.window is None else self.window - 1, 0)  # keys back, keys ahead: causal
         out = varlen_attn(q, k, v, bounds.cu_seqlens_q, bounds.cu_seqlens_kv, bounds.max_seqlen_q,
                           bounds.max_seqlen_kv, scale=self.softmax_scale, window_size=window, **gqa)

@@ -19,6 +19,7 @@ the documents laid end to end (``varlen_documents``: their offsets, read to the 
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -62,10 +63,15 @@ def rotary_table(inv_freq: torch.Tensor, position_ids: torch.Tensor) -> torch.Te
     return torch.cat([angles, angles], dim=-1)[:, :, None, :]
 
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # torch without variable-length attention
-    varlen_attn = None
+@functools.cache
+def varlen_attention():
+    """torch's variable-length attention (``torch.nn.attention.varlen.varlen_attn``), or None where torch has none.
+    Imported when first asked for on a GPU: the module imports dynamo, 0.45 s of every CPU process's start."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
 
 _VARLEN = WeakIdKeyDictionary()  # positions tensor -> its VarlenDocuments
 
@@ -87,8 +93,8 @@ def varlen_documents(positions: torch.Tensor, cp_group=None) -> VarlenDocuments 
     it: the caller must not change a positions tensor in place (CUDA graphs' static inputs do; they never come
     here).
     """
-    if (varlen_attn is None or not positions.is_cuda or torch.cuda.is_current_stream_capturing()
-            or (cp_group is not None and cp_group.size() > 1)):
+    if (not positions.is_cuda or torch.cuda.is_current_stream_capturing()
+            or (cp_group is not None and cp_group.size() > 1) or varlen_attention() is None):
         return None
     cached = _VARLEN.get(positions)
     if cached is None:

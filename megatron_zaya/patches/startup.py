@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 from .registry import register, replace_attr
@@ -156,3 +158,46 @@ def tokenizer_json() -> None:
         return tokenizer
 
     replace_attr(global_vars, "build_tokenizer", build_tokenizer)
+
+
+TOKENIZER_LIBRARIES = "megatron.core.tokenizers.text.libraries"
+#: What the package's ``__init__`` imports: each class and its submodule.
+TOKENIZER_LIBRARY_CLASSES = {
+    "ByteLevelTokenizer": "bytelevel_tokenizer", "HuggingFaceTokenizer": "huggingface_tokenizer",
+    "MegatronHFTokenizer": "megatron_hf_tokenizer", "NullTokenizer": "null_tokenizer",
+    "SentencePieceTokenizer": "sentencepiece_tokenizer", "SFTTokenizer": "sft_tokenizer",
+    "TikTokenTokenizer": "tiktoken_tokenizer",
+}
+
+
+def _libraries_not_imported() -> str | None:
+    if TOKENIZER_LIBRARIES in sys.modules:
+        return f"{TOKENIZER_LIBRARIES} is already imported"
+    return None
+
+
+@register("startup.lazy_tokenizer_libraries", target=TOKENIZER_LIBRARIES, requires=_libraries_not_imported)
+def lazy_tokenizer_libraries() -> None:
+    """Megatron's tokenizer libraries imported one at a time, when a tokenizer of that library is built.
+
+    The package's ``__init__`` imports all seven libraries, Hugging Face's among them, and so transformers: 1.1 s
+    of CPU in every launch, where ``--mock-data`` builds a ``NullTokenizer`` and a SentencePiece or tiktoken
+    tokenizer needs nothing of transformers. The replacement is the same package with its ``__init__`` left
+    unrun: its submodules import as before, and each class it exported is imported from its own module when
+    first read (a module ``__getattr__``), as ``MegatronTokenizerText._restore_model`` reads it. It must apply
+    before anything imports the package, so it stands aside if something did. Off: leave
+    ``startup.lazy_tokenizer_libraries`` out of ``--zaya-patches`` / ``ZAYA_PATCHES``.
+    """
+    # found from the grandparent: find_spec imports the parent package, whose __init__ imports this one
+    grandparent, parent, _ = TOKENIZER_LIBRARIES.rsplit(".", 2)
+    location = Path(importlib.util.find_spec(grandparent).submodule_search_locations[0]) / parent
+    spec = importlib.machinery.PathFinder.find_spec(TOKENIZER_LIBRARIES, [str(location)])
+    package = importlib.util.module_from_spec(spec)  # its __path__ and __spec__, its __init__ not run
+
+    def __getattr__(name: str):
+        if name not in TOKENIZER_LIBRARY_CLASSES:
+            raise AttributeError(f"module {TOKENIZER_LIBRARIES!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{TOKENIZER_LIBRARIES}.{TOKENIZER_LIBRARY_CLASSES[name]}"), name)
+
+    package.__getattr__ = __getattr__
+    sys.modules[TOKENIZER_LIBRARIES] = package

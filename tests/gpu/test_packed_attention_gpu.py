@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from megatron_zaya.model import documents
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or documents.varlen_attn is None,
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or documents.varlen_attention() is None,
                                 reason="needs a CUDA or ROCm GPU and torch's variable-length attention")
 
 
