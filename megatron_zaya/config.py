@@ -226,15 +226,13 @@ class ZayaConfig(TransformerConfig):
         Read by the ``choose`` functions of ``megatron_zaya/ops`` when a module is built. ``all`` takes every kernel
         on a GPU (CUDA or ROCm) and the references on a CPU, where they are faster; a named op takes its kernel on
         any device (off a GPU its ``fused_*`` function computes the reference, or runs the kernel in Triton's
-        interpreter under ``TRITON_INTERPRET=1``). ``router_head``, the
-        router after its projection as one kernel each way, saves launches at the cost of device time, so ``all``
-        leaves it out under CUDA graphs, whose replays launch for free (``ops/router.py``'s ``choose``), and with it
-        the sublayer ops, which save host time that replays do not spend (``moe`` is also built on it).
+        interpreter under ``TRITON_INTERPRET=1``). Under CUDA graphs too: the fused router head and the sublayer
+        ops cut the layer's device time as well as its launches (docs/benchmarks.md, "One layer's launches").
         """
         if op not in KERNEL_OPS:
             raise ValueError(f"unknown kernel op {op!r}; one of {KERNEL_OPS}")
         if self.kernels == "all":
-            return torch.cuda.is_available() and not (op in ("router_head", *SUBLAYER_OPS) and self.cuda_graphs)
+            return torch.cuda.is_available()
         return op in kernel_selection(self.kernels)
 
     @property

@@ -18,13 +18,13 @@ import pytest
 import torch
 from zaya_cli import QUICK, losses, pretrain
 
-from megatron_zaya.config import KERNEL_OPS, SUBLAYER_OPS
+from megatron_zaya.config import KERNEL_OPS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 
 GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?grad norm: ([0-9.E+-]+)")
-# What ``all`` takes under --zaya-cuda-graphs, named, so that the eager runs compute with the same kernels.
-GRAPHED_KERNELS = ",".join(op for op in KERNEL_OPS if op not in ("router_head", *SUBLAYER_OPS))
+# Eager and graphed runs compute with the same kernels: every kernel op, named.
+GRAPHED_KERNELS = ",".join(KERNEL_OPS)
 # The tiny preset's 4 layers at the CLI tests' micro-batch: [sequence, micro-batch, hidden].
 CAPTURED = "[zaya] CUDA graphs: captured the forward and backward of 4 layers for input [64, 4, 128]"
 
@@ -111,14 +111,14 @@ def test_a_failed_capture_runs_the_layers_eagerly(capfd):
     allocator still empties its cache."""
     eager, graphed = _model(False), _model(True)
     graphed.load_state_dict(eager.state_dict())
-    router = graphed.decoder.layers[1].mlp.router
-    route = router.route_head
+    attention = graphed.decoder.layers[1].self_attention
+    forward = attention.forward  # (every kernel set calls it)
 
-    def route_with_host_read(u, *args):
-        float(u.sum())  # a device-to-host copy: illegal while a stream is captured
-        return route(u, *args)
+    def forward_with_host_read(hidden_states, *args, **kwargs):
+        float(hidden_states.sum())  # a device-to-host copy: illegal while a stream is captured
+        return forward(hidden_states, *args, **kwargs)
 
-    router.route_head = route_with_host_read
+    attention.forward = forward_with_host_read
     generator = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randint(0, 8192, (2, 512), device="cuda", generator=generator) for _ in range(2)]
     for step in range(2):

@@ -101,11 +101,13 @@ def test_checkpoints_interchange_with_and_without_kernels(tmp_path):
             assert torch.equal(again.state_dict()[key], tensor), key
 
 
-def test_all_leaves_the_fused_router_head_out_under_cuda_graphs(monkeypatch):
-    """``all`` on a GPU: the fused router head in eager layers; under CUDA graphs (launches are free there, its
-    extra device time is not) the reference head with the fused top-1; named, the head is taken either way."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    eager, graphed = zaya_config("test"), zaya_config("test", cuda_graphs=True)
-    assert eager.uses_kernel("router_head") and eager.uses_kernel("router")
-    assert not graphed.uses_kernel("router_head") and graphed.uses_kernel("router")
-    assert zaya_config("test", cuda_graphs=True, kernels="router,router_head").uses_kernel("router_head")
+def test_all_takes_every_kernel_on_a_gpu_with_or_without_cuda_graphs(monkeypatch):
+    """``all``: every kernel op on a GPU, eager or graphed (the fused head and the sublayer ops cut the graphed
+    layer's device time too), none on a CPU; named ops are taken on any device."""
+    named = zaya_config("test", cuda_graphs=True, kernels="router,router_head")
+    assert [named.uses_kernel(op) for op in ("router", "router_head", "moe")] == [True, True, False]
+    for gpu in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda gpu=gpu: gpu)
+        for cuda_graphs in (False, True):
+            cfg = zaya_config("test", cuda_graphs=cuda_graphs)
+            assert [cfg.uses_kernel(op) for op in KERNEL_OPS] == [gpu] * len(KERNEL_OPS), (gpu, cuda_graphs)
