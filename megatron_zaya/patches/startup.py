@@ -203,7 +203,8 @@ def lazy_tokenizer_libraries() -> None:
     sys.modules[TOKENIZER_LIBRARIES] = package
 
 
-@register("startup.argument_help_once", target="megatron.training.argument_utils.ArgumentGroupFactory._get_field_docstrings")
+@register("startup.argument_help_once",
+          target="megatron.training.argument_utils.ArgumentGroupFactory._get_field_docstrings")
 def argument_help_once() -> None:
     """Megatron's help texts of its config dataclasses' fields are read once per process, not at every parse.
 
