@@ -277,25 +277,23 @@ def test_disabled_compile_is_applied_before_megatron_is_imported(patches, import
 # --- startup.argument_help_once -------------------------------------------------------------------
 
 _MEGATRON_HELP = """
-import json, sys
-from megatron_zaya.patches import apply_patches
-apply_patches(sys.argv[1])
-import argparse
+import argparse, json
 from megatron.training.arguments import add_megatron_arguments
-texts = []
-for _ in range(2):  # the second parser's texts come from what the first read
+from megatron_zaya.patches import apply_patches
+
+def texts():
     parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    texts.append(sorted((action.dest, action.help or "") for action in parser._actions))
-print(json.dumps(texts))
+    return sorted((action.dest, action.help or "") for action in parser._actions)
+
+megatron = texts()
+apply_patches("startup.argument_help_once")
+print(json.dumps([megatron, texts(), texts()]))  # the second patched parser's texts come from what the first read
 """
 
 
 def test_megatron_help_texts_read_once_are_the_texts_megatron_reads():
-    def help_texts(patches: str) -> list:
-        run = subprocess.run([sys.executable, "-c", _MEGATRON_HELP, patches], capture_output=True, text=True)
-        assert run.returncode == 0, run.stderr[-2000:]
-        return json.loads(run.stdout.strip().splitlines()[-1])
-
-    (first, second), (megatron, _) = help_texts("startup.argument_help_once"), help_texts("none")
+    run = subprocess.run([sys.executable, "-c", _MEGATRON_HELP], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    megatron, first, second = json.loads(run.stdout.strip().splitlines()[-1])
     assert first == second == megatron
     assert sum(bool(text) for _, text in megatron) > 300  # the dataclass fields' texts are there
