@@ -124,8 +124,8 @@ def fused_route_head(u, state_in, eda_scale, norm_weight, fc1_weight, fc1_bias, 
 def choose(config):
     """``(projection, head)`` for a router of ``config``. With the ``router`` op: the fp32-output GEMM for the
     projection and the fused top-1; with ``router_head`` too, the whole head in one kernel each way: ~100 fewer
-    launches per layer step, more device time (docs/benchmarks.md, "One layer's launches"). The fused top-1 and
-    head need the skip class."""
+    launches per layer step, and as tuned no more device time (docs/benchmarks.md, "One layer's launches"). The
+    fused top-1 and head need the skip class."""
     if not config.uses_kernel("router"):
         return router_projection, route_head
     if not config.skip_class:
