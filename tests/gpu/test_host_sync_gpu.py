@@ -44,3 +44,33 @@ def test_a_forward_and_backward_of_the_eager_model_never_synchronizes():
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(first) and torch.isfinite(second)
     torch.testing.assert_close(second, first, rtol=1e-5, atol=0)  # the same batch and weights
+
+
+def test_megatron_gradient_norm_and_clipping_never_synchronize():
+    """Megatron's gradient norm (up to its ``.item()`` of the total) and clipping, as a run without Transformer Engine
+    or apex has them (``optim.grad_norm_on_device``), over 300 gradients: the norm of float64, no wait."""
+    from megatron.core.optimizer import clip_grads
+
+    from megatron_zaya.patches import applied
+    from megatron_zaya.runtime import ensure_single_process_parallel_state
+
+    ensure_single_process_parallel_state()
+    if "optim.grad_norm_on_device" not in applied():
+        pytest.skip("Transformer Engine or apex gives Megatron its multi-tensor kernels here")
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=gen).cuda() for shape in ((1024, 512), (77,), (3, 5, 7)) * 100]
+    want = torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in grads])).item()
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for param, grad in zip(params, grads):
+        param.grad = grad.clone()
+    overflow = torch.zeros(1, dtype=torch.int, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        norm, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, overflow, [grads], False)
+        clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=want)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert norm.item() == pytest.approx(want, rel=1e-5)
+    for param, grad in zip(params, grads):
+        torch.testing.assert_close(param.grad.double(), grad.double() / (want + 1e-6), rtol=1e-6, atol=0)

@@ -1,7 +1,7 @@
 """``optim.fused_torch_adam``: Megatron's torch AdamW switched to torch's fused kernel takes AdamW's steps.
 
 torch's fused AdamW also runs on CPU, so the switch is checked here against a float64 AdamW written out in
-the test; on a GPU, ``tests/gpu/test_zaya_patches_gpu.py`` checks it through Megatron's optimizer factory.
+the test; on a GPU the patch applies to every run, so the Adam runs of tests/gpu/test_training_gpu.py train with it.
 """
 
 from __future__ import annotations
