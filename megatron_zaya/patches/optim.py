@@ -149,15 +149,14 @@ def _l2_norm_on_device(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
 
 def _scale_on_device(chunk_size, noop_flag, tensor_lists, scale):
     """``local_multi_tensor_scale``: ``dst = src * scale``, one multi-tensor launch where ``dst`` is ``src`` (the
-    clipping's in-place call), else Megatron's loop."""
+    clipping's in-place call), else Megatron's own loop (also for no tensors, which ``_foreach_mul_`` refuses)."""
+    from megatron.core.utils import local_multi_tensor_scale
+
     sources, destinations = tensor_lists
-    if not destinations:  # (Megatron calls it so for an optimizer that holds no gradient)
-        return
-    if all(source is destination for source, destination in zip(sources, destinations)):
+    if destinations and all(source is destination for source, destination in zip(sources, destinations)):
         torch._foreach_mul_(destinations, scale)
-        return
-    for source, destination in zip(sources, destinations):
-        destination.copy_(source * scale)
+    else:
+        local_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale)
 
 
 @register("optim.grad_norm_on_device", target="megatron.core.optimizer.clip_grads.l2_norm_impl",
