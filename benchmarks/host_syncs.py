@@ -27,7 +27,8 @@ SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's message in syn
 
 
 class Waits:
-    """The waits seen while counting, by kind and stack (the innermost ``frames`` frames outside this module)."""
+    """The waits seen while counting, by kind and stack (the innermost ``frames`` frames outside this module and
+    ``warnings``)."""
 
     def __init__(self, frames: int = 8):
         self.frames, self.counting = frames, False
@@ -35,7 +36,7 @@ class Waits:
 
     def record(self, kind: str) -> None:
         if self.counting:
-            stack = [f for f in traceback.extract_stack() if f.filename != __file__ and "warnings" not in f.filename]
+            stack = [f for f in traceback.extract_stack() if f.filename not in (__file__, warnings.__file__)]
             self.by_place[kind, "".join(traceback.format_list(stack[-self.frames:]))] += 1
 
     def showwarning(self, show):
