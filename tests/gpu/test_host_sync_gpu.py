@@ -74,3 +74,28 @@ def test_megatron_gradient_norm_and_clipping_never_synchronize():
     assert norm.item() == pytest.approx(want, rel=1e-5)
     for param, grad in zip(params, grads):
         torch.testing.assert_close(param.grad.double(), grad.double() / (want + 1e-6), rtol=1e-6, atol=0)
+
+
+def test_master_weight_copies_cast_on_the_gpu_without_a_wait():
+    """Megatron's copies of fp32 master weights into bf16 weights (``optim.weight_copies_on_device``), 300 weights
+    on the GPU: each the cast of its master, no wait."""
+    from megatron.core.optimizer import optimizer
+
+    from megatron_zaya.patches import applied
+    from megatron_zaya.runtime import ensure_single_process_parallel_state
+
+    ensure_single_process_parallel_state()
+    if "optim.weight_copies_on_device" not in applied():
+        pytest.skip("Transformer Engine or apex gives Megatron its multi-tensor kernels here")
+    gen = torch.Generator().manual_seed(0)
+    masters = [torch.randn(shape, generator=gen).cuda() for shape in ((1024, 512), (77,), (3, 5, 7)) * 100]
+    weights = [torch.zeros(m.shape, dtype=torch.bfloat16, device="cuda") for m in masters]
+    overflow = torch.zeros(1, dtype=torch.int, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        optimizer._multi_tensor_copy_this_to_that(masters, weights, overflow)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for master, weight in zip(masters, weights):
+        assert torch.equal(weight, master.to(torch.bfloat16))
