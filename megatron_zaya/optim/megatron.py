@@ -223,7 +223,7 @@ class _MuonWrapper:
 
     Gradients: ZayaMuon reads each matrix's ``main_grad`` (DDP's buffer, fp32 or bf16) itself, so no ``.grad``
     is set on what it steps (Megatron's clipping, which wants fp32 ``.grad``, skips it; the factor reaches
-    ZayaMuon through ``ZayaMuonChainedOptimizer``) and the norm comes from fp32 per-matrix norms.
+    ZayaMuon through ``ZayaMuonChainedOptimizer``) and the norm comes from a vector of fp32 per-matrix norms.
 
     Checkpoints (``torch_dist``): each owned item's momentum is a ShardedTensor keyed by its model parameter and
     written by its owner (the data-parallel part of the replica id is 0 there; other ranks do not hold it). A
@@ -247,7 +247,10 @@ class _MuonWrapper:
         params = [p for p in params if (param_filter is None or param_filter(p)) and param_is_not_shared(p)
                   and param_is_not_tensor_parallel_duplicate(p, **tp)]  # fmt: skip
         grads = [grad for grad in map(gradient_of, params) if grad is not None]
-        return [torch.linalg.vector_norm(grad, dtype=torch.float32).view(1) for grad in grads]  # fp32 sums
+        if not grads:
+            return []
+        # one multi-tensor launch for all the fp32 sums; the norm of their vector is the norm of all the gradients
+        return [torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))]
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
         muon: ZayaMuon = self.optimizer

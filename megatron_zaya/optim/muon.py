@@ -276,28 +276,25 @@ class ZayaMuon(torch.optim.Optimizer):
 
 
 class _Updates:
-    """``param[slice].flat[lo:hi] -= lr · scale · values`` for many items: one foreach add per (lr, scale) where the
-    dtypes match, else one add per item (it reads the 16-bit values as they are, no fp32 copy first)."""
+    """``param[slice].flat[lo:hi] -= lr · scale · values`` for many items: one foreach add per (lr, scale). Where the
+    values' dtype is not the parameter's, torch's foreach adds them one by one (each reading the 16-bit values as
+    they are, no fp32 copy first), in one call from Python."""
 
     def __init__(self, muon: ZayaMuon):
         self.muon = muon
-        self.by_alpha: dict[tuple[float, bool], tuple[list, list]] = defaultdict(lambda: ([], []))
+        self.by_alpha: dict[float, tuple[list, list]] = defaultdict(lambda: ([], []))
 
     def add(self, item: WorkItem, values: torch.Tensor, lo: int, hi: int) -> None:
         muon = self.muon
         target = muon._slice(muon._param(item), item).view(-1)[lo:hi]
         alpha = -muon.param_groups[item.group]["lr"] * item.update_scale(muon.config.update_rms)
-        targets, sources = self.by_alpha[alpha, values.dtype == target.dtype]
+        targets, sources = self.by_alpha[alpha]
         targets.append(target)
         sources.append(values)
 
     def apply(self) -> None:
-        for (alpha, same_dtype), (targets, sources) in self.by_alpha.items():
-            if same_dtype:
-                torch._foreach_add_(targets, sources, alpha=alpha)
-            else:
-                for target, source in zip(targets, sources):
-                    target.add_(source, alpha=alpha)
+        for alpha, (targets, sources) in self.by_alpha.items():
+            torch._foreach_add_(targets, sources, alpha=alpha)
         self.by_alpha.clear()
 
 
