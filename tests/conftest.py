@@ -40,10 +40,11 @@ def uninterrupted(tmp_path_factory) -> dict[int, float]:
 @pytest.fixture
 def muon_run(tmp_path_factory) -> Path:
     """A ``MUON_RUN`` that nothing interrupts, in ``<dir>/full`` (checkpoints, ``loss.csv``, ``loss.png``),
-    its output in ``<dir>/stdout.log``: the reference of exact resumes and of data-parallel runs."""
+    its output in ``<dir>/stdout.log``: the reference of exact resumes and of data-parallel runs. It logs the
+    weights' norm (``--log-params-norm``), which changes nothing it trains."""
 
     def train(directory):
-        run = pretrain(MUON_RUN + ["--save", "full", "--load", "full"], cwd=directory)
+        run = pretrain(MUON_RUN + ["--save", "full", "--load", "full", "--log-params-norm"], cwd=directory)
         assert run.returncode == 0, run.stderr[-3000:]
         (directory / "stdout.log").write_text(run.stdout)
 

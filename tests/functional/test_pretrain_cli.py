@@ -3,6 +3,10 @@ Megatron's optimizer setup): the loss falls, and resume is exact."""
 
 from __future__ import annotations
 
+import re
+
+import torch
+
 from zaya_cli import MUON_RUN, checkpoint_state, differing, loss_csv, losses, pretrain
 
 
@@ -34,3 +38,15 @@ def test_loss_falls_and_resume_is_exact(muon_run, tmp_path):
     assert [k for k in expected if k.endswith(("/iteration", "/opt_param_scheduler/num_steps"))] and any(
         "rng_state" in k for k in expected)
     assert differing(expected, got) == []
+
+
+def test_logged_params_norm_is_the_float64_norm_of_the_saved_weights(muon_run, tmp_path):
+    """``--log-params-norm`` (Megatron's, through ``optim.params_norm_on_device``) after steps 10 and 20."""
+    logged = {int(step): float(norm) for step, norm in
+              re.findall(r"iteration\s+(\d+)/.*?params norm: ([0-9.]+)", (muon_run / "stdout.log").read_text())}
+    for step in (10, 20):
+        state = checkpoint_state(muon_run / "full" / f"iter_{step:07d}", tmp_path)
+        weights = [v for k, v in state.items() if k.split(".")[0] in ("embedding", "decoder") and torch.is_tensor(v)
+                   and v.is_floating_point() and "balancing_" not in k]  # the parameters, not the router's buffers
+        want = torch.linalg.vector_norm(torch.cat([w.double().flatten() for w in weights])).item()
+        assert abs(logged[step] - want) <= 6e-4, (step, logged[step], want)  # printed with 3 decimals

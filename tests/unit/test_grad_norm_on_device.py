@@ -1,6 +1,7 @@
-"""``optim.grad_norm_on_device``: Megatron's gradient norm and clipping, through its own ``get_grad_norm_fp32`` and
-``clip_grad_by_total_norm_fp32`` with the patch's multi-tensor functions, against float64. That they never wait for
-the device is checked on a GPU (tests/gpu/test_host_sync_gpu.py)."""
+"""``optim.grad_norm_on_device`` and ``optim.params_norm_on_device``: Megatron's gradient norm and clipping (its
+own ``get_grad_norm_fp32`` and ``clip_grad_by_total_norm_fp32``) and ``--log-params-norm``'s norm, with the patches'
+multi-tensor functions, against float64. That the gradient's never waits for the device is checked on a GPU
+(tests/gpu/test_host_sync_gpu.py)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,13 @@ def test_scaling_into_other_tensors_writes_them_and_leaves_the_sources(clip_grad
 def test_clipping_no_gradient_does_nothing(clip_grads):
     """As Megatron calls it for an optimizer that holds no gradient."""
     clip_grads.clip_grad_by_total_norm_fp32([torch.nn.Parameter(torch.zeros(3))], max_norm=0.5, total_norm=2.0)
+
+
+def test_the_params_norm_is_the_float64_norm(clip_grads):
+    """``--log-params-norm``'s squared norm of a list of weights (``optim.params_norm_on_device``)."""
+    from megatron.training.utils import common_utils
+
+    assert "optim.params_norm_on_device" in applied()
+    weights = _gradients()
+    want = sum(torch.linalg.vector_norm(w.double()).item() ** 2 for w in weights)
+    assert common_utils._compute_norm_2(weights).item() == pytest.approx(want, rel=1e-6)
