@@ -149,15 +149,14 @@ def _l2_norm_on_device(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
 
 def _scale_on_device(chunk_size, noop_flag, tensor_lists, scale):
     """``local_multi_tensor_scale``: ``dst = src * scale`` as torch multi-tensor ops: one multiplication in place
-    where ``dst`` is ``src`` (the clipping's call), else a copy (with the sources scaled first unless ``scale`` is
-    1), which also casts (fp32 master weights into bf16 ones). No tensors: nothing to do."""
+    where ``dst`` is ``src`` (the clipping's call), else a copy of the scaled sources. No tensors: nothing to do."""
     sources, destinations = tensor_lists
     if not destinations:
         return
     if all(source is destination for source, destination in zip(sources, destinations)):
         torch._foreach_mul_(destinations, scale)
     else:
-        torch._foreach_copy_(destinations, sources if scale == 1.0 else torch._foreach_mul(sources, scale))
+        torch._foreach_copy_(destinations, torch._foreach_mul(sources, scale))
 
 
 @register("optim.grad_norm_on_device", target="megatron.core.optimizer.clip_grads.l2_norm_impl",
@@ -183,34 +182,30 @@ def grad_norm_on_device() -> None:
     replace_attr(clip_grads, "multi_tensor_scale_impl", _scale_on_device)
 
 
-def _local_weight_copies() -> str | None:
-    """The reason to skip where Transformer Engine or apex gives Megatron's optimizers their multi-tensor scale."""
-    from megatron.core import utils
-    from megatron.core.optimizer import optimizer
-
-    if optimizer.multi_tensor_scale_impl is not utils.local_multi_tensor_scale:
-        return "Transformer Engine or apex provides multi_tensor_scale, which Megatron uses instead"
-    return None
+def _copy_on_device(this, that, overflow_buf=None):
+    """Megatron's ``_multi_tensor_copy_this_to_that``: each tensor of ``this`` into its place in ``that``, cast to its
+    dtype, as one torch multi-tensor copy (``overflow_buf``, a dummy for apex's kernel there, is not needed)."""
+    if that:
+        torch._foreach_copy_(that, this)
 
 
-@register("optim.weight_copies_on_device", target="megatron.core.optimizer.optimizer.multi_tensor_scale_impl",
-          requires=_local_weight_copies)
+@register("optim.weight_copies_on_device",
+          target="megatron.core.optimizer.optimizer._multi_tensor_copy_this_to_that")
 def weight_copies_on_device() -> None:
-    """Megatron's copies between the fp32 master weights and the bf16 model weights as one multi-tensor copy, where
-    it falls back to its own ``local_multi_tensor_scale`` (no Transformer Engine or apex).
+    """Megatron's copies between the fp32 master weights and the 16-bit model weights as one multi-tensor copy.
 
     ``Float16OptimizerWithFloat16Params`` copies every master weight into its model weight after each step (and back
-    when loading) through that fallback: ``dst.copy_(src * 1.0)`` per weight, a multiplication into an fp32
-    temporary and a copy, two launches each. Under ``--optimizer zaya_muon`` that is every matrix ZayaMuon steps:
-    at ZAYA1-8B's 40 layers some 5,000 launches per step, about 14 bytes moved per weight where a copy needs 6. The
-    replacement (``_scale_on_device``) copies with ``torch._foreach_copy_``, which casts as it copies: the same
-    bits. Patched where ``megatron.core.optimizer.optimizer`` bound the fallback at import.
+    when loading) with ``_multi_tensor_copy_this_to_that``. For bf16 Megatron has no multi-tensor path: it loops
+    over the weights with one ``copy_`` each; for fp16 without Transformer Engine or apex its fallback multiplies
+    each weight by 1 into an fp32 temporary and copies that. Under ``--optimizer zaya_muon`` these are every
+    parameter ZayaMuon steps, 2,564 at ZAYA1-8B's 40 layers. The replacement copies with ``torch._foreach_copy_``,
+    which casts as it copies: the same bits, from one call.
 
     Off: leave ``optim.weight_copies_on_device`` out of ``--zaya-patches``/``ZAYA_PATCHES``.
     """
     from megatron.core.optimizer import optimizer
 
-    replace_attr(optimizer, "multi_tensor_scale_impl", _scale_on_device)
+    replace_attr(optimizer, "_multi_tensor_copy_this_to_that", _copy_on_device)
 
 
 def _local_params_norm() -> str | None:
