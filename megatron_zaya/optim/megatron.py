@@ -249,7 +249,7 @@ class _MuonWrapper:
         grads = [grad for grad in map(gradient_of, params) if grad is not None]
         if not grads:
             return []
-        # one multi-tensor launch for all the fp32 sums; the norm of their vector is the norm of all the gradients
+        # one multi-tensor call for all the fp32 sums; the norm of their vector is the norm of all the gradients
         return [torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))]
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
