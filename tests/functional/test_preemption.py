@@ -40,16 +40,21 @@ def _start(flags, tmp_path, name):
 
 
 def _left_in_session(session: int) -> list[str]:
-    """Processes still running in the run's session (the trainer and every helper it started)."""
-    time.sleep(1)  # the kernel's signal to the helpers takes a moment
-    left = []
-    for process in psutil.process_iter(["pid", "cmdline", "status"]):
-        try:
-            if os.getsid(process.pid) == session and process.info["status"] != psutil.STATUS_ZOMBIE:
-                left.append(" ".join(process.info["cmdline"] or [])[:200])
-        except (ProcessLookupError, psutil.Error):
-            pass
-    return left
+    """Processes still running in the run's session (the trainer and every helper it started) 10 s on, or as soon
+    as none is: the kernel's signal to the helpers, and their exit, take a moment (a process being torn down already
+    shows an empty command line)."""
+    deadline = time.monotonic() + 10
+    while True:
+        left = []
+        for process in psutil.process_iter(["pid", "cmdline", "status"]):
+            try:
+                if os.getsid(process.pid) == session and process.info["status"] != psutil.STATUS_ZOMBIE:
+                    left.append(" ".join(process.info["cmdline"] or [])[:200])
+            except (ProcessLookupError, psutil.Error):
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 def test_sigterm_saves_by_default_and_the_next_launch_resumes(tmp_path):
