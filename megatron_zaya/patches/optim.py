@@ -129,13 +129,14 @@ def fused_torch_adam() -> None:
                  wrap_get_optimizer_based_on_param_groups(original))
 
 
-def _local_multi_tensor_fallbacks() -> str | None:
-    """The reason to skip where Transformer Engine or apex gives Megatron's gradient clipping its multi-tensor
-    kernels, else None."""
-    from megatron.core import utils
-    from megatron.core.optimizer import clip_grads
+def _megatron_fallback_norm(module: str, name: str) -> str | None:
+    """The reason to skip where ``module.name``, Megatron's multi-tensor L2 norm there, is Transformer Engine's or
+    apex's rather than its own fallback ``local_multi_tensor_l2_norm``, else None."""
+    import importlib
 
-    if clip_grads.l2_norm_impl is not utils.local_multi_tensor_l2_norm:
+    from megatron.core import utils
+
+    if getattr(importlib.import_module(module), name) is not utils.local_multi_tensor_l2_norm:
         return "Transformer Engine or apex provides multi_tensor_l2norm, which Megatron uses instead"
     return None
 
@@ -160,7 +161,7 @@ def _scale_on_device(chunk_size, noop_flag, tensor_lists, scale):
 
 
 @register("optim.grad_norm_on_device", target="megatron.core.optimizer.clip_grads.l2_norm_impl",
-          requires=_local_multi_tensor_fallbacks)
+          requires=functools.partial(_megatron_fallback_norm, "megatron.core.optimizer.clip_grads", "l2_norm_impl"))
 def grad_norm_on_device() -> None:
     """Megatron's gradient norm and clipping without a host round trip per parameter, where it falls back to its own
     multi-tensor functions (no Transformer Engine or apex: the GPU images here, most ROCm installs).
@@ -208,18 +209,9 @@ def weight_copies_on_device() -> None:
     replace_attr(optimizer, "_multi_tensor_copy_this_to_that", _copy_on_device)
 
 
-def _local_params_norm() -> str | None:
-    """The reason to skip where Transformer Engine or apex gives ``--log-params-norm`` its multi-tensor norm."""
-    from megatron.core import utils
-    from megatron.training.utils import common_utils
-
-    if common_utils.multi_tensor_l2norm is not utils.local_multi_tensor_l2_norm:
-        return "Transformer Engine or apex provides multi_tensor_l2norm, which Megatron uses instead"
-    return None
-
-
 @register("optim.params_norm_on_device", target="megatron.training.utils.common_utils.multi_tensor_l2norm",
-          requires=_local_params_norm)
+          requires=functools.partial(_megatron_fallback_norm, "megatron.training.utils.common_utils",
+                                     "multi_tensor_l2norm"))
 def params_norm_on_device() -> None:
     """``--log-params-norm`` without a host round trip per parameter, where Megatron falls back to its own
     multi-tensor norm (no Transformer Engine or apex).
