@@ -70,6 +70,16 @@ def _signal_rank_1_after(launcher, log, restart: int, step: int, signum, before=
     return rank
 
 
+def _waits_for_a_stopped_peer(entry: dict) -> bool:
+    """A flight-recorder entry of a collective that a rank stopped in the training loop never joined: the gradients'
+    data-parallel all-reduce, or the end of the step's all-gather of the ranks' signals."""
+    frames = [frame["name"] for frame in entry["frames"]]
+    gradient_sync = (entry["process_group"][1] in ("DATA_PARALLEL_GROUP_WITH_CP", "EXPERT_DATA_PARALLEL_GROUP")
+                     and entry["profiling_name"] == "gloo:all_reduce" and "finish_grad_sync" in frames)
+    signal_check = entry["profiling_name"] == "gloo:all_gather" and "signals_received" in frames
+    return gradient_sync or signal_check
+
+
 def _damage_the_newest_checkpoint_while_down(launcher, killed: psutil.Process, save) -> Path:
     """With the agent stopped (so it restarts nothing yet), wait until both ranks of the killed launch are gone,
     flip bytes in a shard of the newest checkpoint, and let the agent go on. Returns the damaged shard."""
@@ -153,11 +163,10 @@ def test_faults_under_torchrun_restart_from_the_newest_checkpoint_and_the_ledger
     pending = {int(pg): s["last_enqueued_collective"] for pg, s in trace["pg_status"].items()
                if s["last_completed_collective"] < s["last_enqueued_collective"]}
     waiting = [e for e in trace["entries"] if pending.get(e["pg_id"]) == e["collective_seq_id"]]
-    # Megatron all-reduces the gradients per data-parallel group, the dense one's and then the experts': rank 1 can
-    # stop between the two, so the one waiting is either group's, from the gradients' sync.
-    assert [e for e in waiting if e["process_group"][1] in ("DATA_PARALLEL_GROUP_WITH_CP", "EXPERT_DATA_PARALLEL_GROUP")
-            and e["profiling_name"] == "gloo:all_reduce" and not e["retired"]
-            and "finish_grad_sync" in [frame["name"] for frame in e["frames"]]], waiting
+    # Rank 1 stops just after logging step 7: either before the step's end, where Megatron's --exit-signal-handler
+    # all-gathers every rank's signals, or in step 8's gradient sync, which all-reduces per data-parallel group (the
+    # dense one's, then the experts': it can stop between the two). Rank 0 waits in one of these.
+    assert [e for e in waiting if not e["retired"] and _waits_for_a_stopped_peer(e)], waiting
     # Rank 1 killed leaves no line of its own: rank 0's collective fails at the next step and names the lost peer.
     assert launches[3]["cause"].startswith("crash on rank 0 (") and "remote worker" in launches[3]["cause"], launches[3]
     # The damage found at the restart: it resumes from 3, and its loss reaches back there (steps 4-7).
