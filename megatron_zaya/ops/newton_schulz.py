@@ -88,18 +88,28 @@ GRAM_MIN_SAVING = 0.1
 
 
 def _normalise(G: torch.Tensor, dtype: torch.dtype, eps: float) -> tuple[torch.Tensor, bool]:
-    """Scale each [m, n] slice of ``G`` to Frobenius norm ~1 (so spectral norm <= 1) and make m <= n.
+    """Scale each [m, n] slice of ``G`` to Frobenius norm ~1 (so spectral norm <= 1), in ``G``'s own layout.
 
-    The norm and the quotient are taken in (at least) float32, then rounded to the working ``dtype``: one pass
-    writes X (transposed when m > n). Returns ``(X, transposed)``.
+    The norm and the quotient are taken in (at least) float32, then rounded to the working ``dtype`` in one
+    pass. Returns ``(X, tall)``, ``tall`` when m > n: the iteration then runs on Xᵀ, through the helpers below.
     """
     norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(G.dtype, torch.float32))
-    transposed = G.shape[-2] > G.shape[-1]
-    if transposed:
-        G, norm = G.mT, norm.mT
     X = torch.empty(G.shape, dtype=dtype, device=G.device)
     torch.div(G, norm + eps, out=X)
-    return X, transposed
+    return X, G.shape[-2] > G.shape[-1]
+
+
+# A tall X (m > n) is orthogonalised as Xᵀ, without transposing it in memory: the short side's Gram matrix
+# XᵀX = (Xᵀ)(Xᵀ)ᵀ, and B·Xᵀ = (X·B)ᵀ for the symmetric factors B of the iteration. A transposed copy is an
+# uncoalesced pass over the matrix, twice per call (in and out).
+def _short(X: torch.Tensor, tall: bool) -> torch.Tensor:
+    """X as the iteration's wide operand [short, long]: a view."""
+    return X.mT if tall else X
+
+
+def _apply(B: torch.Tensor, X: torch.Tensor, tall: bool) -> torch.Tensor:
+    """The wide iterate's ``B·X`` for a symmetric ``B``, in X's layout."""
+    return _matmul(X, B) if tall else _matmul(B, X)
 
 
 def _matmul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -118,12 +128,12 @@ def newton_schulz_reference(
 
     ``coefficients`` holds one (a, b, c) triple per step.
     """
-    X, transposed = _normalise(G, dtype, eps)
+    X, tall = _normalise(G, dtype, eps)
     for a, b, c in coefficients:
-        A = _matmul(X, X.mT)
+        A = _matmul(_short(X, tall), _short(X, tall).mT)
         B = b * A + c * _matmul(A, A)
-        X = a * X + _matmul(B, X)
-    return X.mT if transposed else X
+        X = a * X + _apply(B, X, tall)
+    return X
 
 
 def gram_segments(coefficients: Coefficients) -> tuple[int, ...]:
@@ -188,20 +198,19 @@ def gram_newton_schulz_reference(
     """Plain-torch Gram Newton–Schulz: ``G`` [..., m, n] -> [..., m, n] in ``dtype`` (computed in fp16 for
     16-bit ``dtype``s). Same result as ``newton_schulz_reference`` in exact arithmetic."""
     work = _gram_dtype(dtype)
-    X, transposed = _normalise(G, work, eps)
-    eye = torch.eye(X.shape[-2], dtype=work, device=X.device)
+    X, tall = _normalise(G, work, eps)
+    eye = torch.eye(min(X.shape[-2:]), dtype=work, device=X.device)
     steps = iter(coefficients)
     for length in gram_segments(coefficients):
-        A = _matmul(X, X.mT)
+        A = _matmul(_short(X, tall), _short(X, tall).mT)
         for k in range(length):
             a, b, c = next(steps)
             P = a * eye + b * A + c * _matmul(A, A)
             Q = P if k == 0 else _matmul(P, Q)
             if k + 1 < length:
                 A = _matmul(_matmul(P, A), P)
-        X = _matmul(Q, X)
-    X = X.to(dtype)
-    return X.mT if transposed else X
+        X = _apply(Q, X, tall)
+    return X.to(dtype)
 
 
 # ----------------------------------------------------------------------------------------- the Triton path
@@ -225,15 +234,14 @@ def newton_schulz_triton(
     """Newton–Schulz with the symmetric Triton kernels: ``G`` [m, n] or [B, m, n] -> same shape in ``dtype``."""
     gram = _kernel().gram
     squeeze = G.dim() == 2
-    X, transposed = _normalise(G.unsqueeze(0) if squeeze else G, dtype, eps)
-    batch, m, _ = X.shape
+    X, tall = _normalise(G.unsqueeze(0) if squeeze else G, dtype, eps)
+    batch, m = X.shape[0], min(X.shape[-2:])
     A = torch.empty(batch, m, m, device=X.device, dtype=dtype)
     B = torch.empty_like(A)
     for a, b, c in coefficients:
-        gram(X, A, block_m=block_m, block_k=block_k)  # A = X Xᵀ
+        gram(_short(X, tall), A, block_m=block_m, block_k=block_k)  # A = X Xᵀ
         gram(A, B, alpha=c, aux=A, beta=b, block_m=block_m, block_k=block_k)  # B = b·A + c·A·A
-        X = torch.baddbmm(X, B, X, beta=a)  # X = a·X + B·X
-    X = X.mT if transposed else X
+        X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)  # X = a·X + B·X
     return X.squeeze(0) if squeeze else X
 
 
@@ -252,12 +260,13 @@ def gram_newton_schulz_triton(
     """
     gram = _kernel().gram
     squeeze = G.dim() == 2
-    X, transposed = _normalise(G.unsqueeze(0) if squeeze else G, _gram_dtype(dtype), eps)
-    A, P, Q, free = (torch.empty(X.shape[0], X.shape[1], X.shape[1], device=X.device, dtype=X.dtype) for _ in range(4))
+    X, tall = _normalise(G.unsqueeze(0) if squeeze else G, _gram_dtype(dtype), eps)
+    m = min(X.shape[-2:])
+    A, P, Q, free = (torch.empty(X.shape[0], m, m, device=X.device, dtype=X.dtype) for _ in range(4))
     tiles = dict(block_m=block_m, block_k=block_k)
     steps = iter(coefficients)
     for length in gram_segments(coefficients):
-        gram(X, A, **tiles)  # A = X Xᵀ
+        gram(_short(X, tall), A, **tiles)  # A = X Xᵀ
         for k in range(length):
             a, b, c = next(steps)
             step = Q if k == 0 else P  # the first step's P is the segment's Q
@@ -268,9 +277,8 @@ def gram_newton_schulz_triton(
             if k + 1 < length:
                 gram(step, free, other=A, **tiles)  # free = P·A
                 gram(free, A, other=step, **tiles)  # A = P·A·P
-        X = torch.bmm(Q, X)
+        X = torch.bmm(X, Q) if tall else torch.bmm(Q, X)
     X = X.to(dtype)
-    X = X.mT if transposed else X
     return X.squeeze(0) if squeeze else X
 
 
