@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from shared import once
 from zaya_cli import QUICK
 
 from megatron_zaya.data import embedded_tokenizer_dir
@@ -59,7 +60,11 @@ def _damage_a_middle_pointer(prefix):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("bad-input")
+    """``{case: [exit code, stdout, stderr, files written]}``, from one process that every worker shares."""
+    return json.loads((once(tmp_path_factory, "bad-input", _run_cases) / "results.json").read_text())
+
+
+def _run_cases(directory):
     small = _corpus(directory, "small", 20)  # 20 documents: the default --split's 0.1% test share is empty
     damaged = _corpus(directory, "damaged", 20)
     _damage_a_middle_pointer(damaged)
@@ -149,7 +154,7 @@ def results(tmp_path_factory):
     run = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(argvs)], cwd=directory, capture_output=True,
                          text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    (directory / "results.json").write_text(run.stdout.strip().splitlines()[-1])
 
 
 # Bad model, layout and schedule flags on the embedded corpus: case -> (flags, words the error line must hold)

@@ -11,6 +11,7 @@ import re
 import shutil
 
 import pytest
+from shared import once
 from zaya_cli import QUICK, losses, pretrain
 
 from megatron_zaya.checkpoint import CHECKSUMS, TRACKER, damage, newest_intact_checkpoint, recorded_files
@@ -24,11 +25,15 @@ FLAGS = QUICK + ["--train-iters", "4", "--save-interval", "2"]
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """Checkpoints 2 and 4 of a 4-step run, and its losses."""
-    directory = tmp_path_factory.mktemp("saved")
-    run = pretrain(FLAGS + ["--save", "ck", "--load", "ck"], cwd=directory)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return directory / "ck", losses(run.stdout)
+    """Checkpoints 2 and 4 of a 4-step run (one run for every worker: read-only, copy to damage), and its losses."""
+
+    def train(directory):
+        run = pretrain(FLAGS + ["--save", "ck", "--load", "ck"], cwd=directory)
+        assert run.returncode == 0, run.stderr[-3000:]
+        (directory / "stdout.log").write_text(run.stdout)
+
+    directory = once(tmp_path_factory, "saved-4-steps", train)
+    return directory / "ck", losses((directory / "stdout.log").read_text())
 
 
 def _copy(saved, tmp_path):

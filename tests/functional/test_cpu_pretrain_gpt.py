@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from shared import once
 
 ENTRY = Path(__file__).parents[2] / "benchmarks" / "gpt_pretrain.py"
 VOCAB = 128
@@ -38,8 +39,8 @@ TRAINING = (
 )
 
 
-def pretrain(tmp: Path, name: str, extra: str = "") -> dict[int, list[float]]:
-    """Run the entry on one gloo process; ``{iteration: [loss sums of its micro-batches]}``."""
+def pretrain(tmp: Path, name: str, extra: str = "") -> None:
+    """Run the entry on one gloo process, its losses recorded in ``<tmp>/<name>.rank0.jsonl``."""
     record = tmp / name
     env = os.environ | {
         "GPT_PRETRAIN_LOSSES": str(record),
@@ -52,8 +53,12 @@ def pretrain(tmp: Path, name: str, extra: str = "") -> dict[int, list[float]]:
                *f"{MODEL} {TRAINING} {extra}".split()]  # fmt: skip
     run = subprocess.run(command, env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, f"{name} failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+
+
+def recorded(tmp: Path, name: str) -> dict[int, list[float]]:
+    """``{iteration: [loss sums of its micro-batches]}`` of the run ``name``."""
     losses: dict[int, list[float]] = {}
-    for line in Path(f"{record}.rank0.jsonl").read_text().splitlines():
+    for line in Path(f"{tmp / name}.rank0.jsonl").read_text().splitlines():
         entry = json.loads(line)
         assert entry["tokens"] == 2 * 32, entry
         losses.setdefault(entry["iteration"], []).append(entry["loss_sum"])
@@ -62,12 +67,14 @@ def pretrain(tmp: Path, name: str, extra: str = "") -> dict[int, list[float]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cpu_pretrain")
-    checkpoints = tmp / "checkpoints"
-    return {
-        "one_rank": pretrain(tmp, "one_rank", extra=f"--save {checkpoints} --save-interval 5"),
-        "resumed": pretrain(tmp, "resumed", extra=f"--load {checkpoints} --ckpt-step 5"),
-    }
+    """The uninterrupted run and the one resumed from its checkpoint 5 (run once for every worker)."""
+
+    def train(tmp):
+        pretrain(tmp, "one_rank", extra=f"--save {tmp / 'checkpoints'} --save-interval 5")
+        pretrain(tmp, "resumed", extra=f"--load {tmp / 'checkpoints'} --ckpt-step 5")
+
+    tmp = once(tmp_path_factory, "cpu-pretrain-gpt", train)
+    return {name: recorded(tmp, name) for name in ("one_rank", "resumed")}
 
 
 def mean_token_loss(losses: dict[int, list[float]], iteration: int) -> float:
