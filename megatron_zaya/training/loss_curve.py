@@ -80,15 +80,18 @@ class LossCurve:
         return points
 
     def write(self) -> Path:
-        """The CSV and the PNG at :attr:`path` (its plot of the CSV's points); returns the PNG path."""
-        import matplotlib
+        """The CSV and the PNG at :attr:`path` (its plot of the CSV's points); returns the PNG path.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        Drawn on a bare Agg figure, not through pyplot, whose backend choice is global to the process (a notebook
+        or application that imports this keeps its own)."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
 
         png = self.path
         points = self.write_csv()
-        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+        fig = Figure(figsize=(6, 3.5), dpi=120)
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
         ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2)
         ax.set_xlabel("iteration")
         ax.set_ylabel("training loss (nats/token)")
@@ -96,7 +99,6 @@ class LossCurve:
         ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(png)
-        plt.close(fig)
         return png
 
 
