@@ -29,7 +29,8 @@ from megatron_zaya.optim import MatrixLayout, MuonConfig, ZayaMuon
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 
 QUINTIC = (QUINTIC_COEFFICIENTS,) * 5
-# (batch, m, n) with m <= n: experts fc1 (transposed 4096x2048), experts fc2, q, k, the router's 256x256.
+# (batch, m, n) with m <= n (tests that take [batch, n, m] run the tall path): experts fc1 (4096x2048), experts
+# fc2, q, k, the router's 256x256.
 SHAPES = [(16, 2048, 4096), (16, 2048, 2048), (1, 1024, 2048), (1, 256, 2048), (2, 256, 256), (3, 200, 333)]
 
 
@@ -59,7 +60,7 @@ def phi(sigma: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("batch,m,n", SHAPES)
 def test_newton_schulz_triton_matches_torch(batch, m, n):
-    G = _randn(batch, n, m, dtype=torch.float32, seed=1)  # rows > cols: the transposed path
+    G = _randn(batch, n, m, dtype=torch.float32, seed=1)  # rows > cols: the tall path (XᵀX, X·B)
     oracle = newton_schulz_reference(G.double(), QUINTIC, dtype=torch.float64)
     ours = newton_schulz_triton(G, QUINTIC, dtype=torch.bfloat16)
     reference = newton_schulz_reference(G, QUINTIC, dtype=torch.bfloat16)
@@ -95,7 +96,7 @@ def test_auto_backend_and_iteration(monkeypatch):
 def test_gram_newton_schulz_at_zaya_shapes(batch, m, n):
     """The Gram form (fp16, one restart) against float64: as close as the standard bf16 torch path, within
     two bf16 steps of its own torch reference, singular values where φ puts them."""
-    G = _randn(batch, n, m, dtype=torch.float32, seed=2)  # rows > cols: the transposed path
+    G = _randn(batch, n, m, dtype=torch.float32, seed=2)  # rows > cols: the tall path (XᵀX, X·B)
     oracle = newton_schulz_reference(G.double(), QUINTIC, dtype=torch.float64)
     ours = gram_newton_schulz_triton(G, QUINTIC, dtype=torch.bfloat16)
     assert_matches_oracle("gram newton_schulz", ours, oracle, newton_schulz_reference(G, QUINTIC, dtype=torch.bfloat16))
