@@ -79,14 +79,17 @@ def _grouped_matmul_kernel(
     GATHER_A: tl.constexpr,
     SCATTER_C: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    # Column blocks vary fastest: the programs resident at once share a few row tiles and their expert's weight,
+    # so each is read from memory about once rather than once per column block.
+    n_blocks = tl.cdiv(n_out, BLOCK_N)
+    tile, column_block = tl.program_id(0) // n_blocks, tl.program_id(0) % n_blocks
     expert = tl.load(tile_expert_ptr + tile)
     rows = tl.cast(tl.load(tile_row_ptr + tile) + tl.arange(0, BLOCK_M), tl.int64)
     row_mask = rows < tl.load(tile_row_end_ptr + tile)
     c_rows = rows  # or through a row table, read once per tile: no indirection inside the K loop
     if SCATTER_C:
         c_rows = tl.load(c_rows_ptr + rows, mask=row_mask, other=0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ptrs = c_ptr + c_rows[:, None] * stride_cm + cols[None, :]
     c_mask = row_mask[:, None] & (cols[None, :] < n_out)
     if expert < 0:  # a spare tile: zeros for the rows of no expert (scattered: the tokens of none), if any
@@ -131,9 +134,12 @@ def _grouped_weight_grad_kernel(
     W_ALIGNED: tl.constexpr,  # the table's offsets are multiples of 16 elements (checked on the host)
     ACCUMULATE: tl.constexpr,  # add to the gradient there instead of overwriting it
 ):
-    expert = tl.program_id(0)
-    ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ks = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Expert by expert, its output tiles row by row: the programs resident at once share one expert's rows of
+    # grad_out and x, which are read from memory about once rather than once per output column block.
+    m_blocks, k_blocks = tl.cdiv(m_dim, BLOCK_M), tl.cdiv(k_dim, BLOCK_N)
+    expert = tl.program_id(0) // (m_blocks * k_blocks)
+    ms = tl.program_id(0) // k_blocks % m_blocks * BLOCK_M + tl.arange(0, BLOCK_M)
+    ks = tl.program_id(0) % k_blocks * BLOCK_N + tl.arange(0, BLOCK_N)
     rs = tl.arange(0, BLOCK_R)
     start = tl.load(expert_row_start_ptr + expert)
     end = start + tl.load(tokens_per_expert_ptr + expert)
@@ -258,7 +264,7 @@ def _grouped_matmul(a, operand: _Operand, transposed: bool, n_out, tiles, tuning
     expert (spare tiles, ``padded_rows``) are zero. Row i read from a[gather[i]], written to c[scatter[i]]."""
     tile_expert, tile_row, tile_row_end, _ = tiles
     c = torch.empty((a.shape[0], n_out), dtype=a.dtype, device=a.device)
-    grid = (tile_expert.numel(), cdiv(n_out, tuning["block_n"]))
+    grid = (tile_expert.numel() * cdiv(n_out, tuning["block_n"]),)
     launch(_grouped_matmul_kernel, grid,
         a, operand.base, operand.base if operand.table is None else operand.table,  # (table unread when stacked)
         c, *_row_tables(tile_row, gather, scatter), tile_expert, tile_row, tile_row_end, n_out, a.shape[1],
@@ -303,7 +309,7 @@ def weight_grad(grad_out, x, tokens_per_expert, padded_rows: bool, weights, main
     if main_grads is not None:
         target, table, aligned = main_grads
     block_m, block_n = tuning["wgrad_block_m"], tuning["wgrad_block_n"]
-    grid = (n_experts, cdiv(m_dim, block_m), cdiv(k_dim, block_n))
+    grid = (n_experts * cdiv(m_dim, block_m) * cdiv(k_dim, block_n),)
     launch(_grouped_weight_grad_kernel, grid, grad_out, x, target, target if table is None else table, row_start,
            tokens_per_expert, m_dim, k_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=tuning["wgrad_block_r"],
            W_TABLE=table is not None, W_ALIGNED=aligned, ACCUMULATE=table is not None,
