@@ -131,12 +131,12 @@ def cases(s: Shapes, device: str) -> list[Case]:
                  cross_entropy.linear_cross_entropy, token_chunk=2 * cross_entropy.forward_token_chunk(v)),
              lm_head_ops.linear_cross_entropy, lm_head_inputs, flops=lm_head_flops, compile=False,
              uniform_grad=True),
-        # the weight's gradient with one GEMM per 2 or 4 chunks of tokens: its fp32 read-modify-writes halved or
-        # quartered, the chunks' bf16 logits' gradients side by side at the memory peak
+        # the weight's gradient with one GEMM per 2, 4 or 8 chunks of tokens: its fp32 read-modify-writes halved,
+        # quartered or eighthed, the chunks' bf16 logits' gradients side by side at the memory peak
         *(Case(f"linear_ce_wgrad_{chunks}_chunks", functools.partial(
                    cross_entropy.linear_cross_entropy, weight_grad_chunks=chunks),
                lm_head_ops.linear_cross_entropy, lm_head_inputs, flops=lm_head_flops, compile=False,
-               uniform_grad=True) for chunks in (2, 4)),
+               uniform_grad=True) for chunks in (2, 4, 8)),
         Case("cca_qk", _cca_qk_kernel, _cca_qk_reference,
              lambda: ([randn(s.seq, s.batch, q_ch), randn(s.seq, s.batch, k_ch), randn(q_ch, 2), randn(q_ch),
                        randn(k_ch, 2), randn(k_ch), randn(q_ch, s.head_dim, 2, scale=0.05), randn(q_ch),

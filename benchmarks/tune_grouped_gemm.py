@@ -5,8 +5,8 @@
     python -m benchmarks.tune_grouped_gemm --smoke    # tiny shapes, any device: checks the script runs
 
 Times forward + backward of both expert GEMMs of ``bench_kernels.py`` (fc1: 2048 -> 4096 and fc2: 2048 -> 2048,
-16 experts, T = 8192 tokens, bf16) with CUDA events, for each candidate of the row-tile kernel (forward and
-input gradient) and then of the weight-gradient kernel, and prints the best of each. Copy them into
+16 experts, T = ``--batch`` x 4096 tokens, bf16) with CUDA events, for each candidate of the row-tile kernel
+(forward and input gradient) and then of the weight-gradient kernel, and prints the best of each. Copy them into
 ``GEMM_TUNING``. The dense bf16 GEMM rate of the same GPU is printed first as the anchor.
 
 ``--main-grad fp32|bf16`` times the weight-gradient kernel alone as Megatron's DDP has it run: each expert's
@@ -57,11 +57,13 @@ def weight_grad_into_main_grad(shapes, device: str, dtype: torch.dtype):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--batch", type=int, default=2,
+                        help="sequences of 4096 tokens (4: 16,384 tokens, as ZAYA1-8B trains at micro-batch 4)")
     parser.add_argument("--main-grad", choices=("fp32", "bf16"),
                         help="tune the weight-gradient kernel alone, adding into main_grad of this dtype")
     args = parser.parse_args()
     device = gpu_or_smoke("tune_grouped_gemm.py", args.smoke)
-    shapes = SMOKE if args.smoke else Shapes()
+    shapes = SMOKE if args.smoke else Shapes(batch=args.batch)
     key = platform(torch.device(device))
     if device == "cuda":
         gemm_anchor(device, shapes)
