@@ -202,6 +202,15 @@ def _end_routing_to(pool) -> None:
     torch._C._cuda_releasePool(device, pool)
 
 
+def _leave_capture_mode() -> None:
+    """After a failed capture: this GPU's default random generator leaves capture mode. Torch ends it in
+    ``CUDAGraph.capture_end`` only once the stream's capture ended without error, so a failed capture left it on, and
+    every later random op outside a capture (``torch.randn`` on the GPU, a dropout) raised "Offset increment outside
+    graph capture encountered unexpectedly". A clone of its state (same seed and offset, not capturing) replaces it."""
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    generator.graphsafe_set_state(generator.clone_state())
+
+
 def _first_error(error: BaseException) -> BaseException:
     """The error a failed capture began with. Ending a capture that an earlier call invalidated raises an error of
     its own ("operation failed due to a previous error during capture"), chained to the one that says why."""
@@ -283,6 +292,7 @@ class LayerGraphs:
             return self._capture_into(pool, runs, first), constants
         except RuntimeError:
             _end_routing_to(pool)
+            _leave_capture_mode()
             raise
 
     def _capture_into(self, pool, runs, first) -> list[_CapturedLayer]:

@@ -107,8 +107,8 @@ def test_graphed_layers_equal_eager_layers(monkeypatch):
 
 def test_a_failed_capture_runs_the_layers_eagerly(capfd):
     """A host read inside a layer (what graph capture refuses, as ROCm refuses collectives in a capture) makes the
-    capture fail: one warning line, then the eager run's losses and gradients, step after step, and the caching
-    allocator still empties its cache."""
+    capture fail: one warning line, then the eager run's losses and gradients, step after step, the caching
+    allocator still empties its cache, and random ops still run."""
     eager, graphed = _model(False), _model(True)
     graphed.load_state_dict(eager.state_dict())
     attention = graphed.decoder.layers[1].self_attention
@@ -128,6 +128,8 @@ def test_a_failed_capture_runs_the_layers_eagerly(capfd):
     assert graphed.decoder.cuda_graphs.captured_signatures == 0
     # The allocator no longer routes to the failed graphs' pool: with the routing left on, this aborts the process.
     torch.cuda.empty_cache()
+    # The default generator left capture mode: left in it, a random op outside a capture raises.
+    assert torch.randn(4, device="cuda").isfinite().all()
 
 
 @pytest.mark.parametrize("gpus, recompute", [(1, []), (2, []), (1, ["--recompute-granularity", "selective"])],
