@@ -47,7 +47,8 @@ TILE_ELEMENTS = 2**28  # logits elements per [token x vocab] tile of linear_cros
 #: Token chunks per weight-gradient GEMM when the gradients are computed in the forward: their bf16 logits'
 #: gradients are kept side by side (V x 2 bytes per token), so that the fp32 [V, D] gradient is read and written once
 #: per group rather than once per chunk. One: on an H100, 2 and 4 were 0.98× and 0.97× the time of one for 0.5 and
-#: 2.5 GiB more at the peak (docs/benchmarks.md), memory that a graphed ZAYA1-8B run at micro-batch 4 lacks.
+#: 2.5 GiB more at the peak, within what two runs of one setting differ by (docs/benchmarks.md); their effect on a
+#: 40-layer step is not measured yet.
 WEIGHT_GRAD_CHUNKS = 1
 
 
