@@ -18,6 +18,7 @@ makes the kernel memory-bound where the fresh write is not, so its best tile can
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -62,8 +63,10 @@ def main() -> None:
     parser.add_argument("--main-grad", choices=("fp32", "bf16"),
                         help="tune the weight-gradient kernel alone, adding into main_grad of this dtype")
     args = parser.parse_args()
+    if args.batch < 1:
+        parser.error(f"--batch must be at least 1, got {args.batch}")
     device = gpu_or_smoke("tune_grouped_gemm.py", args.smoke)
-    shapes = SMOKE if args.smoke else Shapes(batch=args.batch)
+    shapes = dataclasses.replace(SMOKE if args.smoke else Shapes(), batch=args.batch)
     key = platform(torch.device(device))
     if device == "cuda":
         gemm_anchor(device, shapes)
@@ -76,7 +79,7 @@ def main() -> None:
         print(f"  {flops / ms / 1e9:.0f} TFLOP/s", end=" ")
         return ms
 
-    print(f"platform {key}; current {grouped_gemm.GEMM_TUNING[key]}")
+    print(f"platform {key}; {shapes.tokens} tokens; current {grouped_gemm.GEMM_TUNING[key]}")
     if args.main_grad:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.main_grad]
         measure = weight_grad_into_main_grad(shapes, device, dtype)

@@ -1,6 +1,6 @@
 """Benchmark flags that change what is measured: ``profile_layer --gemm-tuning`` takes only ``GEMM_TUNING``'s keys,
 with integer values, and nonsense ends the command with one line and exit 2 before anything runs; ``--gaps`` runs;
-``tune_launch --directions`` sweeps only the launches it names."""
+``tune_launch --directions`` sweeps only the launches it names; ``tune_grouped_gemm --batch`` sets the tokens."""
 
 from __future__ import annotations
 
@@ -73,3 +73,20 @@ def test_tune_launch_directions_nonsense_is_one_line_and_exit_2():
                          capture_output=True, text=True, timeout=300)
     last = run.stderr.strip().splitlines()[-1]
     assert run.returncode == 2 and "--directions sideways: give forward, backward" in last, run.stderr
+
+
+def test_tune_grouped_gemm_times_the_tokens_of_its_batch():
+    """``tune_grouped_gemm --smoke --batch 3 --main-grad bf16`` (the kernels under Triton's interpreter): three
+    sequences of the smoke shapes' 32 tokens."""
+    run = subprocess.run([sys.executable, "-m", "benchmarks.tune_grouped_gemm", "--smoke", "--batch", "3",
+                          "--main-grad", "bf16"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "; 96 tokens; current" in run.stdout and "best (weight gradients" in run.stdout, run.stdout[-2000:]
+
+
+def test_tune_grouped_gemm_batch_below_one_is_one_line_and_exit_2():
+    run = subprocess.run([sys.executable, "-m", "benchmarks.tune_grouped_gemm", "--batch", "0"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == 2 and last.endswith("--batch must be at least 1, got 0"), run.stderr[-2000:]
