@@ -59,7 +59,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--batch", type=int, default=2,
-                        help="sequences of 4096 tokens (4: 16,384 tokens, as ZAYA1-8B trains at micro-batch 4)")
+                        help="sequences of the benchmark's length (4096; 32 with --smoke): 4 is 16,384 tokens, as "
+                             "ZAYA1-8B trains at micro-batch 4")
     parser.add_argument("--main-grad", choices=("fp32", "bf16"),
                         help="tune the weight-gradient kernel alone, adding into main_grad of this dtype")
     args = parser.parse_args()
