@@ -180,6 +180,14 @@ class ZayaConfig(TransformerConfig):
                  "the value time-delay splits it in half; use an even kv_channels")
         if self.cca_time0 < 1 or self.cca_time1 < 1:
             fail(f"cca_time0={self.cca_time0}, cca_time1={self.cca_time1}", "both conv sizes must be >= 1")
+        if self.router_hidden_size < 1:
+            fail(f"--zaya-router-hidden-size {self.router_hidden_size}", "the router MLP needs a width of at least 1")
+        for flag, value in (("--zaya-balancing-lr", self.balancing_lr), ("--zaya-balancing-eps", self.balancing_eps)):
+            if value < 0:
+                fail(f"{flag} {value:g} is negative", "the balancing biases' Adam takes 0 or more")
+        if not all(0 <= beta < 1 for beta in self.balancing_betas):
+            fail(f"--zaya-balancing-betas {' '.join(f'{b:g}' for b in self.balancing_betas)}",
+                 "Adam's betas must be at least 0 and below 1")
         if self.balancing_warmup_steps < 0:
             fail(f"--zaya-balancing-warmup-steps {self.balancing_warmup_steps} is negative",
                  "give a number of steps >= 0 (0: no warm-up)")

@@ -88,6 +88,10 @@ class MuonConfig:
             raise ValueError(f"--zaya-muon-momentum must be in [0, 1), got {self.momentum}")
         if not self.coefficients or any(len(c) != 3 for c in self.coefficients):
             raise ValueError("--zaya-muon-ns-coefficients needs one or more (a, b, c) triples")
+        if self.update_rms <= 0:
+            raise ValueError(f"--zaya-muon-update-rms must be positive, got {self.update_rms}")
+        if self.eps < 0:
+            raise ValueError(f"--zaya-muon-ns-eps must be at least 0, got {self.eps}")
         if self.gather_numel < 1:
             raise ValueError(f"--zaya-muon-gather-numel must be positive, got {self.gather_numel}")
         if self.backend not in ("auto", "torch", "triton"):

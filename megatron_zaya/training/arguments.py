@@ -14,6 +14,7 @@ import importlib.util
 import os
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -254,6 +255,48 @@ def _data_prefixes(values: list[str] | None) -> list[str]:
     return [v for v in values if not is_number(v)]
 
 
+class Bounds(NamedTuple):
+    """The values a numeric flag takes: from ``low`` up to ``high`` (below it where ``below``; None: unbounded);
+    ``zero``: what 0 turns off, where ``low`` is 0."""
+
+    low: float
+    high: float | None = None
+    below: bool = False
+    zero: str = ""
+
+    def problem(self, flag: str, value) -> str | None:
+        """The one-line error for ``value`` of ``flag`` (None when it is not given), or None when it is allowed."""
+        if value is None or (value >= self.low and (self.high is None or value < self.high
+                                                    or value == self.high and not self.below)):
+            return None
+        if self.high is not None:
+            return f"{flag} {value:g}: must be at least {self.low:g} and {'below' if self.below else 'at most'} " \
+                   f"{self.high:g}"
+        if self.low == 0:
+            return f"{flag} {value:g} is negative; give 0 or more" + (f" (0: {self.zero})" if self.zero else "")
+        return f"{flag} {value}: must be at least {self.low:g}"
+
+
+_COUNT, _NON_NEGATIVE, _FRACTION, _BETA = Bounds(1), Bounds(0), Bounds(0, 1), Bounds(0, 1, below=True)
+
+# Megatron's numeric flags whose range it does not check before training: out of range, a run fails with a traceback
+# (at start-up, or steps later) or trains on as if the flag were not given.
+FLAG_BOUNDS = {
+    "--micro-batch-size": _COUNT, "--global-batch-size": _COUNT, "--train-iters": _COUNT, "--train-samples": _COUNT,
+    "--seq-length": _COUNT, "--max-position-embeddings": _COUNT, "--dist-ckpt-workers": _COUNT,
+    "--num-layers": _COUNT, "--hidden-size": _COUNT, "--ffn-hidden-size": _COUNT, "--moe-ffn-hidden-size": _COUNT,
+    "--num-attention-heads": _COUNT, "--num-query-groups": _COUNT, "--kv-channels": _COUNT, "--num-experts": _COUNT,
+    "--zaya-vocab-size": _COUNT, "--rotary-base": _COUNT, "--seed": _COUNT,
+    "--log-interval": _COUNT, "--eval-interval": _COUNT, "--lr-decay-iters": _COUNT,
+    "--lr": _NON_NEGATIVE, "--min-lr": _NON_NEGATIVE, "--weight-decay": _NON_NEGATIVE,
+    "--init-method-std": _NON_NEGATIVE, "--adam-eps": _NON_NEGATIVE,
+    "--lr-warmup-iters": Bounds(0, zero="no warm-up"), "--eval-iters": Bounds(0, zero="no evaluation"),
+    "--clip-grad": Bounds(0, zero="no clipping"),
+    "--hidden-dropout": _FRACTION, "--attention-dropout": _FRACTION, "--lr-warmup-fraction": _FRACTION,
+    "--adam-beta1": _BETA, "--adam-beta2": _BETA,
+}  # fmt: skip
+
+
 def _check_flag_combinations(args) -> None:
     """Values and combinations Megatron asserts on without a message, or accepts silently."""
     if args.mock_data and (args.data_path or args.train_data_path):
@@ -283,14 +326,10 @@ def _check_flag_combinations(args) -> None:
                          "give the tokenizer's directory or a Hugging Face name")
     if args.bf16 and args.fp16:
         raise UsageError("--bf16 and --fp16 both given; choose one")
-    for flag, value in (("--micro-batch-size", args.micro_batch_size), ("--global-batch-size", args.global_batch_size),
-                        ("--train-iters", args.train_iters), ("--seq-length", args.seq_length),
-                        ("--dist-ckpt-workers", args.dist_ckpt_workers)):
-        if value is not None and value < 1:
-            raise UsageError(f"{flag} {value}: must be at least 1")
-    for flag, value in (("--lr", args.lr), ("--min-lr", args.min_lr), ("--weight-decay", args.weight_decay)):
-        if value is not None and value < 0:
-            raise UsageError(f"{flag} {value} is negative; give a positive value")
+    for flag, bounds in FLAG_BOUNDS.items():
+        problem = bounds.problem(flag, getattr(args, flag[2:].replace("-", "_")))
+        if problem:
+            raise UsageError(problem)
     if args.zaya_balancing_warmup_steps < 0:  # as ZayaConfig.validate_zaya, before Megatron's own checks
         raise UsageError(f"--zaya-balancing-warmup-steps {args.zaya_balancing_warmup_steps} is negative; give a "
                          "number of steps >= 0 (0: no warm-up)")

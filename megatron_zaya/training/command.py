@@ -27,6 +27,7 @@ from ..data import embedded_tokenizer_dir
 from ..errors import CrashLoop, PatchError, UsageError
 from ..memory_plan import memory_tier_host_bytes, plan as memory_plan
 from ..memory_plan import report as memory_plan_report
+from ..optim import OPTIMIZER_NAME, muon_config_from_args
 from ..patches import apply_patches
 from ..patches.registry import check_selection as check_patch_selection
 from ..runtime import (START_LOG, end_data_workers_at_exit, end_helpers_with_this_process, free_master_port,
@@ -182,6 +183,11 @@ def _parse(argv: list[str], main_job: bool, planning: bool):
                          "use a tokenizer that fits or raise --zaya-vocab-size")
     args.padded_vocab_size = model_vocab
     zaya_config_from_args(args)  # the model config's own checks, before anything is written
+    if args.optimizer == OPTIMIZER_NAME:  # and the optimizer's, which Megatron reaches only when it builds it
+        try:
+            muon_config_from_args(args)
+        except ValueError as error:
+            raise UsageError(str(error)) from error
     if args.zaya_memory_ckpt_interval and not planning:
         cfg, par, run = memory_plan_inputs(args)
         check_host_memory(args, memory_tier_host_bytes(memory_plan(cfg, par, run), run, args.world_size))

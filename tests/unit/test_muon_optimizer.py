@@ -146,6 +146,10 @@ def test_bad_input_is_reported_clearly():
     p = torch.nn.Parameter(torch.randn(4, 6))
     with pytest.raises(ValueError, match="momentum must be in"):
         MuonConfig(momentum=1.0)
+    with pytest.raises(ValueError, match="update-rms must be positive, got 0.0"):
+        MuonConfig(update_rms=0.0)
+    with pytest.raises(ValueError, match="ns-eps must be at least 0, got -1e-07"):
+        MuonConfig(eps=-1e-7)
     with pytest.raises(ValueError, match="kernel must be auto, torch or triton"):
         MuonConfig(backend="cuda")
     with pytest.raises(ValueError, match=r"ns_graphs is a boolean \(--zaya-muon-ns-graphs auto\|off\)"):
