@@ -204,8 +204,9 @@ class ZayaConfig(TransformerConfig):
             unknown = set(self.attention_types) - set(ATTENTION_TYPES)
             if unknown:
                 fail(f"unknown attention types {sorted(unknown)}", f"use {ATTENTION_TYPES}")
-            if "sliding" in self.attention_types and not self.sliding_window:
-                fail("sliding layers are configured without sliding_window", "set sliding_window > 0")
+            if "sliding" in self.attention_types and not (self.sliding_window and self.sliding_window > 0):
+                fail(f"sliding layers are configured with sliding_window={self.sliding_window}",
+                     "set --zaya-sliding-window to 1 or more")
         if self.cuda_graphs and self.recompute_granularity == "full":
             fail("--zaya-cuda-graphs with full recomputation (the graphs capture whole layers, forward and backward)",
                  "use --recompute-granularity selective, or drop --zaya-cuda-graphs")

@@ -33,6 +33,8 @@ BAD = {
     "top-2": (dict(moe_router_topk=2), "top-1"),
     "no experts": (dict(num_moe_experts=None), "num_moe_experts"),
     "sliding without window": (dict(attention_types=["sliding", "global"]), "sliding_window"),
+    "a negative sliding window": (dict(attention_types=["sliding", "global"], sliding_window=-4),
+                                  "sliding_window=-4"),
     "wrong number of layer types": (dict(attention_types=["global"]), "one type per layer"),
     "unknown layer type": (dict(attention_types=["local", "global"]), "unknown attention types"),
     "unknown skip mode": (dict(skip_mode="drop"), "skip_mode"),
