@@ -166,8 +166,9 @@ def write_indexed_dataset(
     batches = _batches(documents)
     temp_prefix = f"{output_prefix}.tmp-{uuid.uuid4().hex[:12]}"  # unique across ranks and hosts
     n_documents = n_tokens = 0
-    builder = IndexedDatasetBuilder(get_bin_path(temp_prefix), dtype=dtype)
+    builder = None
     try:
+        builder = IndexedDatasetBuilder(get_bin_path(temp_prefix), dtype=dtype)
         with (
             _worker_pool(tok, eod, workers) as pool,
             tqdm(desc="tokenizing", unit="doc", disable=None if progress else True) as bar,  # None: tty only
@@ -186,8 +187,13 @@ def write_indexed_dataset(
         # .idx last: its presence means the dataset is complete.
         os.replace(get_bin_path(temp_prefix), get_bin_path(output_prefix))
         os.replace(get_idx_path(temp_prefix), get_idx_path(output_prefix))
+    except OSError as error:  # a full disk, or a place that takes no files (os.access cannot tell for root)
+        raise InputError(f"writing {output_prefix}.bin/.idx failed ({error.strerror or error}); free space or change "
+                         "--output-prefix") from error
     finally:
-        builder.data_file.close()  # already closed by finalize() unless we failed before it
+        if builder is not None:  # its file is closed by finalize() unless we failed before it
+            with contextlib.suppress(OSError):  # (its buffered bytes, where the write failed)
+                builder.data_file.close()
         for path in (get_bin_path(temp_prefix), get_idx_path(temp_prefix)):
             if os.path.exists(path):
                 os.remove(path)

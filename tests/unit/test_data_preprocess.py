@@ -5,6 +5,10 @@ import ctypes
 import gzip
 import json
 import multiprocessing
+import resource
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -210,10 +214,15 @@ def _missing_tokenizer_dir(tmp_path):
     return ["in.jsonl", "--tokenizer", "./no-tokenizer"], "tokenizer directory ./no-tokenizer does not exist"
 
 
+def _output_where_no_file_can_be_made(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", DOCUMENTS)  # /proc takes no new files, whatever os.access says for root
+    return ["in.jsonl", "--output-prefix", "/proc/zaya-out"], "/proc"
+
+
 @pytest.mark.parametrize("make_case", [
     _good_then_bad_jsonl, _missing_key, _not_a_string, _missing_file, _glob_matches_nothing, _directory,
     _unknown_format, _not_utf8, _broken_gzip, _empty_corpus, _existing_output, _missing_output_dir,
-    _missing_tokenizer_dir,
+    _missing_tokenizer_dir, _output_where_no_file_can_be_made,
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(make_case, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
@@ -230,3 +239,21 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(make_case, tmp_path,
     assert "\n" not in err and err.startswith("zaya-preprocess: error: ")
     assert expected_message in err
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_a_disk_that_fills_while_writing_exits_2_with_one_line_and_leaves_nothing(tmp_path):
+    """The .bin outgrows the file-size limit (RLIMIT_FSIZE, as a full disk fails a write): one line, exit 2, and
+    neither the partial temporary file nor any output is left behind."""
+    write_jsonl(tmp_path / "in.jsonl", [DOCUMENTS[0] * 20] * 400)  # ~100 KiB of tokens
+
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))
+
+    run = subprocess.run([sys.executable, "-m", "megatron_zaya.data.preprocess", "in.jsonl", "--output-prefix", "out"],
+                         cwd=tmp_path, preexec_fn=limited, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines()[-1] == (
+        "zaya-preprocess: error: writing out.bin/.idx failed (File too large); free space or change --output-prefix")
+    assert "Traceback" not in run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
