@@ -29,12 +29,25 @@ def _check_output(out: Path) -> None:
         raise UsageError(f"output {out} exists and is not empty; choose a new directory (nothing was overwritten)")
 
 
+def _staging(out: Path) -> Path:
+    """A fresh directory to write into before it becomes ``out``, in ``out``'s nearest existing ancestor (directories
+    still missing are made only when it is published); made before the model loads, so that an output that cannot
+    be written fails at once."""
+    ancestor = next(path for path in (out.parent, *out.parent.parents) if path.exists())
+    try:
+        return Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=ancestor))
+    except OSError as error:  # (also where os.access would say yes: root, a place that takes no files such as /proc)
+        raise UsageError(f"output {out} cannot be written ({error.strerror or error}); choose another "
+                         "directory") from error
+
+
 def _publish(staging: Path, out: Path) -> None:
     from megatron_zaya.checkpoint import publish_permissions
 
     publish_permissions(staging)
     if out.exists():
         out.rmdir()  # empty, checked before
+    out.parent.mkdir(parents=True, exist_ok=True)
     staging.rename(out)
 
 
@@ -53,10 +66,9 @@ def import_hf(hf_dir: Path, out: Path, dtype) -> None:
     from megatron_zaya.pretrained import load_hf
 
     _check_output(out)
-    model, cfg = load_hf(hf_dir, dtype)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    staging = _staging(out)
     try:
+        model, cfg = load_hf(hf_dir, dtype)
         checkpoint.save(model, cfg, staging)
         _publish(staging, out)
     finally:
@@ -86,21 +98,26 @@ def export_hf(ckpt_dir: Path, out: Path, dtype, tokenizer: Path | None) -> None:
     from megatron_zaya.convert.hf_io import write_hf_checkpoint
     from megatron_zaya.pretrained import load_megatron
 
+    from safetensors import SafetensorError
+
     _check_output(out)
     if tokenizer is not None and not tokenizer.is_dir():
         raise UsageError(f"--tokenizer {tokenizer} is not a directory")
     loaded_tokenizer = _load_tokenizer(tokenizer) if tokenizer is not None else None
-    model, cfg = load_megatron(ckpt_dir, dtype)
-    hf_config = hf_config_from_zaya(cfg)
-    hf_config["dtype"] = str(cfg.params_dtype).removeprefix("torch.")
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    weights = megatron_to_hf(state, cfg)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    staging = _staging(out)
     try:
-        write_hf_checkpoint(staging, hf_config, weights)
-        if loaded_tokenizer is not None:
-            loaded_tokenizer.save_pretrained(str(staging))  # its own files, not the rest of its directory
+        model, cfg = load_megatron(ckpt_dir, dtype)
+        hf_config = hf_config_from_zaya(cfg)
+        hf_config["dtype"] = str(cfg.params_dtype).removeprefix("torch.")
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+        weights = megatron_to_hf(state, cfg)
+        try:
+            write_hf_checkpoint(staging, hf_config, weights)
+            if loaded_tokenizer is not None:
+                loaded_tokenizer.save_pretrained(str(staging))  # its own files, not the rest of its directory
+        except (OSError, SafetensorError) as error:  # a full disk (safetensors reports it as its own error)
+            raise UsageError(f"writing {out} failed ({str(error).splitlines()[0]}); free space or choose another "
+                             "directory (nothing was written)") from error
         _publish(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -102,6 +104,36 @@ def test_existing_output_is_never_overwritten(hf_dir, megatron_dir, tmp_path, ca
     _expect_error(capsys, ["import-hf", str(hf_dir), str(occupied)], ["not empty"], occupied)
     _expect_error(capsys, ["export-hf", str(megatron_dir), str(occupied)], ["not empty"], occupied)
     assert [p.name for p in occupied.iterdir()] == ["keep.txt"]
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_model_loads(hf_dir, megatron_dir, tmp_path, capsys):
+    """Below a regular file, or in /proc (which takes no new files, though os.access says it does to root): one line,
+    exit 2, and no directory made on the way (missing parents are made only when the output is published)."""
+    (tmp_path / "a-file").write_text("")
+    for out in (tmp_path / "a-file" / "o", "/proc/zaya-o"):
+        _expect_error(capsys, ["import-hf", str(hf_dir), str(out)], [f"output {out} cannot be written"],
+                      tmp_path / "o")
+        _expect_error(capsys, ["export-hf", str(megatron_dir), str(out)], [f"output {out} cannot be written"],
+                      tmp_path / "o")
+    _expect_error(capsys, ["export-hf", str(tmp_path / "nowhere"), str(tmp_path / "new" / "o")],
+                  ["latest_checkpointed_iteration"], tmp_path / "o")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_a_disk_that_fills_during_an_export_leaves_nothing(megatron_dir, tmp_path):
+    """The safetensors file outgrows the file-size limit (RLIMIT_FSIZE, as a full disk fails a write): one line,
+    exit 2, and no output or staging directory is left."""
+
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+
+    run = subprocess.run([sys.executable, "-m", "megatron_zaya.convert.cli", "export-hf", str(megatron_dir), "hf"],
+                         cwd=tmp_path, preexec_fn=limited, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("zaya-convert: error: writing hf failed (") and "File too large" in last, last
+    assert "Traceback" not in run.stderr and list(tmp_path.iterdir()) == []
 
 
 def test_broken_checkpoint_tracker(megatron_dir, tmp_path, capsys):
