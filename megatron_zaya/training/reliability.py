@@ -38,9 +38,22 @@ FAULT_EXIT_CODE = 3
 
 
 def _iteration() -> int:
+    """The iteration running: one past those done. Before the training loop (checkpoint load, data loaders), the
+    first it will run."""
     from megatron.training import get_args
 
-    return get_args().curr_iteration + 1
+    args = get_args()
+    done = getattr(args, "curr_iteration", None)  # set by the training loop at each iteration
+    return (getattr(args, "iteration", 0) if done is None else done) + 1
+
+
+def _where() -> str:
+    """Where a rank is, for the watchdog's line: in an iteration, or still setting up before the first."""
+    from megatron.training import get_args
+
+    if getattr(get_args(), "curr_iteration", None) is None:
+        return f" before iteration {_iteration()}, setting up (checkpoint load, data loaders)"
+    return f" in iteration {_iteration()}"
 
 
 def _device() -> torch.device:
@@ -85,8 +98,7 @@ class StepGuard:
             LEDGER.failure("hang", _iteration(), cause, saved, seconds=silent)
 
         recorder_dir = Path(args.save) / "flight-recorder" / LEDGER.launch.replace("/", "+") if args.save else None
-        WATCHDOG.arm(args.zaya_watchdog_seconds, describe=lambda: f" in iteration {_iteration()}", on_hang=record_hang,
-                     recorder_dir=recorder_dir)
+        WATCHDOG.arm(args.zaya_watchdog_seconds, describe=_where, on_hang=record_hang, recorder_dir=recorder_dir)
 
         @functools.wraps(prepare_grads)
         def guarded_prepare_grads() -> bool:

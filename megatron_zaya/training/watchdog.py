@@ -7,7 +7,8 @@ Progress is a beat: each micro-batch's forward (training and evaluation) and eac
 (:class:`~megatron_zaya.training.reliability.StepGuard` gives them). A rank hangs when no beat came for longer
 than its allowance:
 
-* until the first optimizer step, ``FIRST_STEP_ALLOWANCE * T`` (data loaders, kernel compilation, graph capture);
+* until the first optimizer step, ``FIRST_STEP_ALLOWANCE * T`` (from the optimizer's creation: checkpoint load,
+  data loaders, kernel compilation, graph capture);
 * then ``T``, or ``SLOW_STEP_FACTOR`` times the longest gap between beats measured so far (the first step's,
   compilation included) when that is longer: a run whose steps are merely slow is not a hang;
 * never while a checkpoint is being saved (:meth:`ProgressWatchdog.paused`).
@@ -132,13 +133,21 @@ class ProgressWatchdog:
 
     def _fire(self, silent: float, allowance: float) -> None:
         stream = self._stream or sys.stderr
-        where = self._describe()
+        # The exit below is what ends a hang: what goes wrong on the way to it (the description, the ledger's
+        # record) is named and passed over, never left to end this thread with the process still hung.
+        try:
+            where = self._describe()
+        except Exception as error:
+            where = f" (where is unknown: {type(error).__name__}: {error})"
         rank = os.environ.get("RANK", "0")
         print(f"zaya-pretrain: error: rank {rank} made no progress for {silent:.0f} s{where} (allowed: "
               f"{allowance:.0f} s, --zaya-watchdog-seconds {self.seconds:g}): a hang; every thread's stack "
               f"follows; exiting with code {HANG_EXIT_CODE} so that torchrun --max-restarts restarts the group "
               "from the newest intact checkpoint", file=stream, flush=True)
-        self._on_hang(silent, f"no progress for {silent:.0f} s (allowed: {allowance:.0f} s)")
+        try:
+            self._on_hang(silent, f"no progress for {silent:.0f} s (allowed: {allowance:.0f} s)")
+        except Exception as error:
+            print(f"zaya-pretrain: the hang was not recorded ({type(error).__name__}: {error})", file=stream)
         faulthandler.dump_traceback(file=stream, all_threads=True)
         recorded = dump_flight_recorder(self._recorder_dir) if self._recorder_dir else None
         if recorded:

@@ -15,6 +15,9 @@ imported, its :class:`StepGuard` is wrapped so that the given (1-based) iteratio
 
 ``bad_gemm@0[@rank]`` breaks the node self-test before training instead: its GEMM returns one wrong element.
 
+``setup_hang@0`` hangs the set-up between the optimizer's creation (the watchdog's start) and the training loop:
+Megatron's building of the data iterators never returns, in a launch that torchrun has not restarted yet.
+
 ``slow_write@iteration`` instead delays the background writer (``--async-save``): its write of that checkpoint
 starts :data:`SLOW_WRITE_SECONDS` late, so that the steps after it reach the next save while it is in flight.
 
@@ -36,6 +39,7 @@ STEP_KINDS = ("nan_loss", "inf_loss", "loss_spike", "nan_grad", "inf_grad", "dri
 WRITE_KINDS = ("slow_write",)
 SAVE_KINDS = ("kill_after_save",)
 NODE_KINDS = ("bad_gemm",)
+SETUP_KINDS = ("setup_hang",)
 SLOW_WRITE_SECONDS = 5.0
 
 
@@ -45,7 +49,7 @@ def _plan() -> tuple[tuple[str, int, int | None], ...]:
     for item in (s.strip() for s in os.environ.get(ENV_VAR, "").split(",") if s.strip()):
         kind, _, rest = item.partition("@")
         iteration, _, rank = rest.partition("@")
-        kinds = STEP_KINDS + WRITE_KINDS + NODE_KINDS + SAVE_KINDS
+        kinds = STEP_KINDS + WRITE_KINDS + NODE_KINDS + SAVE_KINDS + SETUP_KINDS
         if kind not in kinds or not iteration.isdigit() or (rank and not rank.isdigit()):
             raise ValueError(f"{ENV_VAR}: bad entry {item!r}; use kind@iteration[@rank], kind one of "
                              f"{', '.join(kinds)}")
@@ -178,6 +182,22 @@ def _wrap_save(module) -> None:
     module.save_checkpoint = save_then_die
 
 
+def _wrap_setup(module) -> None:
+    """Hang Megatron's building of the data iterators (``pretrain`` looks the name up in its module when it calls it)
+    in the first launch."""
+    import time
+
+    build = module.build_train_valid_test_data_iterators
+
+    @functools.wraps(build)
+    def build_never_returns(*args, **kwargs):
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            time.sleep(24 * 3600)
+        return build(*args, **kwargs)
+
+    module.build_train_valid_test_data_iterators = build_never_returns
+
+
 class _WrapOnImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: hands the ``target`` module's spec on with a loader that applies ``wrap`` to it once
     executed."""
@@ -208,3 +228,5 @@ if any(kind in SAVE_KINDS for kind, _, _ in _plan()):  # before megatron.trainin
     sys.meta_path.insert(0, _WrapOnImport("megatron.training.checkpointing", _wrap_save))
 if any(kind in WRITE_KINDS for kind, _, _ in _plan()):
     sys.meta_path.insert(0, _WrapOnImport("megatron_zaya.checkpoint.staging", _wrap_writer))
+if any(kind in SETUP_KINDS for kind, _, _ in _plan()):
+    sys.meta_path.insert(0, _WrapOnImport("megatron.training.training", _wrap_setup))

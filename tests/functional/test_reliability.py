@@ -67,6 +67,22 @@ def test_nonfinite_steps_are_skipped_spikes_logged_and_a_streak_stops_the_run(tm
     assert not same_leaf(later["decoder.final_layernorm.weight"], after["decoder.final_layernorm.weight"])
 
 
+def test_a_hang_while_setting_up_is_declared_and_the_run_exits(tmp_path):
+    """A hang after the watchdog starts (with the optimizer) and before the first iteration: the building of the data
+    iterators never returns. The watchdog declares it after its first-step allowance (10 x 1 s) and exits 4; the
+    ledger records it. (Its thread ended on reading the iteration, which the training loop had not set yet, and the
+    run stayed hung.)"""
+    save = tmp_path / "ck"
+    run = pretrain(QUICK + ["--train-iters", "4", "--save", str(save), "--save-interval", "2",
+                            "--zaya-watchdog-seconds", "1"], cwd=tmp_path, extra_env=with_faults("setup_hang@0"),
+                   timeout=180)
+    assert run.returncode == 4, run.stderr[-3000:]
+    line = _last_error(run.stderr)
+    assert " before iteration 1, setting up (checkpoint load, data loaders) (allowed: 10 s" in line, line
+    events = [json.loads(line) for line in (save / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["step"]) for e in events if e["event"] == "hang"] == [("hang", 1)], events
+
+
 def test_replica_drift_and_a_nan_on_one_rank_under_torchrun(tmp_path):
     """Two data-parallel ranks (gloo): a NaN gradient on rank 1 only makes both skip (the replicas still
     match at the next check); a weight changed on rank 1 stops both at the next check, naming rank and tensor."""

@@ -3,6 +3,7 @@ instead of taken. (Through the CLI, with a real hang and torchrun's restart: tes
 
 from __future__ import annotations
 
+import argparse
 import threading
 import time
 
@@ -81,3 +82,23 @@ def test_off_by_default():
     dog = ProgressWatchdog(exit=lambda code: pytest.fail("fired"))
     dog.arm(0.0)
     assert watchdogs() == before and dog.seconds == 0
+
+
+def test_a_hang_is_exited_even_where_its_description_and_record_fail(watchdog):
+    """Before the training loop Megatron's arguments have no ``curr_iteration``: reading it raised AttributeError in
+    the watchdog's thread, which ended there, and the hung rank never exited. Now the line says so and it exits."""
+
+    def no_iteration_yet():
+        return argparse.Namespace().curr_iteration
+
+    def unrecorded(silent, cause):
+        raise OSError(28, "No space left on device")
+
+    watchdog.arm(T, describe=no_iteration_yet, on_hang=unrecorded)
+    assert watchdog.fired.wait(timeout=30)
+    assert watchdog.codes == [HANG_EXIT_CODE]
+    watchdog.log.seek(0)
+    lines = watchdog.log.read().splitlines()
+    assert lines[0].startswith("zaya-pretrain: error: rank 0 made no progress for ")
+    assert " (where is unknown: AttributeError: 'Namespace' object has no attribute 'curr_iteration') " in lines[0]
+    assert lines[1] == "zaya-pretrain: the hang was not recorded (OSError: [Errno 28] No space left on device)"
