@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+#: The exit code of every command on bad input (argparse's too), which zaya-torchrun does not restart.
+USAGE_EXIT_CODE = 2
+
 
 class UsageError(ValueError):
     """Bad command-line input: a CLI prints it as one line ``<command>: error: ...`` and exits with code 2."""

@@ -9,16 +9,20 @@ still running at the end of ``--shutdown-timeout``, makes it exit 1. The patch `
 (megatron_zaya/patches/launch.py) says how.
 
 A worker that stops on purpose is not restarted (``launch.no_restart_after_a_stop``), and zaya-torchrun exits with
-its code: 5 for a crash loop (``--zaya-max-step-failures``), 6 for a node that failed its self-test.
+its code: 2 for bad input (a restart would meet it again), 5 for a crash loop (``--zaya-max-step-failures``), 6 for
+a node that failed its self-test.
 """
 
 import sys
 
+from .errors import USAGE_EXIT_CODE
 from .patches.registry import apply_patches, resolve
 from .training.health import UNHEALTHY_NODE_EXIT_CODE
 from .training.ledger import CRASH_LOOP_EXIT_CODE
 
-STOP_CODES = (CRASH_LOOP_EXIT_CODE, UNHEALTHY_NODE_EXIT_CODE)
+# The exit codes of a worker that stopped on purpose, and what stopped it.
+STOP_CODES = {USAGE_EXIT_CODE: "bad input", CRASH_LOOP_EXIT_CODE: "a crash loop",
+              UNHEALTHY_NODE_EXIT_CODE: "a node that failed its self-test"}
 
 
 def main() -> None:
@@ -33,9 +37,8 @@ def main() -> None:
         codes = [f.exitcode for f in failed.failures.values() if f.exitcode in STOP_CODES]
         if not codes:
             raise
-        reason = "a crash loop" if codes[0] == CRASH_LOOP_EXIT_CODE else "a node that failed its self-test"
-        print(f"zaya-torchrun: a worker stopped on {reason}; not restarted: exit {codes[0]}", file=sys.stderr,
-              flush=True)
+        print(f"zaya-torchrun: a worker stopped on {STOP_CODES[codes[0]]}; not restarted: exit {codes[0]}",
+              file=sys.stderr, flush=True)
         sys.exit(codes[0])
 
 

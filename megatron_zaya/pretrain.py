@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _before_megatron(argv)
     with one_line_for_missing_packages():  # what the command imports: Megatron's training stack
-        from .errors import CrashLoop, TrainingFault, UnhealthyNode, UsageError
+        from .errors import USAGE_EXIT_CODE, CrashLoop, TrainingFault, UnhealthyNode, UsageError
         from .training import ledger
         from .training.arguments import early_flags
         from .training.command import run
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         run(argv)
     except UsageError as error:
         print(f"zaya-pretrain: error: {error}", file=sys.stderr)
-        return 2
+        return USAGE_EXIT_CODE
     except CrashLoop as error:  # every rank read the same ledger: one of them says it
         if first_rank:
             print(f"zaya-pretrain: error: {error}", file=sys.stderr, flush=True)

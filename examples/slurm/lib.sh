@@ -147,14 +147,18 @@ zaya_excluded_nodes() {
 # (zaya-torchrun has spent its in-job restarts, or a node failed its self-test: exit 6), requeue the job
 # without the nodes that the event ledger SAVE/events.jsonl records as excluded, at most MAX_REQUEUES
 # times (default 3) in a row without a new checkpoint in SAVE (counted in $RUN_DIR/logs/failure-requeues).
-# A crash loop (exit 5: the same step failed --zaya-max-step-failures times) is not requeued: it needs a
-# person. Exits.
+# Bad input (exit 2: a flag, the data or a checkpoint refused in one line) and a crash loop (exit 5: the
+# same step failed --zaya-max-step-failures times) are not requeued: they need a person. Exits.
 zaya_requeue_after_failure() {
   local status=$1 save=$2 count=0 at="" latest="" nodes count_file=$RUN_DIR/logs/failure-requeues
   local ledger=$save/events.jsonl
   [[ ! -f $save/latest_checkpointed_iteration.txt ]] || latest=$(<"$save/latest_checkpointed_iteration.txt")
   [[ ! -f $count_file ]] || read -r count at <"$count_file"
   [[ $at == "$latest" ]] || count=0 # the run progressed since the last requeue on failure
+  if ((status == 2)); then
+    echo "$(date -Is) the training step refused its input (exit 2, the error line above): not requeued" >&2
+    exit "$status"
+  fi
   if ((status == 5)); then
     echo "$(date -Is) the training step stopped on a crash loop (exit 5, see $ledger): not requeued" >&2
     exit "$status"

@@ -44,15 +44,15 @@ def clean_stop_exits_0():
 @register("launch.no_restart_after_a_stop",
           target="torch.distributed.elastic.agent.server.local_elastic_agent.LocalElasticAgent._monitor_workers")
 def no_restart_after_a_stop():
-    """The launcher does not restart a group in which a worker stopped on purpose: a crash loop (exit 5) or a node
-    that failed its self-test (exit 6).
+    """The launcher does not restart a group in which a worker stopped on purpose: bad input (exit 2), a crash loop
+    (exit 5) or a node that failed its self-test (exit 6).
 
-    torch's elastic agent restarts the group on any worker failure until ``--max-restarts`` is spent. A run stopped
-    by ``--zaya-max-step-failures`` would stop again at each restart, and a node that failed its self-test fails
-    it again: the restarts only cost start-ups, and hide the code from the scheduler. Patched, the agent's
+    torch's elastic agent restarts the group on any worker failure until ``--max-restarts`` is spent. Bad input is
+    refused again at each restart, a run stopped by ``--zaya-max-step-failures`` would stop again, and a node that
+    failed its self-test fails it again: the restarts only cost start-ups, and hide the code from the scheduler. Patched, the agent's
     ``_monitor_workers`` leaves no restarts when a failed worker exited with one of these codes, so the agent stops
     the group, and ``zaya-torchrun`` exits with that code (``megatron_zaya/launch.py``) for the Slurm scripts to
-    tell a crash loop (no requeue) from a bad node (requeue without it). ``zaya-torchrun`` applies it in its own
+    tell bad input and a crash loop (no requeue) from a bad node (requeue without it). ``zaya-torchrun`` applies it in its own
     process. Off: launch with plain ``torchrun``, or leave ``launch`` out of ``ZAYA_PATCHES``.
     """
     from torch.distributed.elastic.agent.server.api import WorkerState

@@ -289,3 +289,18 @@ def test_help_lists_every_flag_and_writes_nothing(results):
     assert code == 0, stderr[-3000:]
     assert "--zaya-sigterm-deadline" in stdout and "90% of data" in stdout and "default 100%" in stdout
     assert written == []
+
+
+def test_zaya_torchrun_does_not_restart_bad_input_and_exits_2(tmp_path):
+    """Under ``--max-restarts 3`` a worker that refuses its flags (exit 2) is not restarted (each restart would refuse
+    them again): the error line comes once, and zaya-torchrun exits 2 (torchrun exits 1) for the Slurm scripts to
+    leave it to a person instead of requeueing it."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("WORLD_SIZE", None)
+    run = subprocess.run([sys.executable, "-m", "megatron_zaya.launch", "--standalone", "--nproc-per-node", "1",
+                          "--max-restarts", "3", "-m", "megatron_zaya.pretrain", *QUICK, "--train-iters", "4",
+                          "--num-layers", "0"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr.count("zaya-pretrain: error: --num-layers 0: must be at least 1") == 1, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines()[-1] == "zaya-torchrun: a worker stopped on bad input; not restarted: exit 2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -296,11 +296,12 @@ def test_pretrain_sbatch_requeues_a_failed_step_without_the_nodes_the_ledger_exc
     assert proc.returncode == 0 and "(1 of 2 requeues on failure)" in proc.stderr, proc.stderr
 
 
-def test_pretrain_sbatch_leaves_a_crash_loop_to_a_person(tmp_path):
-    env, _, _, _ = pretrain_job(tmp_path, "h200", FAKE_TORCHRUN_FAIL_NODE="0", FAKE_TORCHRUN_FAIL_CODE="5",
+@pytest.mark.parametrize("code, words", [(5, "crash loop (exit 5"), (2, "refused its input (exit 2")])
+def test_pretrain_sbatch_leaves_bad_input_and_a_crash_loop_to_a_person(tmp_path, code, words):
+    env, _, _, _ = pretrain_job(tmp_path, "h200", FAKE_TORCHRUN_FAIL_NODE="0", FAKE_TORCHRUN_FAIL_CODE=str(code),
                                 CONTAINER_RUNTIME="none")
     proc = run(SLURM / "pretrain_zaya1_8b.sbatch", env, tmp_path)
-    assert proc.returncode == 5 and "crash loop (exit 5" in proc.stderr, proc.stderr
+    assert proc.returncode == code and words in proc.stderr, proc.stderr
     assert [c["argv"][1:3] for c in records(tmp_path, "scontrol")] == [["show", "hostnames"]]
 
 
