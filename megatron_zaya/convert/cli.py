@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron_zaya.errors import CheckpointError, ConversionError, UsageError
+from megatron_zaya.errors import USAGE_EXIT_CODE, CheckpointError, ConversionError, UsageError
 
 DTYPES = {"auto": None, "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # torch's names: --help needs no torch
 
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             export_hf(args.ckpt_dir, args.out_dir, dtype, args.tokenizer)
     except (ConversionError, CheckpointError, UsageError) as error:
         print(f"zaya-convert: error: {error}", file=sys.stderr)
-        return 2
+        return USAGE_EXIT_CODE
     return 0
 
 

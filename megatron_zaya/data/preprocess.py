@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from ..errors import InputError
+from ..errors import USAGE_EXIT_CODE, InputError
 from .documents import expand_inputs, read_documents
 from .embedded import EMBEDDED_CORPUS, EMBEDDED_DIR, embedded_tokenizer_dir
 from .tokenizer_json import TokenizerJson
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     except InputError as e:
         print(f"zaya-preprocess: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(USAGE_EXIT_CODE)
     print(
         f"wrote {summary.documents} documents, {summary.tokens} tokens ({np.dtype(summary.dtype).name}) "
         f"to {summary.prefix}.bin/.idx"
