@@ -1,7 +1,7 @@
 """A run resumes where it saves: without ``--load``, zaya-pretrain loads from ``--save`` (Megatron starts afresh
 from a directory without a checkpoint). :func:`check_save_and_load` refuses a run that would start afresh into a
 directory holding a checkpoint (another ``--load``, ``--finetune``) unless ``--zaya-overwrite-save`` is given, and
-a ``--load`` that does not exist.
+a ``--load`` that does not exist or holds no checkpoint to load (Megatron starts from random weights then).
 """
 
 from __future__ import annotations
@@ -33,13 +33,30 @@ def held_checkpoint(save_dir: str) -> str | None:
     return f"iteration {int(max(saved).name[5:])}" if saved else None
 
 
+def _nothing_to_load(load: str) -> str:
+    """Why the existing directory ``load``, which holds no checkpoint, cannot be loaded, and the fix."""
+    root = Path(load)
+    if (root / "config.json").is_file() and any(root.glob("*.safetensors")):
+        return (f"--load {load} holds a Hugging Face checkpoint, not a Megatron one; convert it first (zaya-convert "
+                f"import-hf {load} {root.name}-megatron) and --load that")
+    if root.name.startswith("iter_") and read_tracker(root.parent) is not None:
+        return (f"--load {load} is one step of the checkpoint directory {root.parent}; give --load {root.parent} "
+                "(it loads its newest intact step; --ckpt-step N picks another)")
+    return (f"--load {load} holds no checkpoint ({TRACKER} and a complete iter_* directory are missing); give the "
+            "checkpoint directory, or drop --load to start afresh")
+
+
 def check_save_and_load(args, argv: list[str]) -> str | None:
-    """Refuse a ``--load`` that does not exist, and a fresh start into a ``--save`` that holds a checkpoint
-    (unless ``--zaya-overwrite-save``). Returns the line to print when the run resumes from ``--save`` without
-    ``--load`` being given."""
+    """Refuse a ``--load`` that does not exist or holds no checkpoint (unless it is the ``--save`` directory of a run
+    that starts, not ``--finetune``), and a fresh start into a ``--save`` that holds a checkpoint (unless
+    ``--zaya-overwrite-save``). Returns the line to print when the run resumes from ``--save`` without ``--load``
+    being given."""
     if args.load and not Path(args.load).exists() and not _same(args.load, args.save):
         raise UsageError(f"--load {args.load}: no such directory (relative paths start at {os.getcwd()}); give the "
                          "checkpoint directory, or drop --load to start afresh")
+    if args.load and Path(args.load).is_dir() and held_checkpoint(args.load) is None \
+            and (args.finetune or not _same(args.load, args.save)):
+        raise UsageError(_nothing_to_load(args.load))
     held = held_checkpoint(args.save) if args.save else None
     if held is None:
         return None

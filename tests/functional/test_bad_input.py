@@ -72,6 +72,14 @@ def _run_cases(directory):
     held = directory / "held"  # a --save directory holding the checkpoint of a run
     (held / "iter_0000003").mkdir(parents=True)
     (held / "latest_checkpointed_iteration.txt").write_text("3")
+    other = directory / "other"  # the checkpoint of another run
+    (other / "iter_0000002").mkdir(parents=True)
+    (other / "latest_checkpointed_iteration.txt").write_text("2")
+    hugging_face = directory / "ZAYA1-8B"  # what zaya-convert import-hf reads
+    hugging_face.mkdir()
+    (hugging_face / "config.json").write_text('{"model_type": "zaya"}')
+    (hugging_face / "model.safetensors").write_bytes(b"")
+    (directory / "empty").mkdir()
     cases = {
         "small corpus with the default split": ["--data-path", small, *tokenizer],
         "a damaged pointer in the middle of the .idx": ["--data-path", damaged, "--split", "90,10,0", *tokenizer],
@@ -150,11 +158,17 @@ def _run_cases(directory):
         "an in-memory tier without gloo groups": [*memory, "--disable-gloo-process-groups"],
         "a --load that does not exist": [*saving, "--load", "missing-ckpt"],
         "another --load into a --save that holds a checkpoint": [*saving, "--save", str(held), "--load",
-                                                                 str(directory)],
+                                                                 str(other)],
         "--finetune into a --save that holds a checkpoint": [*saving, "--save", str(held), "--load", str(held),
                                                              "--finetune"],
         "overwriting the checkpoint it loads": [*saving, "--save", str(held), "--load", str(held),
                                                 "--zaya-overwrite-save"],
+        "a Hugging Face checkpoint as --load": [*saving, "--save", "tuned", "--load", str(hugging_face),
+                                                "--finetune"],
+        "a step directory as --load": [*saving, "--save", "next", "--load", str(held / "iter_0000003")],
+        "an empty --load": [*saving, "--save", "next", "--load", str(directory / "empty")],
+        "--finetune from an empty --save": [*saving, "--save", str(directory / "empty"), "--load",
+                                            str(directory / "empty"), "--finetune"],
     })
     cases.update({name: flags for name, (flags, _) in MODEL_AND_LAYOUT.items()})
     argvs = {name: QUICK + ["--train-iters", "5", "--save", "ckpt", "--load", "ckpt", *flags]
@@ -268,6 +282,11 @@ EXPECTED = {  # case -> words the one error line must hold
     "--finetune into a --save that holds a checkpoint": ["--finetune restarts at iteration 0", "drop --finetune"],
     "overwriting the checkpoint it loads": ["--zaya-overwrite-save with --load",
                                             "would delete the checkpoint it loads"],
+    "a Hugging Face checkpoint as --load": ["ZAYA1-8B holds a Hugging Face checkpoint, not a Megatron one",
+                                            "zaya-convert import-hf", "ZAYA1-8B-megatron"],
+    "a step directory as --load": ["iter_0000003 is one step of the checkpoint directory", "held (it loads"],
+    "an empty --load": ["empty holds no checkpoint", "drop --load to start afresh"],
+    "--finetune from an empty --save": ["empty holds no checkpoint"],
     **{name: words for name, (_, words) in MODEL_AND_LAYOUT.items()},
 }
 
