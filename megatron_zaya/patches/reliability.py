@@ -192,6 +192,31 @@ def save_failure() -> None:
     replace_attr(training, "save_checkpoint", save_checkpoint)
 
 
+@register("reliability.watchdog_loads", target="megatron.training.training.load_checkpoint")
+def watchdog_loads() -> None:
+    """Give the checkpoint load at start-up its own allowance under ``--zaya-watchdog-seconds``, as saves have: the
+    progress watchdog starts with the optimizer, before Megatron loads the checkpoint into it, and a load of a large
+    model from shared storage can take longer than the allowance before the first step (10 T); a restart would only
+    load it again.
+
+    Wraps the name ``load_checkpoint`` that ``megatron.training.training`` imported (``setup_model_and_optimizer``
+    calls it). Off: leave ``reliability.watchdog_loads`` out of ``--zaya-patches`` (a load longer than the allowance
+    then counts as a hang).
+    """
+    import megatron.training.training as training
+
+    from megatron_zaya.training.watchdog import WATCHDOG
+
+    original = training.load_checkpoint
+
+    @functools.wraps(original)
+    def load_checkpoint(*args, **kwargs):
+        with WATCHDOG.paused():
+            return original(*args, **kwargs)
+
+    replace_attr(training, "load_checkpoint", load_checkpoint)
+
+
 @register("reliability.watchdog_saves", target="megatron.training.training.save_checkpoint",
           wraps=("reliability.save_failure",))
 def watchdog_saves() -> None:

@@ -52,7 +52,7 @@ def _where() -> str:
     from megatron.training import get_args
 
     if getattr(get_args(), "curr_iteration", None) is None:
-        return f" before iteration {_iteration()}, setting up (checkpoint load, data loaders)"
+        return " while setting up, before its first step (data loaders)"
     return f" in iteration {_iteration()}"
 
 

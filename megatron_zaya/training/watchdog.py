@@ -7,11 +7,11 @@ Progress is a beat: each micro-batch's forward (training and evaluation) and eac
 (:class:`~megatron_zaya.training.reliability.StepGuard` gives them). A rank hangs when no beat came for longer
 than its allowance:
 
-* until the first optimizer step, ``FIRST_STEP_ALLOWANCE * T`` (from the optimizer's creation: checkpoint load,
-  data loaders, kernel compilation, graph capture);
+* until the first optimizer step, ``FIRST_STEP_ALLOWANCE * T`` (from the optimizer's creation: data loaders, kernel
+  compilation, graph capture);
 * then ``T``, or ``SLOW_STEP_FACTOR`` times the longest gap between beats measured so far (the first step's,
   compilation included) when that is longer: a run whose steps are merely slow is not a hang;
-* never while a checkpoint is being saved (:meth:`ProgressWatchdog.paused`).
+* never while a checkpoint is being saved or loaded (:meth:`ProgressWatchdog.paused`).
 
 Before it exits, a hung rank also writes torch's flight recorder, the last collectives of each of its process groups
 and how far each got (:func:`dump_flight_recorder`): the stacks say where a rank waits, the recorder in which
@@ -106,7 +106,7 @@ class ProgressWatchdog:
 
     @contextlib.contextmanager
     def paused(self):
-        """No hang is declared inside (a checkpoint save); the gap restarts at its end."""
+        """No hang is declared inside (a checkpoint save or load); the gap restarts at its end."""
         with self._lock:
             self._pauses += 1
         try:

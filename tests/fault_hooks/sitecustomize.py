@@ -17,6 +17,7 @@ imported, its :class:`StepGuard` is wrapped so that the given (1-based) iteratio
 
 ``setup_hang@0`` hangs the set-up between the optimizer's creation (the watchdog's start) and the training loop:
 Megatron's building of the data iterators never returns, in a launch that torchrun has not restarted yet.
+``slow_load@0`` makes Megatron's checkpoint load at start-up take :data:`SLOW_LOAD_SECONDS` longer.
 
 ``slow_write@iteration`` instead delays the background writer (``--async-save``): its write of that checkpoint
 starts :data:`SLOW_WRITE_SECONDS` late, so that the steps after it reach the next save while it is in flight.
@@ -40,7 +41,9 @@ WRITE_KINDS = ("slow_write",)
 SAVE_KINDS = ("kill_after_save",)
 NODE_KINDS = ("bad_gemm",)
 SETUP_KINDS = ("setup_hang",)
+LOAD_KINDS = ("slow_load",)
 SLOW_WRITE_SECONDS = 5.0
+SLOW_LOAD_SECONDS = 25.0
 
 
 @functools.cache
@@ -49,7 +52,7 @@ def _plan() -> tuple[tuple[str, int, int | None], ...]:
     for item in (s.strip() for s in os.environ.get(ENV_VAR, "").split(",") if s.strip()):
         kind, _, rest = item.partition("@")
         iteration, _, rank = rest.partition("@")
-        kinds = STEP_KINDS + WRITE_KINDS + NODE_KINDS + SAVE_KINDS + SETUP_KINDS
+        kinds = STEP_KINDS + WRITE_KINDS + NODE_KINDS + SAVE_KINDS + SETUP_KINDS + LOAD_KINDS
         if kind not in kinds or not iteration.isdigit() or (rank and not rank.isdigit()):
             raise ValueError(f"{ENV_VAR}: bad entry {item!r}; use kind@iteration[@rank], kind one of "
                              f"{', '.join(kinds)}")
@@ -198,6 +201,20 @@ def _wrap_setup(module) -> None:
     module.build_train_valid_test_data_iterators = build_never_returns
 
 
+def _wrap_load(module) -> None:
+    """Delay ``load_checkpoint`` by :data:`SLOW_LOAD_SECONDS`, as a large checkpoint on slow storage takes."""
+    import time
+
+    load_checkpoint = module.load_checkpoint
+
+    @functools.wraps(load_checkpoint)
+    def load_slowly(*args, **kwargs):
+        time.sleep(SLOW_LOAD_SECONDS)
+        return load_checkpoint(*args, **kwargs)
+
+    module.load_checkpoint = load_slowly
+
+
 class _WrapOnImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: hands the ``target`` module's spec on with a loader that applies ``wrap`` to it once
     executed."""
@@ -230,3 +247,5 @@ if any(kind in WRITE_KINDS for kind, _, _ in _plan()):
     sys.meta_path.insert(0, _WrapOnImport("megatron_zaya.checkpoint.staging", _wrap_writer))
 if any(kind in SETUP_KINDS for kind, _, _ in _plan()):
     sys.meta_path.insert(0, _WrapOnImport("megatron.training.training", _wrap_setup))
+if any(kind in LOAD_KINDS for kind, _, _ in _plan()):  # before megatron.training.training imports the name
+    sys.meta_path.insert(0, _WrapOnImport("megatron.training.checkpointing", _wrap_load))

@@ -78,9 +78,21 @@ def test_a_hang_while_setting_up_is_declared_and_the_run_exits(tmp_path):
                    timeout=180)
     assert run.returncode == 4, run.stderr[-3000:]
     line = _last_error(run.stderr)
-    assert " before iteration 1, setting up (checkpoint load, data loaders) (allowed: 10 s" in line, line
+    assert " while setting up, before its first step (data loaders) (allowed: 10 s" in line, line
     events = [json.loads(line) for line in (save / "events.jsonl").read_text().splitlines()]
     assert [(e["event"], e["step"]) for e in events if e["event"] == "hang"] == [("hang", 1)], events
+
+
+def test_a_checkpoint_load_longer_than_the_watchdogs_allowance_is_no_hang(tmp_path):
+    """The watchdog starts with the optimizer, before Megatron loads the checkpoint into it: a load of 25 s under
+    ``--zaya-watchdog-seconds 2`` (20 s before the first step) is no hang, as a save is none (patch
+    ``reliability.watchdog_loads``), and the resumed run trains on."""
+    flags = QUICK + ["--train-iters", "4", "--save-interval", "2", "--save", "ck", "--zaya-watchdog-seconds", "2"]
+    first = pretrain(flags + ["--exit-interval", "2"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = pretrain(flags, cwd=tmp_path, extra_env=with_faults("slow_load@0"), timeout=300)
+    assert resumed.returncode == 0 and "made no progress" not in resumed.stderr, resumed.stderr[-3000:]
+    assert sorted(losses(resumed.stdout)) == [3, 4]
 
 
 def test_replica_drift_and_a_nan_on_one_rank_under_torchrun(tmp_path):
