@@ -192,6 +192,23 @@ def save_failure() -> None:
     replace_attr(training, "save_checkpoint", save_checkpoint)
 
 
+def _pause_the_watchdog_in(name: str) -> None:
+    """Replace the function ``name`` that ``megatron.training.training`` imported by the same call with the progress
+    watchdog paused."""
+    import megatron.training.training as training
+
+    from megatron_zaya.training.watchdog import WATCHDOG
+
+    original = getattr(training, name)
+
+    @functools.wraps(original)
+    def paused(*args, **kwargs):
+        with WATCHDOG.paused():
+            return original(*args, **kwargs)
+
+    replace_attr(training, name, paused)
+
+
 @register("reliability.watchdog_loads", target="megatron.training.training.load_checkpoint")
 def watchdog_loads() -> None:
     """Give the checkpoint load at start-up its own allowance under ``--zaya-watchdog-seconds``, as saves have: the
@@ -203,18 +220,7 @@ def watchdog_loads() -> None:
     calls it). Off: leave ``reliability.watchdog_loads`` out of ``--zaya-patches`` (a load longer than the allowance
     then counts as a hang).
     """
-    import megatron.training.training as training
-
-    from megatron_zaya.training.watchdog import WATCHDOG
-
-    original = training.load_checkpoint
-
-    @functools.wraps(original)
-    def load_checkpoint(*args, **kwargs):
-        with WATCHDOG.paused():
-            return original(*args, **kwargs)
-
-    replace_attr(training, "load_checkpoint", load_checkpoint)
+    _pause_the_watchdog_in("load_checkpoint")
 
 
 @register("reliability.watchdog_saves", target="megatron.training.training.save_checkpoint",
@@ -227,15 +233,4 @@ def watchdog_saves() -> None:
     ``reliability.save_failure``: the pause covers whatever runs inside. Off: leave ``reliability.watchdog_saves``
     out of ``--zaya-patches`` (a save longer than the watchdog's allowance then counts as a hang).
     """
-    import megatron.training.training as training
-
-    from megatron_zaya.training.watchdog import WATCHDOG
-
-    original = training.save_checkpoint
-
-    @functools.wraps(original)
-    def save_checkpoint(*args, **kwargs):
-        with WATCHDOG.paused():
-            return original(*args, **kwargs)
-
-    replace_attr(training, "save_checkpoint", save_checkpoint)
+    _pause_the_watchdog_in("save_checkpoint")
