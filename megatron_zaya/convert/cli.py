@@ -93,12 +93,11 @@ def finetune_command(cfg, ckpt: Path) -> list[str]:
 
 def export_hf(ckpt_dir: Path, out: Path, dtype, tokenizer: Path | None) -> None:
     import torch
+    from safetensors import SafetensorError
 
     from megatron_zaya.convert.hf import hf_config_from_zaya, megatron_to_hf
     from megatron_zaya.convert.hf_io import write_hf_checkpoint
     from megatron_zaya.pretrained import load_megatron
-
-    from safetensors import SafetensorError
 
     _check_output(out)
     if tokenizer is not None and not tokenizer.is_dir():

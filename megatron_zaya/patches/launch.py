@@ -49,11 +49,12 @@ def no_restart_after_a_stop():
 
     torch's elastic agent restarts the group on any worker failure until ``--max-restarts`` is spent. Bad input is
     refused again at each restart, a run stopped by ``--zaya-max-step-failures`` would stop again, and a node that
-    failed its self-test fails it again: the restarts only cost start-ups, and hide the code from the scheduler. Patched, the agent's
-    ``_monitor_workers`` leaves no restarts when a failed worker exited with one of these codes, so the agent stops
-    the group, and ``zaya-torchrun`` exits with that code (``megatron_zaya/launch.py``) for the Slurm scripts to
-    tell bad input and a crash loop (no requeue) from a bad node (requeue without it). ``zaya-torchrun`` applies it in its own
-    process. Off: launch with plain ``torchrun``, or leave ``launch`` out of ``ZAYA_PATCHES``.
+    failed its self-test fails it again: the restarts only cost start-ups, and hide the code from the scheduler.
+    Patched, the agent's ``_monitor_workers`` leaves no restarts when a failed worker exited with one of these codes,
+    so the agent stops the group, and ``zaya-torchrun`` exits with that code (``megatron_zaya/launch.py``) for the
+    Slurm scripts to tell bad input and a crash loop (no requeue) from a bad node (requeue without it).
+    ``zaya-torchrun`` applies it in its own process. Off: launch with plain ``torchrun``, or leave ``launch`` out of
+    ``ZAYA_PATCHES``.
     """
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
