@@ -279,8 +279,9 @@ class Bounds(NamedTuple):
 
 _COUNT, _NON_NEGATIVE, _FRACTION, _BETA = Bounds(1), Bounds(0), Bounds(0, 1), Bounds(0, 1, below=True)
 
-# Megatron's numeric flags whose range it does not check before training: out of range, a run fails with a traceback
-# (at start-up, or steps later) or trains on as if the flag were not given.
+# Numeric flags whose range nothing checks before training: Megatron's, and --zaya-vocab-size, whose 0 the command
+# takes as "not given" before ZayaConfig sees it. Out of range, a run fails with a traceback (at start-up, or steps
+# later) or trains on as if the flag were not given.
 FLAG_BOUNDS = {
     "--micro-batch-size": _COUNT, "--global-batch-size": _COUNT, "--train-iters": _COUNT, "--train-samples": _COUNT,
     "--seq-length": _COUNT, "--max-position-embeddings": _COUNT, "--dist-ckpt-workers": _COUNT,
