@@ -207,6 +207,11 @@ class ZayaConfig(TransformerConfig):
             if "sliding" in self.attention_types and not (self.sliding_window and self.sliding_window > 0):
                 fail(f"sliding layers are configured with sliding_window={self.sliding_window}",
                      "set --zaya-sliding-window to 1 or more")
+        fewest = 1 if self.recompute_method == "uniform" else 0
+        if self.recompute_granularity == "full" and self.recompute_num_layers is not None \
+                and self.recompute_num_layers < fewest:
+            fail(f"--recompute-num-layers {self.recompute_num_layers} with --recompute-method {self.recompute_method}",
+                 "give the layers per recomputed run (uniform, 1 or more) or the layers recomputed (block, 0 or more)")
         if self.cuda_graphs and self.recompute_granularity == "full":
             fail("--zaya-cuda-graphs with full recomputation (the graphs capture whole layers, forward and backward)",
                  "use --recompute-granularity selective, or drop --zaya-cuda-graphs")

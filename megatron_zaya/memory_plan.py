@@ -214,6 +214,8 @@ class Run:
     grad_bf16: bool = False
     bf16_momentum: bool = False
     recompute: str | None = None  # None | "full" | "selective"
+    recompute_method: str = "uniform"  # with "full": --recompute-method and --recompute-num-layers
+    recompute_num_layers: int = 1
     recompute_modules: tuple[str, ...] = ()
     cuda_graphs: bool = False
     sequence_parallel: bool = False
@@ -247,9 +249,20 @@ def plan(cfg, par: Parallel, run: Run, stage: int = 0) -> dict[str, float]:
 
     tokens = run.micro_batch * run.seq // par.cp // (par.tp if run.sequence_parallel else 1)
     layers = math.ceil(cfg.num_layers / par.pp)
-    if run.recompute == "full":  # each layer keeps its inputs; one layer's activations live during its backward
-        per_layer = (4 * cfg.hidden_size + 4 * cfg.router_hidden_size) * tokens
-        activations = per_layer * layers + layer_bytes(cfg, tokens, run.micro_batch, (), run.path)
+    if run.recompute == "full":  # a recomputed run keeps its input; one run's activations live during its backward
+        from .model.recompute import full_recompute_segments  # imports torch: only where a plan is made
+
+        segments = full_recompute_segments(layers, run.recompute_method, run.recompute_num_layers)
+        recomputed = [len(indices) for indices, again in segments if again]
+        kept = layers - sum(recomputed)
+        stream, router_state = 4 * cfg.hidden_size * tokens, 4 * cfg.router_hidden_size * tokens
+        first_run = bool(recomputed) and stage == 0  # it holds the model's first layer, which takes no router state
+        # Each layer's terms hold its output router state, which the next layer keeps: so does the first layer kept
+        # after a recomputed one (block).
+        handed_on = bool(recomputed) and kept > 0
+        activations = ((stream + router_state) * len(recomputed) + (handed_on - first_run) * router_state
+                       + stack_bytes(cfg, kept, tokens, run.micro_batch, (), run.path)
+                       + max(recomputed, default=0) * layer_bytes(cfg, tokens, run.micro_batch, (), run.path))
     else:
         modules = run.recompute_modules if run.recompute == "selective" else ()
         activations = stack_bytes(cfg, layers, tokens, run.micro_batch, modules, run.path)

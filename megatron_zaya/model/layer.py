@@ -5,8 +5,9 @@ are ``input_layernorm``, ``self_attention`` = CCA, ``self_attn_bda`` = residual 
 ``pre_mlp_layernorm``, ``mlp`` = ``ZayaMoELayer``, ``mlp_bda`` = residual scaling); only ``forward``
 differs, because ZAYA1 keeps the residual stream in fp32 and threads the router state r from layer to layer.
 ``ZayaTransformerBlock`` adds the input affine after the embedding and the per-layer RoPE table, and
-recomputes every layer in the backward pass with ``--recompute-granularity full``; with ``selective`` the
-layer recomputes the pieces named by ``--recompute-modules`` (``recompute.py``).
+recomputes layers in the backward pass with ``--recompute-granularity full``, those that ``--recompute-method`` and
+``--recompute-num-layers`` choose; with ``selective`` the layer recomputes the pieces named by
+``--recompute-modules`` (``recompute.py``).
 
 Pipeline parallelism: a stage hands the next one the residual stream *and* the router state of its last layer
 (the next layer's EDA input), concatenated on the channel dim into one fp32 tensor ``[s, b, D + R]`` (just
@@ -27,7 +28,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from ..config import ZayaConfigError
 from .cuda_graphs import LayerGraphs, check_cuda_graphs
 from .norm import InputScaling, residual_dtype
-from .recompute import Recompute, recomputes
+from .recompute import Recompute, full_recompute_segments, recomputes
 
 
 def stage_tensor_width(config) -> int:
@@ -60,7 +61,7 @@ class ZayaTransformerLayer(TransformerLayer):
                                                     *self.pre_mlp_layernorm.parameters()])
         mlp_input, residual = pre_mlp_norm(attention_output, residual)
         if recomputes(self.config, "moe", self.training) and not self.mlp.runs_as_one_op(mlp_input):
-            mlp = Recompute(_count_tokens_once(self, lambda x, router_state: self.mlp(x, router_state=router_state)),
+            mlp = Recompute(_count_tokens_once([self], lambda x, router_state: self.mlp(x, router_state=router_state)),
                             self.mlp.parameters())
             mlp_output, router_state = mlp(mlp_input, router_state)
         else:
@@ -89,20 +90,30 @@ class ZayaTransformerLayer(TransformerLayer):
         return output, residual
 
 
-def _count_tokens_once(layer, run):
-    """``run`` for activation recomputation: the router counts its tokens in the first forward only, not
-    again when the layer is recomputed during the backward pass."""
+def _count_tokens_once(layers, run):
+    """``run`` for activation recomputation: the routers of ``layers`` count their tokens in the first forward only,
+    not again when the layers are recomputed during the backward pass."""
     calls = []
 
     def forward(hidden_states, router_state):
-        layer.mlp.router.count_tokens = not calls
+        for layer in layers:
+            layer.mlp.router.count_tokens = not calls
         calls.append(True)
         try:
-            return run(hidden_states, router_state=router_state)
+            return run(hidden_states, router_state)
         finally:
-            layer.mlp.router.count_tokens = True
+            for layer in layers:
+                layer.mlp.router.count_tokens = True
 
     return forward
+
+
+def _run_in_turn(layers, hidden_states, router_state, attention_mask, rotary_pos_emb):
+    """``layers`` one after another; ``rotary_pos_emb`` maps an attention type to its RoPE table."""
+    for layer in layers:
+        hidden_states, router_state = layer(hidden_states, router_state=router_state, attention_mask=attention_mask,
+                                            rotary_pos_emb=rotary_pos_emb[layer.attention_type])
+    return hidden_states, router_state
 
 
 class ZayaTransformerBlock(TransformerBlock):
@@ -143,16 +154,20 @@ class ZayaTransformerBlock(TransformerBlock):
         return hidden_states
 
     def _run_layers(self, hidden_states, router_state, attention_mask, rotary_pos_emb):
-        recompute = self.training and self.config.recompute_granularity == "full"
-        for layer in self.layers:
-            run = partial(layer, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb[layer.attention_type])
-            if recompute:
+        layers = len(self.layers)
+        segments = [(range(layers), False)]
+        if self.training and self.config.recompute_granularity == "full":
+            segments = full_recompute_segments(layers, self.config.recompute_method, self.config.recompute_num_layers)
+        for indices, recomputed in segments:
+            segment = [self.layers[index] for index in indices]
+            run = partial(_run_in_turn, segment, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+            if recomputed:
                 hidden_states, router_state = tensor_parallel.checkpoint(
-                    _count_tokens_once(layer, run), self.config.distribute_saved_activations, hidden_states,
+                    _count_tokens_once(segment, run), self.config.distribute_saved_activations, hidden_states,
                     router_state,
                 )
             else:
-                hidden_states, router_state = run(hidden_states, router_state=router_state)
+                hidden_states, router_state = run(hidden_states, router_state)
         return hidden_states, router_state
 
     def _pack_stage_output(self, hidden_states, router_state):

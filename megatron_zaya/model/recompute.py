@@ -1,6 +1,11 @@
-"""Selective activation recomputation of ZAYA1's cheap pieces (``--recompute-granularity selective``).
+"""Activation recomputation: of whole layers (``--recompute-granularity full``, :func:`full_recompute_segments`) and
+selectively of ZAYA1's cheap pieces (``--recompute-granularity selective``).
 
-``--recompute-modules`` names which pieces of every layer keep no activations of their own: they run without
+Full recomputation follows Megatron's ``--recompute-method`` and ``--recompute-num-layers`` N over a pipeline stage's
+layers: ``uniform`` keeps only the input of each run of N layers and runs the whole run again in its backward;
+``block`` recomputes the first N layers one by one and keeps the activations of the rest.
+
+With selective recomputation, ``--recompute-modules`` names which pieces of every layer keep no activations of their own: they run without
 autograd in the forward, keep only their inputs, and run again in the backward to get their gradients
 (``config.RECOMPUTE_MODULES`` lists the names). A piece whose *output* is saved by the next operation (a norm's
 output by the projections after it, CCA's attention output by ``linear_proj``) can also drop that output until
@@ -19,6 +24,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
+
+
+def full_recompute_segments(layers: int, method: str, per_chunk: int) -> list[tuple[range, bool]]:
+    """A stage's ``layers`` as consecutive runs, each with whether full recomputation (``--recompute-method``,
+    ``--recompute-num-layers``) runs it from its input again in the backward."""
+    if method == "uniform":
+        return [(range(first, min(first + per_chunk, layers)), True) for first in range(0, layers, per_chunk)]
+    return [(range(index, index + 1), index < per_chunk) for index in range(layers)]
 
 
 def recomputes(config, name: str, active: bool = True) -> bool:

@@ -141,6 +141,8 @@ def _run_cases(directory):
         "a negative gradient clip": [*mock, "--clip-grad", "-1"],
         "a dropout above 1": [*mock, "--hidden-dropout", "1.5"],
         "an Adam beta of 1": [*mock, "--adam-beta2", "1"],
+        "uniform recomputation of no layers": [*mock, "--recompute-granularity", "full", "--recompute-method",
+                                               "uniform", "--recompute-num-layers", "0"],
         "a router of no width": [*mock, "--save-interval", "5", "--zaya-router-hidden-size", "0"],
         "balancing betas above 1": [*mock, "--save-interval", "5", "--zaya-balancing-betas", "0.9", "1.5"],
         "a Muon momentum of 1": [*mock, "--save-interval", "5", "--optimizer", "zaya_muon", "--zaya-muon-momentum",

@@ -50,3 +50,15 @@ def test_logged_params_norm_is_the_float64_norm_of_the_saved_weights(muon_run, t
                    and v.is_floating_point() and "balancing_" not in k]  # the parameters, not the router's buffers
         want = torch.linalg.vector_norm(torch.cat([w.double().flatten() for w in weights])).item()
         assert abs(logged[step] - want) <= 6e-4, (step, logged[step], want)  # printed with 3 decimals
+
+
+def test_full_recomputation_of_some_layers_trains_as_the_run_without(muon_run, tmp_path):
+    """``--recompute-method block --recompute-num-layers 1``: the first layer recomputed in the backward, the others
+    keeping their activations; the losses are those of the run that recomputes nothing."""
+    expected = losses((muon_run / "stdout.log").read_text())
+    run = pretrain(MUON_RUN + ["--exit-interval", "4", "--recompute-granularity", "full", "--recompute-method", "block",
+                               "--recompute-num-layers", "1"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = losses(run.stdout)
+    assert sorted(got) == [1, 2, 3, 4]
+    assert all(abs(got[i] - expected[i]) <= 1e-5 * expected[i] for i in got), (got, expected)

@@ -3,6 +3,7 @@ against the tensors a ZAYA1 model really saves for its backward (torch's saved-t
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -135,3 +136,46 @@ def test_a_cluster_command_is_planned_on_a_machine_without_its_gpus_data_or_toke
               + 2 * 4 * (cfg.hidden_size + cfg.router_hidden_size) * tokens)
     assert abs(gib["CUDA graphs"] - graphs / 2**30) < 0.01
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("method, per_chunk", [("uniform", 1), ("uniform", 2), ("block", 1), ("block", 3)])
+def test_full_recompute_keeps_what_the_plan_says(method, per_chunk):
+    """What the model saves for its backward with full recomputation, against without any: the difference is what
+    the plan's activations drop (the recomputed layers' activations, less the inputs each recomputed run keeps),
+    the plan adding back the longest run's activations, live while its backward runs. Every token reaches an expert
+    (no skip class), as the plan counts them."""
+    from megatron_zaya.memory_plan import Run, layer_bytes, plan
+    from megatron_zaya.model.recompute import full_recompute_segments
+
+    seq, batch = SHAPES["test"]
+    config = dict(num_layers=4, recompute_granularity="full", recompute_method=method, recompute_num_layers=per_chunk)
+    held = {}
+    for name, extra in (("plain", {}), ("full", config)):
+        cfg = zaya_config("test", use_cpu_initialization=True, params_dtype=torch.float32,
+                          skip_class=False, **({"num_layers": 4} | extra))
+        torch.manual_seed(0)
+        model = build_single_process_model(cfg)
+        model.train()
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+        state = {p.untyped_storage()._cdata for p in [*model.parameters(), *model.buffers()]}
+        inside, saved = [False], {}
+        model.decoder.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+        model.decoder.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if inside[0] and storage._cdata not in state:
+                saved.setdefault(storage._cdata, storage)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model(ids, position_ids=None, attention_mask=None, labels=ids)
+        held[name] = sum(storage.nbytes() for storage in saved.values())
+    run = Run(micro_batch=batch, seq=seq, global_batch=batch, bf16=False, path="torch")
+    planned = {name: plan(cfg, Parallel(), dataclasses.replace(run, **fields))["activations per micro-batch"]
+               for name, fields in (("plain", {}), ("full", dict(recompute="full", recompute_method=method,
+                                                                  recompute_num_layers=per_chunk)))}
+    longest = max(len(indices) for indices, again in full_recompute_segments(4, method, per_chunk) if again)
+    live = longest * layer_bytes(cfg, seq * batch, batch, (), "torch")
+    dropped = held["plain"] - held["full"]
+    assert dropped > 0 and dropped == pytest.approx(planned["plain"] - (planned["full"] - live), abs=8)  # EDA's 0
