@@ -14,19 +14,37 @@ from ..errors import TrainingFault, UsageError
 from .format import describe_latest_checkpoint, read_tracker, step_name
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left, or the user's quota used up
+NO_ROOM = {**dict.fromkeys(DISK_FULL, "the disk is full"), errno.EFBIG: "a file may grow no larger"}
 
 
-def full_disk(directory: str) -> str | None:
-    """'ENOSPC: No space left on device' if a 1 MiB write in ``directory`` fails for want of space, else None.
-    (A failed checkpoint write reaches us without its errno: Megatron's writer reports only the error's type.)"""
+def _no_room(error: OSError) -> str | None:
+    """'the disk is full, ENOSPC: No space left on device' and the like, for an error of :data:`NO_ROOM`; else None."""
+    if error.errno not in NO_ROOM:
+        return None
+    return f"{NO_ROOM[error.errno]}, {errno.errorcode[error.errno]}: {error.strerror}"
+
+
+def no_room(directory: str | os.PathLike) -> str | None:
+    """What :func:`_no_room` says if a 1 MiB write in ``directory`` fails for want of room (a full disk, a quota, a
+    file-size limit), else None. (A failed checkpoint write reaches us without its errno: Megatron's writer reports
+    only the error's type.)"""
     probe = Path(directory) / f".zaya-space-probe-{os.getpid()}"
     try:
         probe.write_bytes(b"\0" * (1 << 20))
     except OSError as error:
-        return f"{errno.errorcode[error.errno]}: {error.strerror}" if error.errno in DISK_FULL else None
+        return _no_room(error)
     finally:
         probe.unlink(missing_ok=True)
     return None
+
+
+def write_failure(error: BaseException, directory: str | os.PathLike) -> str:
+    """Why a write into ``directory`` failed as ``error`` (a checkpoint save's ``CheckpointException`` too), in a
+    few words: want of room as such, else the error's type and last line."""
+    failures = getattr(error, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
+    cause = next(iter(failures.values()))[0] if failures else error
+    room = (_no_room(cause) if isinstance(cause, OSError) else None) or no_room(directory)
+    return room or f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
 
 
 def check_save_dir(save_dir: str) -> None:
@@ -58,13 +76,7 @@ def failed_save(error: BaseException, iteration: int, save_dir: str) -> Training
     """The fault that a failed save of ``iteration`` into ``save_dir`` raised as ``error`` stops the run with: its
     cause (a full disk as such), the save directory and the previous checkpoint. The failed save's step directory,
     which the tracker does not name, is removed: on a full disk it is what fills it."""
-    failures = getattr(error, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
-    cause = next(iter(failures.values()))[0] if failures else error
-    summary = f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
-    full = (f"{errno.errorcode[cause.errno]}: {cause.strerror}" if getattr(cause, "errno", None) in DISK_FULL
-            else full_disk(save_dir))
-    if full:
-        summary = f"the disk is full, {full}"
+    summary = write_failure(error, save_dir)
     partial = Path(save_dir) / step_name(iteration)
     if read_tracker(save_dir) != str(iteration) and partial.is_dir():
         shutil.rmtree(partial, ignore_errors=True)  # every failing rank: whichever comes first

@@ -65,11 +65,19 @@ def import_hf(hf_dir: Path, out: Path, dtype) -> None:
     from megatron_zaya import checkpoint
     from megatron_zaya.pretrained import load_hf
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_zaya.checkpoint.save_failures import write_failure
+
     _check_output(out)
     staging = _staging(out)
     try:
         model, cfg = load_hf(hf_dir, dtype)
-        checkpoint.save(model, cfg, staging)
+        try:
+            checkpoint.save(model, cfg, staging)
+        except (OSError, CheckpointException) as error:  # a full disk (Megatron's writer hides the cause)
+            raise UsageError(f"writing {out} failed ({write_failure(error, staging)}); free space or choose another "
+                             "directory (nothing was written)") from error
         _publish(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -96,6 +104,7 @@ def export_hf(ckpt_dir: Path, out: Path, dtype, tokenizer: Path | None) -> None:
     from safetensors import SafetensorError
 
     from megatron_zaya.convert.hf import hf_config_from_zaya, megatron_to_hf
+    from megatron_zaya.checkpoint.save_failures import write_failure
     from megatron_zaya.convert.hf_io import write_hf_checkpoint
     from megatron_zaya.pretrained import load_megatron
 
@@ -115,7 +124,7 @@ def export_hf(ckpt_dir: Path, out: Path, dtype, tokenizer: Path | None) -> None:
             if loaded_tokenizer is not None:
                 loaded_tokenizer.save_pretrained(str(staging))  # its own files, not the rest of its directory
         except (OSError, SafetensorError) as error:  # a full disk (safetensors reports it as its own error)
-            raise UsageError(f"writing {out} failed ({str(error).splitlines()[0]}); free space or choose another "
+            raise UsageError(f"writing {out} failed ({write_failure(error, staging)}); free space or choose another "
                              "directory (nothing was written)") from error
         _publish(staging, out)
     finally:

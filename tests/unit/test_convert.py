@@ -120,19 +120,22 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_model_loads(hf_d
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
-def test_a_disk_that_fills_during_an_export_leaves_nothing(megatron_dir, tmp_path):
-    """The safetensors file outgrows the file-size limit (RLIMIT_FSIZE, as a full disk fails a write): one line,
-    exit 2, and no output or staging directory is left."""
+@pytest.mark.parametrize("command", ["export-hf", "import-hf"])
+def test_a_disk_that_fills_during_a_conversion_leaves_nothing(command, hf_dir, megatron_dir, tmp_path):
+    """The output's largest file (the safetensors file; the torch_dist shard, written by Megatron's writer threads)
+    outgrows the file-size limit (RLIMIT_FSIZE, as a full disk fails a write): one line, exit 2, and no output or
+    staging directory is left."""
 
     def limited():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
 
-    run = subprocess.run([sys.executable, "-m", "megatron_zaya.convert.cli", "export-hf", str(megatron_dir), "hf"],
+    source = megatron_dir if command == "export-hf" else hf_dir
+    run = subprocess.run([sys.executable, "-m", "megatron_zaya.convert.cli", command, str(source), "out"],
                          cwd=tmp_path, preexec_fn=limited, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2, run.stderr[-3000:]
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("zaya-convert: error: writing hf failed (") and "File too large" in last, last
+    assert last.startswith("zaya-convert: error: writing out failed (") and "File too large" in last, last
     assert "Traceback" not in run.stderr and list(tmp_path.iterdir()) == []
 
 
