@@ -125,7 +125,7 @@ def cases(s: Shapes, device: str) -> list[Case]:
         Case("linear_ce_recompute", functools.partial(cross_entropy.linear_cross_entropy, grad_in_forward=False),
              lm_head_ops.linear_cross_entropy, lm_head_inputs, flops=lm_head_flops, compile=False,
              uniform_grad=True),
-        # twice the default chunk of tokens (2^28 / V): half the fp32 weight-gradient read-modify-writes, twice
+        # twice the default chunk of tokens (2^29 / V): half the fp32 weight-gradient read-modify-writes, twice
         # the chunk's logits at the memory peak
         Case("linear_ce_2x_token_chunk", functools.partial(
                  cross_entropy.linear_cross_entropy, token_chunk=2 * cross_entropy.forward_token_chunk(v)),

@@ -44,11 +44,16 @@ from .utils import cdiv, flat_rows, matmul_fp32, matmul_fp32_into, next_power_of
 IGNORE_INDEX = -100
 BLOCK_V = 4096  # vocab columns per program iteration
 TILE_ELEMENTS = 2**28  # logits elements per [token x vocab] tile of linear_cross_entropy: 1 GiB in fp32
+#: Logits elements per whole-vocabulary chunk of tokens when the gradients are computed in the forward: 2 GiB in fp32,
+#: 2,048 tokens at ZAYA1's vocabulary. Each chunk's weight-gradient GEMM reads and writes the fp32 [V, D] gradient once,
+#: so larger chunks amortise it: on an H100 the head took 0.93x the time of 1,024-token chunks, for 1.5 GiB more at
+#: its peak (docs/benchmarks.md).
+FORWARD_TILE_ELEMENTS = 2**29
 #: Token chunks per weight-gradient GEMM when the gradients are computed in the forward: their bf16 logits'
 #: gradients are kept side by side (V x 2 bytes per token), so that the fp32 [V, D] gradient is read and written once
-#: per group rather than once per chunk. One: on an H100, 2 and 4 were 0.98× and 0.97× the time of one for 0.5 and
-#: 2.5 GiB more at the peak, within what two runs of one setting differ by (docs/benchmarks.md); their effect on a
-#: 40-layer step is not measured yet.
+#: per group rather than once per chunk. One: on an H100, with chunks of 1,024 tokens, 2 and 4 were 0.98× and 0.97×
+#: the time of one for 0.5 and 2.5 GiB more at the peak, within what two runs of one setting differ by; four took
+#: 0.95x (a second H100, five rounds) where chunks of twice the tokens took 0.93x (docs/benchmarks.md).
 WEIGHT_GRAD_CHUNKS = 1
 
 
@@ -181,9 +186,9 @@ def _chunks(n: int, size: int) -> list[tuple[int, int]]:
 
 
 def forward_token_chunk(vocab: int) -> int:
-    """Tokens per chunk when the gradients are computed in the forward: a power of two near 2^28 / V (1,024 at
+    """Tokens per chunk when the gradients are computed in the forward: a power of two near 2^29 / V (2,048 at
     ZAYA1's vocabulary)."""
-    return max(1, 2 ** round(math.log2(max(1, TILE_ELEMENTS // vocab))))
+    return max(1, 2 ** round(math.log2(max(1, FORWARD_TILE_ELEMENTS // vocab))))
 
 
 def _tiles(tokens: int, vocab: int, token_chunk: int | None, vocab_chunk: int | None):
@@ -335,7 +340,7 @@ def linear_cross_entropy(
 
     ``token_chunk`` x ``vocab_chunk`` is the logits tile (default: up to 8192 tokens, 2^28 elements).
     ``grad_in_forward`` (when gradients are needed) computes them in the forward over whole-vocabulary token
-    chunks (default about 2^28 / V tokens; ``vocab_chunk`` unused), saving the backward's recomputation, and the
+    chunks (default about 2^29 / V tokens; ``vocab_chunk`` unused), saving the backward's recomputation, and the
     weight's gradient with one GEMM per ``weight_grad_chunks`` of them. The
     weight's gradient then holds for a loss gradient that is one factor for every counted token (any mean or sum of
     the losses, masked tokens given ``ignore_index`` as training does); another gets a NaN one.
