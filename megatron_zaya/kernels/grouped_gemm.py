@@ -43,8 +43,8 @@ from .utils import ACCUMULATE_INTO_MAIN_GRAD, GRADIENT_PLACEHOLDERS, cdiv, next_
 #: tile rows x columns, contraction step, warps, software-pipeline depth; the weight-gradient kernel: output tile
 #: and tokens per contraction step, warps, depth. Tuned with ``benchmarks/tune_grouped_gemm.py``: CUDA's row tiles
 #: on an H200; its weight gradient on an H100 as training runs it (``--main-grad``, added into each expert's
-#: ``main_grad``, a read-modify-write that a wide tile with a deep contraction step amortises best), both before the
-#: programs were ordered for L2 reuse; not retuned since (``tune_grouped_gemm --batch 4 [--main-grad bf16]``).
+#: ``main_grad``, a read-modify-write that a wide tile with a deep contraction step amortises best); both kept when
+#: retuned on an H100 after the programs were ordered for L2 reuse (``tune_grouped_gemm --batch 4 [--main-grad bf16]``).
 GEMM_TUNING = {
     "cuda": {"block_m": 128, "block_n": 256, "block_k": 64, "warps": 8, "stages": 4,
              "wgrad_block_m": 128, "wgrad_block_n": 256, "wgrad_block_r": 64, "wgrad_warps": 8, "wgrad_stages": 3},
