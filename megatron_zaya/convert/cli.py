@@ -62,12 +62,11 @@ def _load_tokenizer(tokenizer: Path):
 
 
 def import_hf(hf_dir: Path, out: Path, dtype) -> None:
-    from megatron_zaya import checkpoint
-    from megatron_zaya.pretrained import load_hf
-
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from megatron_zaya import checkpoint
     from megatron_zaya.checkpoint.save_failures import write_failure
+    from megatron_zaya.pretrained import load_hf
 
     _check_output(out)
     staging = _staging(out)
@@ -103,8 +102,8 @@ def export_hf(ckpt_dir: Path, out: Path, dtype, tokenizer: Path | None) -> None:
     import torch
     from safetensors import SafetensorError
 
-    from megatron_zaya.convert.hf import hf_config_from_zaya, megatron_to_hf
     from megatron_zaya.checkpoint.save_failures import write_failure
+    from megatron_zaya.convert.hf import hf_config_from_zaya, megatron_to_hf
     from megatron_zaya.convert.hf_io import write_hf_checkpoint
     from megatron_zaya.pretrained import load_megatron
 

@@ -5,9 +5,9 @@ Full recomputation follows Megatron's ``--recompute-method`` and ``--recompute-n
 layers: ``uniform`` keeps only the input of each run of N layers and runs the whole run again in its backward;
 ``block`` recomputes the first N layers one by one and keeps the activations of the rest.
 
-With selective recomputation, ``--recompute-modules`` names which pieces of every layer keep no activations of their own: they run without
-autograd in the forward, keep only their inputs, and run again in the backward to get their gradients
-(``config.RECOMPUTE_MODULES`` lists the names). A piece whose *output* is saved by the next operation (a norm's
+With selective recomputation, ``--recompute-modules`` names which pieces of every layer keep no activations of
+their own: they run without autograd in the forward, keep only their inputs, and run again in the backward to get
+their gradients (``config.RECOMPUTE_MODULES`` lists the names). A piece whose *output* is saved by the next operation (a norm's
 output by the projections after it, CCA's attention output by ``linear_proj``) can also drop that output until
 the backward reaches the sublayer: ``drop_outputs(hook_tensor)`` frees its storage and refills it, by
 recomputation, when the gradient of ``hook_tensor`` (the sublayer's output) is computed, before any of the
