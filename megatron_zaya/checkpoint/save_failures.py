@@ -17,22 +17,22 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left, or the user's quota u
 NO_ROOM = {**dict.fromkeys(DISK_FULL, "the disk is full"), errno.EFBIG: "a file may grow no larger"}
 
 
-def _no_room(error: OSError) -> str | None:
+def _want_of_room(error: OSError) -> str | None:
     """'the disk is full, ENOSPC: No space left on device' and the like, for an error of :data:`NO_ROOM`; else None."""
     if error.errno not in NO_ROOM:
         return None
     return f"{NO_ROOM[error.errno]}, {errno.errorcode[error.errno]}: {error.strerror}"
 
 
-def no_room(directory: str | os.PathLike) -> str | None:
-    """What :func:`_no_room` says if a 1 MiB write in ``directory`` fails for want of room (a full disk, a quota, a
+def _probe_for_room(directory: str | os.PathLike) -> str | None:
+    """What :func:`_want_of_room` says if a 1 MiB write in ``directory`` fails for want of room (a full disk, a quota, a
     file-size limit), else None. (A failed checkpoint write reaches us without its errno: Megatron's writer reports
     only the error's type.)"""
     probe = Path(directory) / f".zaya-space-probe-{os.getpid()}"
     try:
         probe.write_bytes(b"\0" * (1 << 20))
     except OSError as error:
-        return _no_room(error)
+        return _want_of_room(error)
     finally:
         probe.unlink(missing_ok=True)
     return None
@@ -43,7 +43,7 @@ def write_failure(error: BaseException, directory: str | os.PathLike) -> str:
     few words: want of room as such, else the error's type and last line."""
     failures = getattr(error, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
     cause = next(iter(failures.values()))[0] if failures else error
-    room = (_no_room(cause) if isinstance(cause, OSError) else None) or no_room(directory)
+    room = (_want_of_room(cause) if isinstance(cause, OSError) else None) or _probe_for_room(directory)
     return room or f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
 
 

@@ -41,6 +41,14 @@ def _staging(out: Path) -> Path:
                          "directory") from error
 
 
+def _write_failed(out: Path, staging: Path, error: BaseException) -> UsageError:
+    """The one line for a conversion whose write into ``staging`` failed as ``error``: want of room named as such."""
+    from megatron_zaya.checkpoint.save_failures import write_failure
+
+    return UsageError(f"writing {out} failed ({write_failure(error, staging)}); free space or choose another "
+                      "directory (nothing was written)")
+
+
 def _publish(staging: Path, out: Path) -> None:
     from megatron_zaya.checkpoint import publish_permissions
 
@@ -65,7 +73,6 @@ def import_hf(hf_dir: Path, out: Path, dtype) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from megatron_zaya import checkpoint
-    from megatron_zaya.checkpoint.save_failures import write_failure
     from megatron_zaya.pretrained import load_hf
 
     _check_output(out)
@@ -75,8 +82,7 @@ def import_hf(hf_dir: Path, out: Path, dtype) -> None:
         try:
             checkpoint.save(model, cfg, staging)
         except (OSError, CheckpointException) as error:  # a full disk (Megatron's writer hides the cause)
-            raise UsageError(f"writing {out} failed ({write_failure(error, staging)}); free space or choose another "
-                             "directory (nothing was written)") from error
+            raise _write_failed(out, staging, error) from error
         _publish(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -102,7 +108,6 @@ def export_hf(ckpt_dir: Path, out: Path, dtype, tokenizer: Path | None) -> None:
     import torch
     from safetensors import SafetensorError
 
-    from megatron_zaya.checkpoint.save_failures import write_failure
     from megatron_zaya.convert.hf import hf_config_from_zaya, megatron_to_hf
     from megatron_zaya.convert.hf_io import write_hf_checkpoint
     from megatron_zaya.pretrained import load_megatron
@@ -123,8 +128,7 @@ def export_hf(ckpt_dir: Path, out: Path, dtype, tokenizer: Path | None) -> None:
             if loaded_tokenizer is not None:
                 loaded_tokenizer.save_pretrained(str(staging))  # its own files, not the rest of its directory
         except (OSError, SafetensorError) as error:  # a full disk (safetensors reports it as its own error)
-            raise UsageError(f"writing {out} failed ({write_failure(error, staging)}); free space or choose another "
-                             "directory (nothing was written)") from error
+            raise _write_failed(out, staging, error) from error
         _publish(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
