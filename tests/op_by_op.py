@@ -13,6 +13,13 @@ from megatron_zaya.config import zaya_config
 from megatron_zaya.pretrained import build_single_process_model
 
 
+def assert_same_gradient(got: torch.Tensor, want: torch.Tensor, name) -> None:
+    """A gradient of the op against the same op by op: equal but for rounding where the op adds a gradient of x into
+    another by a GEMM (``addmm``) and autograd adds the two after their GEMMs; fp32, a few units in the last place."""
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * scale, msg=lambda m: f"{name}: {m}")
+
+
 def interpret_and_count(monkeypatch, model_kernels, function: type[torch.autograd.Function]) -> Counter:
     """While the test runs, the model's ops run their kernels interpreted (``model_kernels``); counts the forwards
     and backwards of ``function``, a sublayer op."""

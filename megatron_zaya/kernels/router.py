@@ -608,10 +608,20 @@ class RouterProjection(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        return RouterProjection.backward_adding(ctx, grad_out, None)
+
+    @staticmethod
+    def backward_adding(ctx, grad_out, other_grad_x: torch.Tensor | None):
+        """:meth:`backward`; given ``other_grad_x`` (another gradient of x, contiguous, in x's dtype), x's gradient is
+        added into it by the GEMM (one rounding, no addition of its own), and it is returned as x's."""
         x2d, weight = ctx.saved_tensors
         grad32 = grad_out.reshape(-1, weight.shape[0])
         grad = grad32.to(x2d.dtype)
-        grad_x = (grad @ weight).view(*grad_out.shape[:-1], x2d.shape[-1])
+        if other_grad_x is None:
+            grad_x = (grad @ weight).view(*grad_out.shape[:-1], x2d.shape[-1])
+        else:
+            grad_x = other_grad_x
+            grad_x.view(-1, x2d.shape[-1]).addmm_(grad, weight)
         targets, has_bias = main_grad_targets(ctx.params), len(ctx.params) == 2
         if targets is None:
             d_bias = grad32.sum(0).to(ctx.params[1].dtype) if has_bias else None

@@ -11,7 +11,7 @@ It adds no math: the norm, the convolutions and the epilogue are the kernels tha
 (ops ``residual`` and ``cca``), composed by :class:`~.composite.Piece`; the projections are the matmuls of
 Megatron's ``ColumnParallelLinear``, and the delay ``ops.cca.delay_channels`` by its kernel (a shift, one launch
 each way). Its backward is theirs in reverse order, the gradient of x summed in the order autograd sums it (v's,
-k's, then q's). What goes is autograd's work around a dozen ops (their graph nodes and saved-tensor bookkeeping,
+k's, then q's), each added by its GEMM (an ``addmm``, rounded once) rather than by an addition after it. What goes is autograd's work around a dozen ops (their graph nodes and saved-tensor bookkeeping,
 Megatron's TP = 1 mappings, the delay's pads and concatenations) and the re-entrant autograd pass of the layer's
 selective recomputation: here ``recompute_norm`` (``layernorm``) keeps the residual stream but not x, and
 ``recompute_qk`` (``cca_qk``) keeps q0 and k0 but not the convolutions' outputs; the backward runs those pieces
@@ -215,12 +215,13 @@ class Run:
         if self.norm is None:
             self.norm = Piece(norm_kernel.RMSNorm, self.residual, w.norm_weight, settings.eps, True)
         x = self.norm.outputs.view(-1, width)
-        # v's, k's, q's: the order in which autograd runs the projections and sums their gradients of x
+        # v's, k's, q's: the order in which autograd runs the projections; k's and q's added into v's by their
+        # GEMMs' epilogues (no addition of their own, one rounding each)
         grads = [g.reshape(-1, g.shape[-1]) for g in (grad_v0, grad_k0, grad_q0)]
         weights = (w.v_weight, w.k_weight, w.q_weight)
         grad_x = grads[0] @ weights[0]
         for grad, weight in zip(grads[1:], weights[1:]):
-            grad_x = grad_x + grad @ weight
+            grad_x.addmm_(grad, weight)
         d_v, d_k, d_q = _weight_grads(grads, x, weights)
         grad_residual, d_norm, _, _ = norm_kernel.RMSNorm.backward_adding(self.norm, grad_x.view(seq, batch, width),
                                                                           grad_stream)

@@ -225,8 +225,8 @@ class _Forward:
         grad_probs = grad_prob.view(-1).index_select(0, self.inverse).unsqueeze(-1).expand(n_tokens, n_experts)
         grad_u, grad_state_in, d_eda, d_norm, d_w1, d_b1, d_w2, d_b2, d_w3, _, _, d_down_bias, _ = self.head.backward(
             grad_probs, None, grad_state, grad_skip, None)
-        grad_hidden, d_down_weight, _ = self.projection.backward(grad_u)
-        grad_hidden = grad_hidden + grad_x
+        # the projection's gradient of x added into the experts' by its GEMM
+        grad_hidden, d_down_weight, _ = router_kernel.RouterProjection.backward_adding(self.projection, grad_u, grad_x)
         d_router = RouterWeights(d_down_weight, d_down_bias, d_eda, d_norm, d_w1, d_b1, d_w2, d_b2, d_w3)
         grad_residual, d_merge = None, ()
         if self.norm is not None:

@@ -2,7 +2,7 @@
 Megatron's distributed optimizer, Adam and Muon's ZeRO-1; a background save, written while training went on,
 resumed exactly; a run SIGKILLed, resumed exactly from the in-memory tier; a NaN on one rank skipped on every
 rank; the fused weight gradients against the unfused ones; the MoE sublayer and the CCA sublayer's part before its
-attention, each as one op, against their kernels op by op.
+attention, each as one op, against their kernels op by op (within bf16 rounding).
 
 Two uninterrupted runs (one per optimizer, module fixtures) serve every test of their optimizer: each is a
 reference that a test repeats from its checkpoint of step 5. Up to two GPUs (data parallel; the CLI relaunches
@@ -154,7 +154,9 @@ def test_fused_weight_gradients_train_like_unfused(adam_run, tmp_path):
 
 def _trains_like_op_by_op(adam_run, tmp_path, op: str) -> None:
     """``op`` (on in eager runs under ``--zaya-kernels all``, as in ``adam_run``) against its kernels run op by op,
-    every other kernel op as ``all`` takes it: the same losses, bit for bit."""
+    every other kernel op as ``all`` takes it: the first step's loss bit for bit (the same forward), the later ones
+    within bf16 rounding (the op adds the input's gradients by its GEMMs, which round the sums once; autograd adds
+    them after, in bf16)."""
     run_dir, _ = adam_run
     with_op = _loss_csv(run_dir / "loss.csv")
     plot = tmp_path / "op-by-op" / "loss.png"
@@ -162,12 +164,17 @@ def _trains_like_op_by_op(adam_run, tmp_path, op: str) -> None:
     run = pretrain(COMMON + OPTIMIZER["adam"] + ["--save", "", "--zaya-loss-plot", str(plot), "--zaya-kernels",
                                                  kernels], cwd=tmp_path, extra_env=ENV)
     assert run.returncode == 0, run.stderr[-4000:]
-    assert _loss_csv(plot.with_suffix(".csv")) == with_op
+    op_by_op = _loss_csv(plot.with_suffix(".csv"))
+    first = min(op_by_op)
+    assert op_by_op.keys() == with_op.keys() and op_by_op[first] == with_op[first], (op_by_op, with_op)
+    for step, want in op_by_op.items():
+        assert abs(with_op[step] - want) <= 2e-3 * abs(want), (step, with_op, op_by_op)
 
 
 @pytest.mark.xdist_group("adam")
 def test_moe_op_trains_like_its_kernels_op_by_op(adam_run, tmp_path):
-    """The ``moe`` op: the same kernels in the same order, so under ``--deterministic-mode`` the same losses."""
+    """The ``moe`` op: the same kernels in the same order, the router projection's gradient of the input added by its
+    GEMM."""
     _trains_like_op_by_op(adam_run, tmp_path, "moe")
 
 
@@ -175,5 +182,5 @@ def test_moe_op_trains_like_its_kernels_op_by_op(adam_run, tmp_path):
 def test_cca_sublayer_op_trains_like_its_kernels_op_by_op(adam_run, tmp_path):
     """The ``cca_sublayer`` op: the same kernels, and the projections' GEMMs as Megatron's linear layers run them
     (their weight gradients added into the fp32 ``main_grad`` by the ``kernels.weight_gradient_accumulation``
-    stand-in's GEMM, which the op calls too), so under ``--deterministic-mode`` the same losses."""
+    stand-in's GEMM, which the op calls too), their gradients of the input added up by the GEMMs."""
     _trains_like_op_by_op(adam_run, tmp_path, "cca_sublayer")

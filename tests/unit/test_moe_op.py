@@ -1,7 +1,8 @@
 """The ``moe`` kernel op (ops/moe.py), the MoE sublayer as one autograd op over the router, router_head and experts
-kernels, against the same kernels run op by op: it adds no math, so the losses, the gradients (into Megatron's
-``main_grad`` as trained, accumulated over micro-batches), the router state and the token counts are bit for bit the
-same, whatever the layer recomputes. (The per-kernel path itself is checked against the torch references in
+kernels, against the same kernels run op by op: it adds no math, so the losses, the router state and the token counts
+are bit for bit the same, and the gradients (into Megatron's ``main_grad`` as trained, accumulated over
+micro-batches) but for the rounding of the input's gradient, which the router projection's GEMM adds into the
+experts' (``op_by_op.assert_same_gradient``), whatever the layer recomputes. (The per-kernel path itself is checked against the torch references in
 test_zaya_kernel_glue.py, where ``moe`` is among the ops.) Kernels run in Triton's interpreter."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections import Counter
 
 import pytest
 import torch
-from op_by_op import initial_state, interpret_and_count, ready_calls, trained_step
+from op_by_op import assert_same_gradient, initial_state, interpret_and_count, ready_calls, trained_step
 
 from megatron_zaya.config import ZayaConfigError, zaya_config
 from megatron_zaya.ops import moe as moe_ops
@@ -54,7 +55,7 @@ def test_moe_op_equals_the_kernels_op_by_op(recompute, skip_mode, micro_batches,
     assert one_op_calls == {"forward": calls, "backward": calls}  # the op ran in every layer, once each
     assert torch.equal(one_op_losses, losses)
     for name, grad in grads.items():
-        assert torch.equal(one_op_grads[name], grad), name
+        assert_same_gradient(one_op_grads[name], grad, name)
     assert any(grad.abs().sum() > 0 for name, grad in one_op_grads.items() if ".router." in name)
     layer = model.decoder.layers[0]
     params = [w for w in layer.mlp.router.weights() if w is not None] + [w for ws in layer.mlp.experts.weights()
@@ -81,7 +82,8 @@ def test_a_layer_the_op_does_not_take_keeps_one_op_per_kernel_and_says_so(caplog
 
 def test_moe_op_on_torch_grouped_mm_equals_the_same_gemms_op_by_op(one_op_calls):
     """The op with its grouped GEMMs on ``torch._grouped_mm`` (as a measured table may choose; fc2's weight gradient
-    left on the kernel) against the same GEMMs op by op: one MoE sublayer, with a router state in, bit for bit."""
+    left on the kernel) against the same GEMMs op by op: one MoE sublayer, with a router state in; its outputs bit
+    for bit, the gradients but for the rounding of the input's."""
     import functools
 
     from megatron_zaya.ops import experts as experts_ops
@@ -111,4 +113,7 @@ def test_moe_op_on_torch_grouped_mm_equals_the_same_gemms_op_by_op(one_op_calls)
     op_by_op, one_op = run(False), run(True)
     assert one_op_calls == {"forward": 1, "backward": 1}
     for i, (got, want) in enumerate(zip(one_op, op_by_op, strict=True)):
-        assert torch.equal(got, want), i
+        if i < 2:  # the output and the router state
+            assert torch.equal(got, want), i
+        else:
+            assert_same_gradient(got, want, i)
