@@ -12,9 +12,9 @@ its parameters' gradients in kernels, and the ``cca_sublayer`` op took the value
 recomputed in place and q0's gradients summed by a kernel (82 with torch 2.14, 83 since the router head sums its
 weight gradients over slices of tokens, 82 since the CCA op's norm backward adds the stream's gradient from the
 rest of the layer, 80 since the test's own two launches are left out: the output's gradient of ones, and the input's
-gradient added to the last step's, 77 since the sublayer ops add the input's gradients by their GEMMs; 182 before the sort by expert and the row-tile table became kernels, 146 before
-the ``moe`` op, 117 before the ``cca_sublayer`` op, 111 before these cuts), with room for another torch's
-decompositions; lower it as launches are cut.
+gradient added to the last step's, 77 since the sublayer ops add the input's gradients by their GEMMs; 182 before
+the sort by expert and the row-tile table became kernels, 146 before the ``moe`` op, 117 before the ``cca_sublayer``
+op, 111 before these cuts), with room for another torch's decompositions; lower it as launches are cut.
 
 The host's other work per op is autograd's: a graph node each, with its saved tensors. The nodes of the layer's
 graph (parameters' gradient accumulators left out) are counted too: 35 with the kernels op by op, 26 with the MoE

@@ -2,8 +2,9 @@
 kernels, against the same kernels run op by op: it adds no math, so the losses, the router state and the token counts
 are bit for bit the same, and the gradients (into Megatron's ``main_grad`` as trained, accumulated over
 micro-batches) but for the rounding of the input's gradient, which the router projection's GEMM adds into the
-experts' (``op_by_op.assert_same_gradient``), whatever the layer recomputes. (The per-kernel path itself is checked against the torch references in
-test_zaya_kernel_glue.py, where ``moe`` is among the ops.) Kernels run in Triton's interpreter."""
+experts' (``op_by_op.assert_same_gradient``), whatever the layer recomputes. (The per-kernel path itself is checked
+against the torch references in test_zaya_kernel_glue.py, where ``moe`` is among the ops.) Kernels run in Triton's
+interpreter."""
 
 from __future__ import annotations
 
