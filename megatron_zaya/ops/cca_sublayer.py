@@ -13,10 +13,10 @@ Megatron's ``ColumnParallelLinear``, and the delay ``ops.cca.delay_channels`` by
 each way). Its backward is theirs in reverse order, the gradient of x summed in the order autograd sums it (v's,
 k's, then q's), each added by its GEMM (an ``addmm``, rounded once) rather than by an addition after it. What goes
 is autograd's work around a dozen ops (their graph nodes and saved-tensor bookkeeping, Megatron's TP = 1 mappings,
-the delay's pads and concatenations) and the re-entrant autograd pass of the layer's
-selective recomputation: here ``recompute_norm`` (``layernorm``) keeps the residual stream but not x, and
-``recompute_qk`` (``cca_qk``) keeps q0 and k0 but not the convolutions' outputs; the backward runs those pieces
-again (or :meth:`Run.qk_again` did, for a layer that frees q and k until the backward, as it does without the op).
+the delay's pads and concatenations) and the re-entrant autograd pass of the layer's selective recomputation: here
+``recompute_norm`` (``layernorm``) keeps the residual stream but not x, and ``recompute_qk`` (``cca_qk``) keeps q0
+and k0 but not the convolutions' outputs; the backward runs those pieces again (or :meth:`Run.qk_again` did, for a
+layer that frees q and k until the backward, as it does without the op).
 The attention and the output projection stay outside, as their own ops.
 
 Under context parallelism the residual stream holds this rank's two chunks of the sequence, and the op exchanges
